@@ -1,0 +1,33 @@
+# Everything runs inside .venv; `make demo` and `make test` build it on a fresh machine.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+
+.PHONY: venv demo test test-fast bench clean
+
+venv: $(STAMP)
+
+# torch is pinned first: a bare `torch` requirement would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -e '.[hf,onnx,test]'
+	touch $(STAMP)
+
+demo: venv
+	$(VENV)/bin/attnres-fx demo
+
+test: venv
+	$(PY) -m pytest -q
+
+test-fast: venv
+	$(PY) -m pytest -q -m "not slow"
+
+bench: venv
+	$(PY) benchmarks/bench.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info attnres_demo_out

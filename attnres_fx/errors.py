@@ -1,0 +1,41 @@
+"""Errors raised by attnres_fx. Every one derives from :class:`AttnResError`."""
+
+from __future__ import annotations
+
+
+class AttnResError(Exception):
+    """Base class of every error attnres_fx raises on purpose."""
+
+
+class TraceError(AttnResError):
+    """The model could not be turned into a graph by the requested tracer(s).
+
+    ``causes`` maps each tracer that was tried to the exception it raised.
+    """
+
+    def __init__(self, message: str, causes: dict[str, BaseException] | None = None):
+        super().__init__(message)
+        self.causes = dict(causes or {})
+
+
+class NoResidualStreamError(AttnResError):
+    """Tracing worked, but no residual stream was found in the graph.
+
+    ``rejected`` lists ``(node name, owning module, reason)`` for every add that was considered.
+    """
+
+    def __init__(self, message: str, rejected: list[tuple[str, str, str]] | None = None):
+        super().__init__(message)
+        self.rejected = list(rejected or [])
+
+
+class UnsupportedArchitectureError(AttnResError):
+    """The graph has residual connections, but of a form Block AttnRes does not apply to."""
+
+
+class ExportError(AttnResError):
+    """Compiling or exporting a rewritten module failed; carries the exporter's root cause."""
+
+
+class AttnResWarning(UserWarning):
+    """The rewrite went ahead, but the result may not behave as the user expects."""

@@ -1,0 +1,1 @@
+"""Hand-off of rewritten modules to torch.compile (Inductor) and ONNX / onnxruntime."""
