@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.fx.passes.shape_prop import ShapeProp
 
 from attnres_fx.passes import BlockAttnResRewrite, ResidualStreams, block_sizes, detect_residual_streams
 
@@ -100,6 +101,8 @@ def attnresify(model: nn.Module, example_inputs: tuple | None = None, *, example
     example_inputs = _as_tuple(example_inputs)
     traced = trace(model, example_inputs, example_kwargs, tracer, dynamic_shapes)
     gm = traced.graph_module
+    if traced.frontend == "fx" and example_inputs is not None and not example_kwargs:
+        _propagate_shapes(gm, example_inputs)
     detection = detect_residual_streams(gm)
     _check_detection(model, detection)
     raw = [f"{s.owner or s.add.name} ({s.kind})" for st in detection.streams for s in st.sites if not s.normalised]
@@ -155,6 +158,15 @@ def _check_detection(model: nn.Module, detection: ResidualStreams) -> None:
     raise NoResidualStreamError(
         f"no residual stream found in {name}. Adds seen and why each was rejected:\n{seen}",
         [(r.node, r.owner, r.reason) for r in detection.rejected])
+
+
+def _propagate_shapes(gm: fx.GraphModule, args: tuple) -> None:
+    """Record each node's shape (``tensor_meta``) so the rewrite reads the hidden size off the graph."""
+    try:
+        with torch.no_grad():
+            ShapeProp(gm).propagate(*args)
+    except Exception as err:  # noqa: BLE001 - reported with context below
+        raise AttnResError(f"the traced model failed on the example inputs: {type(err).__name__}: {err}") from err
 
 
 def _smoke_run(gm: fx.GraphModule, args: tuple, kwargs: dict) -> None:

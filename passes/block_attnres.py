@@ -101,8 +101,12 @@ class BlockAttnResRewrite(PassBase):
 
     def call(self, graph_module: fx.GraphModule) -> PassResult:
         factory = _AttnResFactory(graph_module, self.eps, self.preserve_scale, self.protected)
+        owners = [stream.owner for stream in self.detection.streams]
         for stream_index, (stream, size) in enumerate(zip(self.detection.streams, self.block_sizes)):
-            self._rewrite_stream(graph_module, factory, stream, stream_index, size)
+            # Streams that share an owner (an encoder and a decoder list in one root) are told apart
+            # by their layer lists: ``encoder.final_res``, ``decoder.final_res``.
+            final_owner = stream.layers_path if owners.count(owners[stream_index]) > 1 else owners[stream_index]
+            self._rewrite_stream(graph_module, factory, stream, stream_index, size, final_owner)
         graph_module.recompile()
         return PassResult(graph_module, True)
 
@@ -112,7 +116,8 @@ class BlockAttnResRewrite(PassBase):
         factory.describe(name, record)
         self.records.append(record)
 
-    def _rewrite_stream(self, gm, factory, stream: ResidualStream, stream_index: int, size: int) -> None:
+    def _rewrite_stream(self, gm, factory, stream: ResidualStream, stream_index: int, size: int,
+                        final_owner: str) -> None:
         graph = gm.graph
         is_aten = isinstance(stream.end.target, torch._ops.OpOverload)
         blocks: list[fx.Node] = []
@@ -154,7 +159,7 @@ class BlockAttnResRewrite(PassBase):
             value_nodes.extend(_transparent_successors(site.add, gm, stream.sites[j + 1:j + 2]))
         sources = blocks + [partial]
         readers = _external_users(value_nodes, None)
-        final_name = factory.create_final(stream)
+        final_name = factory.create_final(stream, final_owner)
         with graph.inserting_before(_first(graph, readers)):
             final = graph.call_module(final_name, tuple(sources))
             _annotate(final, stream.end, final_name, "final", factory.module_class_entry(final_name))
@@ -267,8 +272,8 @@ class _AttnResFactory:
             return self._register(f"attnres_site_{self.fallback_count}", stream)
         return self._register(f"{owner}.{branch.kind}_res", stream)
 
-    def create_final(self, stream: ResidualStream) -> str:
-        owner = stream.owner if not self._is_users_module(stream.owner) else ""
+    def create_final(self, stream: ResidualStream, owner: str) -> str:
+        owner = owner if not self._is_users_module(owner) else ""
         return self._register(f"{owner}.final_res" if owner else "final_res", stream)
 
     def describe(self, name: str, record: RewrittenSite) -> None:
@@ -317,30 +322,32 @@ def _infer_dim(gm: fx.GraphModule, stream: ResidualStream) -> int:
             if shape is not None and len(shape) and isinstance(shape[-1], int):
                 return int(shape[-1])
     param_derived = gp.parameter_derived_nodes(gm.graph)
-    for site in stream.sites:
-        for branch in site.branches:
-            dim = _output_features(branch.output, gm, param_derived)
-            if dim:
-                return dim
+    candidates = [branch.output for site in stream.sites for branch in site.branches]
+    for node in [*candidates, stream.start]:
+        dim = _output_features(node, gm, param_derived)
+        if dim:
+            return dim
     raise TraceError("cannot tell the hidden size of the residual stream from the graph; "
                      "pass example_inputs so that shapes can be propagated")
 
 
 def _output_features(node: fx.Node, gm, param_derived) -> int | None:
-    """Walk back from a branch output to the Linear/conv that produced it and read its width."""
+    """Walk back from a stream value to the Linear / embedding / conv that produced it; its width."""
     seen = set()
     while node is not None and node not in seen:
         seen.add(node)
         module = gp.submodule(gm, node)
         if isinstance(module, nn.Linear):
             return module.out_features
-        if gp.op_name(node) in {"linear", "addmm"} and node.op == "call_function":
+        if isinstance(module, nn.Embedding):
+            return module.embedding_dim
+        if gp.op_name(node) in {"linear", "addmm", "embedding"} and node.op == "call_function":
             weight = next((a for a in node.all_input_nodes if a.op == "get_attr"), None)
             if weight is not None:
-                tensor = _get_attr(gm, weight.target)
-                return int(tensor.shape[0] if gp.op_name(node) == "linear" else tensor.shape[-1])
+                shape = _get_attr(gm, weight.target).shape
+                return int(shape[-1] if gp.op_name(node) != "linear" else shape[0])
         inputs = [i for i in gp.data_inputs(node) if i not in param_derived]
-        node = inputs[0] if len(inputs) == 1 else None
+        node = inputs[0] if inputs else None
     return None
 
 

@@ -76,20 +76,25 @@ class ResidualStream:
         return self.sites[-1].add
 
     @property
-    def owner(self) -> str:
-        """The module holding the stream: the common prefix of the site owners, above the layer list."""
+    def layers_path(self) -> str:
+        """The container of the stream's layers: ``blocks``, ``model.layers``, ``encoder.block``."""
         parts = [s.owner.split(".") if s.owner else [] for s in self.sites]
         common: list[str] = []
         for column in zip(*parts):
             if len(set(column)) != 1:
                 break
             common.append(column[0])
-        longest = max(parts, key=len, default=[])
-        if len(longest) > len(common) and longest[len(common)].isdigit() and common:
-            common = common[:-1]
         while common and common[-1].isdigit():
-            common = common[:-2]
+            common.pop()
         return ".".join(common)
+
+    @property
+    def owner(self) -> str:
+        """The module holding the stream: the one above its layer list (``''``, ``model``, ``encoder``)."""
+        layers = self.layers_path
+        numbered = any(s.owner.startswith(layers + ".") and s.owner[len(layers) + 1:].split(".")[0].isdigit()
+                       for s in self.sites) if layers else False
+        return layers.rsplit(".", 1)[0] if numbered and "." in layers else ("" if numbered else layers)
 
 
 @dataclass
@@ -205,6 +210,8 @@ def detect_residual_streams(gm: fx.GraphModule, *, min_sites: int = MIN_STREAM_S
                 result.rejected = [r for r in result.rejected if r.node != inner.name]
         candidates[node] = site
 
+    candidates = _resolve_overlaps(candidates, gm, reject)
+
     post_norm = _post_norm_sites(candidates, gm)
     for add in post_norm:
         reject(add, "post-norm: the sum is normalised before the next layer reads it")
@@ -219,7 +226,7 @@ def detect_residual_streams(gm: fx.GraphModule, *, min_sites: int = MIN_STREAM_S
                 reject(site.add, f"isolated residual add (a stream needs at least {min_sites} sites)")
         else:
             kept.append(stream)
-    result.streams = _drop_nested(kept, reject)
+    result.streams = kept
     return result
 
 
@@ -316,9 +323,11 @@ def _site_owner(node: fx.Node, branches: list[Branch]) -> str:
     owner = gp.owner_path(node)
     if owner:
         return owner
-    # An add written in the root's forward (``x = x + blk.attn(...)``): the layer the branches share.
+    # An add written in the root's forward (``x = x + blk.attn(...)``): the layer the branches share,
+    # not the branch's own sublayer (``blocks.0``, not ``blocks.0.attn``).
     common = _common_path(b.module_path for b in branches if b.module_path)
-    if len(branches) == 1 and common == branches[0].module_path and "." in common:
+    if len(branches) == 1 and common == branches[0].module_path and "." in common \
+            and not common.rsplit(".", 1)[1].isdigit():
         common = common.rsplit(".", 1)[0]
     return common
 
@@ -370,15 +379,30 @@ def _post_norm_sites(candidates: dict[fx.Node, ResidualSite], gm) -> set[fx.Node
     return post_norm
 
 
-def _drop_nested(streams: list[ResidualStream], reject) -> list[ResidualStream]:
-    """A chain inside another stream's branch (e.g. a residual MLP within a layer) is left alone."""
-    regions = [set().union(*(b.region for site in s.sites for b in site.branches)) for s in streams]
-    kept = []
-    for i, stream in enumerate(streams):
-        outer = next((j for j, region in enumerate(regions) if j != i and stream.end in region), None)
-        if outer is None:
-            kept.append(stream)
-        else:
-            for site in stream.sites:
-                reject(site.add, f"nested inside a branch of the stream that starts at {streams[outer].start.name}")
-    return kept
+def _resolve_overlaps(candidates: dict[fx.Node, ResidualSite], gm, reject) -> dict[fx.Node, ResidualSite]:
+    """Settle candidates whose branch contains other candidates, in execution order.
+
+    - *nested*: the sites inside the branch form a chain whose start is inside the branch too (a
+      residual MLP within a layer). The inner sites are left alone; the outer one stays.
+    - *crossing*: the branch reaches earlier sites but not the start of their stream. The "branch" is
+      then the residual stream itself: ``scores + mask`` in layer 2, where the mask also fed layer 1's
+      scores and so reaches layer 2's scores through the stream. Such an add is no residual site.
+    """
+    accepted: dict[fx.Node, ResidualSite] = {}
+    stream_start: dict[fx.Node, fx.Node] = {}
+    for add, site in candidates.items():
+        region = set().union(*(b.region for b in site.branches))
+        inside = [earlier for earlier in accepted if earlier in region]
+        outside_starts = [stream_start[e] for e in inside if stream_start[e] not in region]
+        if outside_starts:
+            reject(add, "its operands are linked only through the residual stream that starts at "
+                        f"{outside_starts[0].name} (e.g. an attention mask or position bias reused by "
+                        "later layers)")
+            continue
+        for earlier in inside:
+            reject(earlier, f"nested inside the branch of the residual site {add.name}")
+            del accepted[earlier]
+        accepted[add] = site
+        origin, _ = _stream_source(site.stream_in, gm)
+        stream_start[add] = stream_start.get(origin, site.stream_in)
+    return accepted

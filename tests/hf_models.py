@@ -21,6 +21,8 @@ Public API
 ``main_output(name, output)``               the main tensor of a model output
 ``lm_loss(name, output, inputs)``           scalar training loss
 ``expected_sites(name)``                    total number of residual sites
+``site_owner_paths(name, stream=None)``     module paths owning each residual add
+``layer_path(name, model)`` / ``layer_modules(name, model)``  the layer ModuleList
 """
 
 from __future__ import annotations
@@ -78,9 +80,15 @@ class ArchSpec:
     output_field: str  # attribute of the ModelOutput holding the main tensor
     # True when the example inputs are token ids (vs. pixel_values)
     token_inputs: bool = True
-    # True when ``seq`` of example_inputs is ignored (ViT: fixed image size)
+    # token count when ``seq`` of example_inputs is ignored (ViT: fixed image
+    # size -> 17 tokens); None when ``seq`` is honoured
     fixed_seq: Optional[int] = None
     hf_class: str = ""
+    # stream -> format strings (``{i}`` = layer index) of the module paths
+    # whose ``nn_module_stack`` innermost entry owns the residual add(s),
+    # in execution order within a layer.  None -> ``"<layer_path>.{i}"``.
+    # (Empirical, torch.export on transformers 5.x; see site_owner_paths.)
+    site_owners: Optional[Dict[str, Tuple[str, ...]]] = None
 
     @property
     def num_streams(self) -> int:
@@ -363,12 +371,19 @@ ARCHITECTURES: "OrderedDict[str, ArchSpec]" = OrderedDict(
         ArchSpec("t5_encoder", _build_t5_encoder, _encoder_inputs, "text_encoder",
                  L, False, {"encoder": _seq()}, {"encoder": "encoder.block"},
                  "rmsnorm_t5", "pre", "last_hidden_state",
-                 hf_class="T5EncoderModel"),
+                 hf_class="T5EncoderModel",
+                 site_owners={"encoder": ("encoder.block.{i}.layer.0",
+                                          "encoder.block.{i}.layer.1")}),
         ArchSpec("t5", _build_t5, _seq2seq_inputs, "seq2seq_lm", L, False,
                  {"encoder": 2 * L, "decoder": 3 * L},
                  {"encoder": "encoder.block", "decoder": "decoder.block"},
                  "rmsnorm_t5", "pre", "logits",
-                 hf_class="T5ForConditionalGeneration"),
+                 hf_class="T5ForConditionalGeneration",
+                 site_owners={
+                     "encoder": ("encoder.block.{i}.layer.0", "encoder.block.{i}.layer.1"),
+                     "decoder": ("decoder.block.{i}.layer.0", "decoder.block.{i}.layer.1",
+                                 "decoder.block.{i}.layer.2"),
+                 }),
         ArchSpec("vit", _build_vit, _image_inputs, "image_encoder", L, False,
                  {"main": _seq()}, {"main": "layers"}, "layernorm", "pre",
                  "last_hidden_state", token_inputs=False, fixed_seq=VIT_TOKENS,
@@ -380,7 +395,9 @@ ARCHITECTURES: "OrderedDict[str, ArchSpec]" = OrderedDict(
                  hf_class="ViTForImageClassification"),
         ArchSpec("bert", _build_bert, _encoder_inputs, "text_encoder", L, False,
                  {"main": _seq()}, {"main": "encoder.layer"}, "layernorm", "post",
-                 "last_hidden_state", hf_class="BertModel"),
+                 "last_hidden_state", hf_class="BertModel",
+                 site_owners={"main": ("encoder.layer.{i}.attention.output",
+                                       "encoder.layer.{i}.output")}),
     ]
 )
 
@@ -418,6 +435,24 @@ def example_inputs(name: str, batch: int = 2, seq: int = 16) -> Inputs:
 
 def expected_sites(name: str) -> int:
     return spec(name).num_sites
+
+
+def site_owner_paths(name: str, stream: Optional[str] = None):
+    """Module paths owning the residual adds of ``stream`` (all streams when
+    None), in execution order, e.g. ``["model.layers.0", "model.layers.0",
+    "model.layers.1", ...]`` for a pre-norm LM (two sites per layer share the
+    layer's path) or ``["encoder.layer.0.attention.output",
+    "encoder.layer.0.output", ...]`` for BERT.  Parallel-residual models
+    (Phi, GPT-NeoX) list each layer once (one site per layer).
+    """
+    s = spec(name)
+    out = []
+    for st in ([stream] if stream else list(s.streams)):
+        per_layer = s.streams[st] // s.num_layers
+        pats = (s.site_owners or {}).get(st) or (s.layer_paths[st] + ".{i}",) * per_layer
+        for i in range(s.num_layers):
+            out.extend(p.format(i=i) for p in pats)
+    return out
 
 
 # Older transformers releases (< 5) named some layer lists differently.
@@ -512,7 +547,11 @@ def lm_loss(name: str, output, inputs: Inputs) -> torch.Tensor:
     * T5 seq2seq: cross-entropy of ``logits`` against ``decoder_input_ids``
       shifted by one;
     * image classifiers: cross-entropy against fixed labels ``arange % C``;
-    * encoders: ``mean(last_hidden_state ** 2)``.
+    * encoders: ``mean((last_hidden_state - target) ** 2)`` with a fixed,
+      seeded random ``target``.  (Plain ``mean(h ** 2)`` is useless here: every
+      encoder ends in a LayerNorm/RMSNorm with unit weight, so ``mean(h**2)``
+      is ~1.0 regardless of the inputs and nothing before the final norm
+      gets a gradient.)
     """
     s = spec(name)
     y = main_output(name, output)
@@ -529,9 +568,14 @@ def lm_loss(name: str, output, inputs: Inputs) -> torch.Tensor:
             y[:, :-1].reshape(-1, y.shape[-1]).float(), ids[:, 1:].reshape(-1)
         )
     if s.task == "image_classifier":
-        labels = torch.arange(y.shape[0]) % y.shape[-1]
+        labels = torch.arange(y.shape[0], device=y.device) % y.shape[-1]
         return F.cross_entropy(y.float(), labels)
-    return y.float().pow(2).mean()
+    return (y.float() - _target_like(y)).pow(2).mean()
+
+
+def _target_like(y: torch.Tensor) -> torch.Tensor:
+    g = torch.Generator().manual_seed(99 + y.numel())
+    return torch.randn(tuple(y.shape), generator=g).to(device=y.device)
 
 
 loss = lm_loss  # alias
@@ -541,6 +585,6 @@ __all__ = [
     "ARCHITECTURES", "ARCH_NAMES", "CAUSAL_LM_NAMES",
     "PARALLEL_NAMES", "ArchSpec", "build", "example_inputs", "expected_sites",
     "dynamic_shapes", "main_output", "lm_loss", "loss", "spec", "layer_path",
-    "layer_modules",
+    "layer_modules", "site_owner_paths",
     "transformers_available", "VIT_TOKENS",
 ]

@@ -1,0 +1,56 @@
+import copy
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def snapshot(model: torch.nn.Module) -> dict:
+    """Everything a call must leave untouched: state_dict (values, keys), parameter objects."""
+    return {
+        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "params": [id(p) for p in model.parameters()],
+        "modules": [(name, type(m)) for name, m in model.named_modules()],
+    }
+
+
+def assert_untouched(model: torch.nn.Module, before: dict) -> None:
+    after = snapshot(model)
+    assert list(after["state"]) == list(before["state"]), "state_dict keys changed"
+    for key, value in before["state"].items():
+        assert torch.equal(after["state"][key], value), f"{key} changed"
+    assert after["params"] == before["params"]
+    assert after["modules"] == before["modules"], "module tree changed"
+
+
+@pytest.fixture
+def untouched():
+    """Usage: check = untouched(model); ...; check()"""
+    def factory(model):
+        before = snapshot(model)
+        probe = _probe_input(model)
+        out_before = _run(model, probe)
+
+        def check():
+            assert_untouched(model, before)
+            if probe is not None:
+                assert torch.equal(_run(model, probe), out_before), "outputs changed"
+        return check
+    return factory
+
+
+def _probe_input(model):
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(cfg, "vocab_size") and hasattr(cfg, "max_seq_len"):
+        return torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
+    return None
+
+
+def _run(model, x):
+    with torch.no_grad():
+        return copy.deepcopy(model)(x) if x is not None else None
