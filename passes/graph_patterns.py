@@ -119,11 +119,22 @@ def is_transparent(node: fx.Node, gm: fx.GraphModule) -> bool:
     return op_name(node) in CAST_OPS or is_inactive_dropout(node, gm)
 
 
+DTYPE_OF_SECOND_OPS = {"type_as", "to"}
+
+
 def data_inputs(node: fx.Node) -> Iterable[fx.Node]:
-    """Inputs whose *values* the node depends on (shape queries depend on none)."""
+    """Inputs whose *values* the node depends on (shape queries depend on none; ``y.type_as(x)``
+    and ``y.to(x)`` read only ``x``'s dtype)."""
     if is_shape_query(node):
         return ()
+    if op_name(node) in DTYPE_OF_SECOND_OPS and node.args and isinstance(node.args[0], fx.Node):
+        return [node.args[0]]
     return node.all_input_nodes
+
+
+def reads_value(user: fx.Node, value: fx.Node) -> bool:
+    """Whether ``user`` depends on ``value``'s data, not just on its shape or dtype."""
+    return value in data_inputs(user)
 
 
 def is_norm_module(module: nn.Module | None) -> bool:
@@ -251,7 +262,7 @@ def reads_normalised(value: fx.Node, readers: Iterable[fx.Node], gm: fx.GraphMod
     Recognises norm modules, functional / aten norms, and RMSNorm written out with optional dtype
     casts in front (``x.to(float32)`` then ``x * rsqrt(mean(x**2) + eps)``).
     """
-    readers = [r for r in readers if not is_shape_query(r)]
+    readers = [r for r in readers if reads_value(r, value)]
     if not readers:
         return False
     decomposed = _decomposed_rms_users(value, gm)

@@ -163,8 +163,9 @@ class _Ancestry:
         region: set[fx.Node] = set()
         todo = [source]
         while todo:
-            for user in todo.pop().users:
-                if user in upstream and user not in region and not gp.is_shape_query(user):
+            node = todo.pop()
+            for user in node.users:
+                if user in upstream and user not in region and gp.reads_value(user, node):
                     region.add(user)
                     todo.append(user)
         return region
@@ -295,14 +296,16 @@ def _describe_branch(stream_in, output, region, gm) -> Branch:
 
 
 def _branch_kind(region, paths, gm) -> str:
-    """'attn' if the branch mixes positions (softmax / SDPA), 'mlp' if it is a position-wise MLP."""
+    """'attn' if the branch mixes positions (softmax / SDPA), 'mlp' if it is a position-wise MLP with
+    a nonlinearity. Module names are only a last resort (they name, they never detect)."""
     if any(gp.is_attention(n, gm) for n in region):
         return "attn"
+    if any(gp.is_activation(n, gm) for n in region):
+        return "mlp"
     names = " ".join(paths).lower()
-    if any(hint in names for hint in ("attn", "attention")):
+    if any(hint in names for hint in ("self_attn", "attention", ".attn")):
         return "attn"
-    if any(gp.is_activation(n, gm) for n in region) or any(
-            hint in names for hint in ("mlp", "ffn", "feed_forward", "feedforward")):
+    if any(hint in names for hint in ("mlp", "ffn", "feed_forward", "feedforward")):
         return "mlp"
     return "branch"
 
