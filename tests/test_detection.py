@@ -1,0 +1,128 @@
+"""Residual-stream detection: what must be found, what must not, and why."""
+
+import pytest
+import torch
+
+import attnres_fx
+from attnres_fx.frontends import trace
+from attnres_fx.models import TinyTransformer
+from attnres_fx.passes import detect_residual_streams
+from toy_models import (EncoderDecoder, NestedModel, NoResidualModel, PostNormModel, RawBranchModel, RopeModel,
+                        make_inputs)
+
+
+def detect(model, *inputs):
+    return attnres_fx.detect(model, inputs or None, tracer="fx")
+
+
+def reasons(detection):
+    return {r.node: r.reason for r in detection.rejected}
+
+
+def test_builtin_model_stream_table():
+    detection = detect(TinyTransformer(num_layers=2, dim=32))
+    assert [(s.owner, s.kind, s.normalised) for s in detection.streams[0].sites] == [
+        ("blocks.0", "attn", True), ("blocks.0", "mlp", True), ("blocks.1", "attn", True), ("blocks.1", "mlp", True)]
+    assert detection.streams[0].start.name == "add", "b_0 is the embedding sum tok + pos"
+    table = str(detection)
+    assert "4 residual sites in 1 stream(s)" in table and "blocks.1  mlp" in table
+
+
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm", "functional_layernorm", "functional_rmsnorm",
+                                  "manual_rmsnorm"])
+def test_every_pre_norm_form_is_recognised_as_normalised(norm):
+    detection = detect(TinyTransformer(num_layers=2, dim=32, norm=norm))
+    assert detection.num_sites == 4
+    assert all(site.normalised for site in detection.streams[0].sites)
+
+
+def test_raw_reads_are_classified_raw():
+    detection = detect(RawBranchModel(), torch.randn(2, 4, 32))
+    assert [s.normalised for s in detection.streams[0].sites] == [False, False]
+
+
+def test_rope_mask_bias_gelu_and_embedding_adds_are_not_sites():
+    model = RopeModel()
+    detection = detect(model, make_inputs())
+    sites = detection.streams[0].sites
+    assert [s.kind for s in sites] == ["attn", "mlp", "attn", "mlp"]
+    gm = trace(model, None, None, "fx").graph_module
+    why = reasons(detect_residual_streams(gm))
+    by_owner = {}
+    for rejected in detection.rejected:
+        by_owner.setdefault(rejected.owner, []).append(rejected.reason)
+    attn0 = by_owner["attns.0"]
+    # q*cos + rotate(q)*sin (q and k) and scores + mask in layer 0: independent operands.
+    assert sum("independent" in r for r in attn0) == 3
+    # In layer 1 the mask also reached the scores through the stream: rejected as crossing it.
+    assert any("linked only through the residual stream" in r for r in by_owner["attns.1"])
+    mlp0 = by_owner["mlps.0"]
+    assert sum("independent" in r for r in mlp0) == 2, "x @ W + b, twice"
+    assert sum("no parameterised compute" in r for r in mlp0) == 1, "GELU's h + 0.044715 h**3"
+    assert "operands are independent" in why["add"], "tok + pos embedding"
+
+
+def test_two_independent_streams_encoder_and_decoder():
+    detection = detect(EncoderDecoder(), make_inputs(), make_inputs(seed=1))
+    encoder, decoder = detection.streams
+    assert [s.owner for s in encoder.sites] == ["encoder.0", "encoder.0", "encoder.1", "encoder.1"]
+    assert [s.kind for s in decoder.sites] == ["attn", "attn", "mlp"] * 2
+    assert encoder.start.name == "src_emb" and decoder.start.name == "tgt_emb"
+
+
+def test_encoder_final_aggregate_feeds_the_decoder_cross_attention():
+    model = EncoderDecoder().eval()
+    src, tgt = make_inputs(), make_inputs(seed=1)
+    new = attnres_fx.attnresify(model, (src, tgt), block_size=2, preserve_scale=True)
+    names = [s.name for s in attnres_fx.sites(new)]
+    assert "encoder.final_res" in names and "decoder.final_res" in names
+    final = next(n for n in new.graph.nodes if n.target == "encoder.final_res")
+    (enc_norm,) = final.users
+    assert enc_norm.target == "enc_norm"
+    assert sum(1 for u in enc_norm.users if "cross_attn" in str(u.target)) == 2, "both decoder layers"
+    with torch.no_grad():
+        torch.testing.assert_close(new(src, tgt), model(src, tgt), rtol=1e-5, atol=1e-5)
+
+
+def test_a_residual_chain_inside_a_branch_is_left_alone():
+    detection = detect(NestedModel(), make_inputs())
+    (stream,) = detection.streams
+    assert len(stream.sites) == 2 and stream.start.name == "emb"
+    nested = [r for r in detection.rejected if "nested inside the branch" in r.reason]
+    assert sorted(r.owner for r in nested) == ["mlps.0", "mlps.0", "mlps.1", "mlps.1"]
+
+
+def test_add_forms_are_all_recognised():
+    class Forms(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norms = torch.nn.ModuleList(torch.nn.LayerNorm(16) for _ in range(4))
+            self.lins = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+
+        def forward(self, x):
+            x = self.lins[0](self.norms[0](x)) + x           # branch first
+            x = torch.add(x, self.lins[1](self.norms[1](x)))
+            x = x.add(self.lins[2](self.norms[2](x)))
+            y = self.lins[3](self.norms[3](x))
+            x += y                                            # operator.iadd
+            return x
+
+    detection = detect(Forms(), torch.randn(2, 3, 16))
+    assert detection.num_sites == 4
+    model = Forms()
+    x = torch.randn(2, 3, 16)
+    new = attnres_fx.attnresify(model, (x,), block_size=1, preserve_scale=True)
+    torch.testing.assert_close(new(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_post_norm_is_reported_not_rewritten():
+    detection = detect(PostNormModel(), make_inputs())
+    assert not detection.streams
+    assert len(detection.post_norm) == 4
+
+
+def test_no_residual_lists_every_add_and_why():
+    detection = detect(NoResidualModel(), make_inputs())
+    assert not detection.streams
+    assert len(detection.rejected) == 4
+    assert all(r.reason for r in detection.rejected)
