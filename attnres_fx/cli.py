@@ -1,6 +1,7 @@
 """``attnres-fx``: command-line entry point.
 
-    attnres-fx demo [--block-size S] [--num-blocks N] [--preserve-scale] [--out DIR]
+    attnres-fx demo [--model NAME] [--block-size S] [--num-blocks N] [--preserve-scale] [--out DIR]
+    attnres-fx export MODEL --onnx OUT.onnx [--block-size S] [--preserve-scale] [--device D]
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from . import api
+from . import api, zoo
+from .errors import AttnResError
 from .models import TinyConfig, TinyTransformer, example_ids
 
 
@@ -22,26 +24,59 @@ def _build_builtin(args) -> tuple[torch.nn.Module, tuple, dict]:
     return model, (example_ids(cfg, batch=2, seq=16),), {}
 
 
+MODELS = ("tiny", *zoo.ARCH_NAMES)
+
+
+def build_model(name: str, args) -> tuple[torch.nn.Module, tuple, dict]:
+    """The model ``name`` with example inputs ``(args, kwargs)``: ``tiny`` is the built-in TinyTransformer
+    (sized by ``args.layers`` / ``args.dim`` / ``args.norm`` / ``args.seed``), every other name one of
+    :mod:`attnres_fx.zoo`'s tiny random-weight Hugging Face models (needs ``attnres-fx[hf]``)."""
+    if name == "tiny":
+        return _build_builtin(args)
+    if name not in zoo.ARCHITECTURES:
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+    inputs, kwargs = zoo.example_inputs(name)
+    return zoo.build(name), inputs, kwargs
+
+
+def _describe(name: str, args) -> str:
+    if name == "tiny":
+        return f"built-in TinyTransformer ({args.layers} layers, dim {args.dim}, norm={args.norm})"
+    spec = zoo.spec(name)
+    return f"{spec.hf_class} (tiny random-weight config: {spec.num_layers} layers, hidden {zoo.HIDDEN})"
+
+
 def _max_diff(a, b) -> float:
     return float((a.float() - b.float()).abs().max())
 
 
 def cmd_demo(args) -> int:
-    model, inputs, kwargs = _build_builtin(args)
+    try:
+        model, inputs, kwargs = build_model(args.model, args)
+    except ImportError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    print(f"model: built-in TinyTransformer ({args.layers} layers, dim {args.dim}, norm={args.norm})")
+    print(f"model: {_describe(args.model, args)}")
     detection = api.detect(model, inputs, example_kwargs=kwargs)
     print(f"\nDetected residual stream ({detection.num_sites} sites):")
     print(detection.table())
-    new = api.attnresify(model, inputs, example_kwargs=kwargs, num_blocks=args.num_blocks,
-                         block_size=args.block_size, preserve_scale=args.preserve_scale)
+    try:
+        new = api.attnresify(model, inputs, example_kwargs=kwargs, num_blocks=args.num_blocks,
+                             block_size=args.block_size, preserve_scale=args.preserve_scale)
+    except AttnResError as err:
+        print(f"\nerror: {err}", file=sys.stderr)
+        return 1
     print("\nInjected BlockAttnRes aggregations:")
-    for site in api.sites(new):
-        print(f"  {site.index:>2}  {site.name:<22} kind={site.kind:<5} block={'-' if site.block is None else site.block:<2}"
+    injected = api.sites(new)
+    width = max(len(site.name) for site in injected)
+    for site in injected:
+        print(f"  {site.index:>2}  {site.name:<{width}} kind={site.kind:<5} block={'-' if site.block is None else site.block:<2}"
               f" sources={site.num_sources}")
     with torch.no_grad():
-        original, rewritten = model(*inputs, **kwargs), new(*inputs, **kwargs)
+        original = zoo.main_output(args.model, model(*inputs, **kwargs))
+        rewritten = zoo.main_output(args.model, new(*inputs, **kwargs))
     diff = _max_diff(original, rewritten)
     scale = float(original.abs().max())
     mode = "preserve_scale=True (exact)" if args.preserve_scale else "zero-init convex form (equal up to norm eps)"
@@ -53,19 +88,61 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    # Imported here: the ONNX packages are an optional extra that only this command needs.
+    from .export import attnres_node_groups, session, to_onnx, verify
+
+    try:
+        model, inputs, kwargs = build_model(args.model, args)
+        new = api.attnresify(model, inputs, example_kwargs=kwargs, num_blocks=args.num_blocks,
+                             block_size=args.block_size, preserve_scale=args.preserve_scale)
+        path = to_onnx(new, inputs, args.onnx, example_kwargs=kwargs, opset=args.opset)
+        runtime = path if args.device is None else session(path, device=args.device)
+        report = verify(new, runtime, inputs, example_kwargs=kwargs)
+    except (AttnResError, ImportError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    groups = attnres_node_groups(path)
+    print(f"model: {args.model}, {len(api.sites(new))} BlockAttnRes sites; ONNX written to {path}")
+    print("ONNX nodes per BlockAttnRes: " + ", ".join(f"{name} {len(nodes)}" for name, nodes in groups.items()))
+    print(report)
+    print(f"providers used: {', '.join(report.providers)}; max |onnxruntime - torch| = {report.max_abs:.3e}")
+    return 0 if report.ok else 1
+
+
+def _add_export_parser(sub) -> None:
+    export = sub.add_parser("export", help="rewrite a model, export it to ONNX and check it with onnxruntime")
+    export.add_argument("model", help=f"model to convert: {', '.join(MODELS)}")
+    export.add_argument("--onnx", required=True, help="path of the ONNX file to write")
+    export.add_argument("--block-size", type=int, default=None, help="sites per block (wins over --num-blocks)")
+    export.add_argument("--num-blocks", type=int, default=4)
+    export.add_argument("--preserve-scale", action="store_true")
+    export.add_argument("--opset", type=int, default=None, help="ONNX opset (default: the exporter's)")
+    export.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
+                        help="onnxruntime device (default: the model's)")
+    export.add_argument("--layers", type=int, default=4, help="tiny: number of layers")
+    export.add_argument("--dim", type=int, default=64, help="tiny: hidden size")
+    export.add_argument("--norm", default="layernorm", help="tiny: norm style")
+    export.add_argument("--seed", type=int, default=0)
+    export.set_defaults(func=cmd_export)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnres-fx", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="detect, rewrite and check the built-in model")
+    demo = sub.add_parser("demo", help="detect, rewrite and check the built-in model (or --model NAME)")
+    demo.add_argument("--model", choices=MODELS, default="tiny",
+                      help="tiny: the built-in model; the others: tiny random-weight Hugging Face models")
     demo.add_argument("--block-size", type=int, default=None, help="sites per block (wins over --num-blocks)")
     demo.add_argument("--num-blocks", type=int, default=4)
     demo.add_argument("--preserve-scale", action="store_true")
-    demo.add_argument("--layers", type=int, default=4)
-    demo.add_argument("--dim", type=int, default=64)
-    demo.add_argument("--norm", default="layernorm")
+    demo.add_argument("--layers", type=int, default=4, help="tiny: number of layers")
+    demo.add_argument("--dim", type=int, default=64, help="tiny: hidden size")
+    demo.add_argument("--norm", default="layernorm", help="tiny: norm style")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--out", default="attnres_demo_out", help="folder for the saved graph code")
     demo.set_defaults(func=cmd_demo)
+    _add_export_parser(sub)
     return parser
 
 

@@ -1,0 +1,42 @@
+"""torch.compile (Inductor) of a rewritten module, with compile failures reported as ExportError."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from .errors import export_error
+
+
+def compile(module: nn.Module, **torch_compile_kwargs) -> nn.Module:  # noqa: A001 - mirrors torch.compile
+    """``torch.compile(module, backend="inductor", fullgraph=True, **torch_compile_kwargs)``.
+
+    ``fullgraph=True`` makes a graph break an error instead of a silent fallback to eager Python for
+    part of the model; the caller's keyword arguments override both defaults.
+
+    Compilation happens at the first call (and again when new input shapes need it); a failure there
+    raises :class:`attnres_fx.ExportError` with the compiler's root cause and a hint instead of a
+    Dynamo traceback (the original exception is its ``__cause__``). The result is torch's
+    ``OptimizedModule``: ``attnres_fx.sites()`` and ``state_dict()`` see the original module through it.
+    """
+    options = {"backend": "inductor", "fullgraph": True, **torch_compile_kwargs}
+    compiled = torch.compile(module, **options)
+    if compiled is module:
+        # disable=True: torch.compile hands back the caller's module, which must not be patched.
+        return compiled
+    # OptimizedModule keeps its compiled entry point in the instance attribute ``forward``; wrapping
+    # it (rather than the module) leaves the type, state_dict keys and ``_orig_mod`` untouched.
+    compiled.forward = _reporting_failures(compiled.forward)
+    return compiled
+
+
+def _reporting_failures(forward):
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        try:
+            return forward(*args, **kwargs)
+        except torch._dynamo.exc.TorchDynamoException as err:
+            raise export_error("torch.compile", err) from err
+    return run

@@ -1,0 +1,126 @@
+"""ONNX export of a rewritten module, and finding the BlockAttnRes aggregations in the exported graph.
+
+The export is done in two explicit steps, ``torch.export.export(strict=False)`` then the dynamo-based
+``torch.onnx.export`` of the resulting ``ExportedProgram``: one capture strategy (``torch.onnx.export``
+of a module would retry strict and draft modes, slowly and noisily, on a model that cannot export),
+and control over the keyword-input order that the graph's inputs follow.
+
+Provenance: the dynamo exporter writes each ONNX node's module stack into its ``metadata_props``:
+``pkg.torch.onnx.name_scopes`` (module paths, outermost first, then the aten node) and
+``pkg.torch.onnx.class_hierarchy`` (the classes of the same modules). Node names are only the aten
+node names (``node_mul_19``), so :func:`attnres_node_groups` reads the metadata.
+"""
+
+from __future__ import annotations
+
+import ast
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import onnx
+import torch
+from torch import nn
+
+from attnres_fx.block_attnres import BlockAttnRes
+from attnres_fx.errors import AttnResWarning
+from attnres_fx.frontends import default_dynamic_shapes
+
+from .errors import reraise_as_export_error
+from .signature import bind, output_names
+
+NAME_SCOPES = "pkg.torch.onnx.name_scopes"
+CLASS_HIERARCHY = "pkg.torch.onnx.class_hierarchy"
+_ATTNRES_CLASS = f"{BlockAttnRes.__module__}.{BlockAttnRes.__qualname__}"
+
+
+def to_onnx(module: nn.Module, example_inputs: Any, path: str | Path, *, example_kwargs: dict | None = None,
+            dynamic: bool = True, opset: int | None = None, external_data: bool | None = None) -> Path:
+    """Export ``module`` to an ONNX file at ``path`` and check it with ``onnx.checker``; return the path.
+
+    Args:
+        module: any ``nn.Module`` (typically what ``attnresify`` returned; a ``compile()``d module is
+            exported from its original). Its weights' device is where the example inputs go.
+        example_inputs: positional inputs (a tuple, or one tensor).
+        example_kwargs: keyword inputs.
+        dynamic: batch and sequence dimensions (the first two) of every tensor input are dynamic, so
+            the model runs at other batch sizes and lengths. torch.export fixes a dimension whose
+            example size is 1, or that the model itself constrains (e.g. ViT's patch count).
+        opset: ONNX opset version (default: the exporter's).
+        external_data: store weights in ``<path>.data`` beside the model. ``None``: automatically when
+            the initializers exceed 1.5 GB (a protobuf cannot exceed 2 GB, so ``False`` cannot force
+            a larger model into one file).
+
+    Graph inputs are named after ``forward()``'s parameters (``ids``, ``input_ids``); outputs after
+    the output's keys (``logits``, ``last_hidden_state``), ``output_<i>`` for a tuple, and ``logits``
+    / ``output`` for a single tensor. Every failure raises :class:`attnres_fx.ExportError` with the
+    exporter's root cause and a hint.
+    """
+    module = getattr(module, "_orig_mod", module)
+    path = Path(path)
+    call = bind(module, example_inputs, example_kwargs)
+    dynamic_shapes = default_dynamic_shapes(module, call.args, call.kwargs) if dynamic else None
+    if dynamic:
+        _warn_size_one(call.names, call.tensors)
+    with reraise_as_export_error("running the module on the example inputs"), torch.no_grad():
+        names_out = output_names(module, module(*call.args, **call.kwargs))
+    with reraise_as_export_error("torch.export"):
+        program = torch.export.export(module, call.args, call.kwargs, dynamic_shapes=dynamic_shapes,
+                                      strict=False)
+    with reraise_as_export_error("ONNX conversion"):
+        onnx_program = torch.onnx.export(program, dynamo=True, input_names=call.names,
+                                         output_names=names_out, opset_version=opset, verbose=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with reraise_as_export_error(f"saving {path}"):
+        onnx_program.save(path, external_data=external_data)
+    with reraise_as_export_error("onnx.checker"):
+        # The path, not a loaded proto: the checker then reads external data itself, past 2 GB.
+        onnx.checker.check_model(str(path))
+    return path
+
+
+def attnres_node_groups(model: onnx.ModelProto | str | Path) -> dict[str, list[str]]:
+    """Site name (``blocks.0.attn_res``) -> names of the ONNX nodes computed inside that BlockAttnRes.
+
+    Sites appear in graph order. Nodes in subgraphs (``If`` / ``Loop`` bodies) count too. A site that
+    exports to no node at all has no entry (after :mod:`attnres_fx.passes.two_phase`, a first site's
+    single-source aggregation is the identity). A model exported by something other than the dynamo
+    exporter has no provenance metadata: the result is empty.
+    """
+    if not isinstance(model, onnx.ModelProto):
+        model = onnx.load(str(model), load_external_data=False)
+    groups: dict[str, list[str]] = {}
+    for node in _nodes(model.graph):
+        site = _attnres_scope(node)
+        if site is not None:
+            groups.setdefault(site, []).append(node.name)
+    return groups
+
+
+def _attnres_scope(node: onnx.NodeProto) -> str | None:
+    props = {prop.key: prop.value for prop in node.metadata_props}
+    if NAME_SCOPES not in props or CLASS_HIERARCHY not in props:
+        return None
+    scopes = ast.literal_eval(props[NAME_SCOPES])
+    classes = ast.literal_eval(props[CLASS_HIERARCHY])
+    return next((scope for scope, cls in zip(scopes, classes) if cls == _ATTNRES_CLASS), None)
+
+
+def _nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+    for node in graph.node:
+        yield node
+        for attribute in node.attribute:
+            if attribute.HasField("g"):
+                yield from _nodes(attribute.g)
+            for subgraph in attribute.graphs:
+                yield from _nodes(subgraph)
+
+
+def _warn_size_one(names: list[str], tensors: list[torch.Tensor]) -> None:
+    fixed = [f"{name}.shape[{d}]" for name, t in zip(names, tensors) for d in range(min(2, t.dim()))
+             if t.shape[d] == 1]
+    if fixed:
+        warnings.warn(f"example size 1 at {', '.join(fixed)}: torch.export specialises size-1 dimensions, "
+                      "so the ONNX model will only accept size 1 there. Export with sizes >= 2 to keep "
+                      "them dynamic.", AttnResWarning, stacklevel=3)

@@ -1,0 +1,82 @@
+"""One model, three ways: eager PyTorch, torch.compile (Inductor) and onnxruntime, side by side."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from .compile import compile
+from .onnx import to_onnx
+from .runtime import run_session, session
+from .signature import bind, module_device, tensor_outputs
+
+
+def three_way_report(model_rewritten: nn.Module, inputs: Any, tmpdir: str | Path, *, runs: int = 5) -> str:
+    """Compile ``model_rewritten``, export it to ``<tmpdir>/model.onnx``, run all three on ``inputs`` and
+    return a printable table: agreement with eager (max absolute difference over all outputs, and
+    that relative to the largest eager magnitude), median time of ``runs`` calls after one warm-up, and
+    the one-off compile / export times. onnxruntime runs on the model's device when it can.
+    """
+    call = bind(model_rewritten, inputs, None)
+    device = module_device(model_rewritten)
+
+    def forward(module):
+        return lambda: tensor_outputs(module(*call.args, **call.kwargs))
+
+    with torch.no_grad():
+        reference, eager_ms = _timed(forward(model_rewritten), runs, device)
+        compiled = compile(model_rewritten)
+        start = time.perf_counter()
+        forward(compiled)()
+        compile_s = time.perf_counter() - start
+        compiled_out, compiled_ms = _timed(forward(compiled), runs, device)
+    start = time.perf_counter()
+    path = to_onnx(model_rewritten, call.args, Path(tmpdir) / "model.onnx")
+    export_s = time.perf_counter() - start
+    sess = session(path, device="auto" if device.type == "cuda" else "cpu")
+    ort_out, ort_ms = _timed(lambda: [torch.from_numpy(np.asarray(o)) for o in run_session(sess, call)],
+                             runs, device)
+
+    shapes = ", ".join(f"{name} {list(t.shape)}" for name, t in zip(call.names, call.tensors))
+    rows = [("eager", None, eager_ms, ""),
+            ("compiled", _max_diff(compiled_out, reference), compiled_ms, f"compile {compile_s:.1f} s"),
+            ("onnxruntime", _max_diff(ort_out, reference), ort_ms,
+             f"export {export_s:.1f} s, {sess.get_providers()[0]}")]
+    lines = [f"eager vs compiled vs onnxruntime ({shapes}; {device}; median of {runs} runs)",
+             f"  {'backend':<12} {'max |diff|':>11} {'relative':>10} {'median ms':>10}  one-off"]
+    for name, diff, ms, note in rows:
+        abs_text, rel_text = ("-", "-") if diff is None else (f"{diff[0]:.3e}", f"{diff[1]:.3e}")
+        lines.append(f"  {name:<12} {abs_text:>11} {rel_text:>10} {ms:>10.2f}  {note}")
+    return "\n".join(lines)
+
+
+def _timed(fn: Callable[[], list[torch.Tensor]], runs: int, device: torch.device):
+    """``fn()``'s result and its median wall time in ms over ``runs`` calls, after one warm-up call."""
+    result = fn()
+    times = []
+    for _ in range(runs):
+        _synchronize(device)
+        start = time.perf_counter()
+        result = fn()
+        _synchronize(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return result, statistics.median(times)
+
+
+def _synchronize(device: torch.device) -> None:
+    # CUDA kernels run asynchronously: without this the timer would stop before they finish.
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _max_diff(outputs: list[torch.Tensor], reference: list[torch.Tensor]) -> tuple[float, float]:
+    """Largest |output - reference| over all outputs, and that over the largest |reference|."""
+    diff = max(float((o.float().cpu() - r.float().cpu()).abs().max()) for o, r in zip(outputs, reference))
+    scale = max(float(r.float().abs().max()) for r in reference)
+    return diff, diff / scale if scale else (float("inf") if diff else 0.0)

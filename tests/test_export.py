@@ -1,0 +1,274 @@
+"""attnres_fx.export: torch.compile (Inductor) and ONNX / onnxruntime agree with the eager rewritten model.
+
+Every rewritten model gets random, non-zero pseudo-queries, so the softmax over depth really weighs the
+sources unequally (at zero init every aggregate is a plain mean). Compiled and exported artefacts are
+module-scoped: each torch.compile / ONNX export is paid once.
+"""
+
+import copy
+import types
+
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+import attnres_fx
+from attnres_fx import BlockAttnRes, ExportError, export
+from attnres_fx.cli import main as cli_main
+from attnres_fx.models import TinyConfig, TinyTransformer, example_ids
+from attnres_fx.reference import block_attn_res
+
+EXPORT_SHAPE = (2, 16)
+OTHER_SHAPES = [(3, 11), (1, 40)]
+
+
+def randomise_queries(model, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    for site in attnres_fx.sites(model):
+        with torch.no_grad():
+            site.module.proj.weight.copy_(torch.randn(site.module.proj.weight.shape, generator=generator) * 0.5)
+    return model
+
+
+def tiny(parallel=False, dtype=torch.float32):
+    torch.manual_seed(0)
+    cfg = TinyConfig(dim=32, num_layers=2, parallel=parallel)
+    model = TinyTransformer(cfg).eval().to(dtype)
+    ids = example_ids(cfg, *EXPORT_SHAPE)
+    new = randomise_queries(attnres_fx.attnresify(model, (ids,), block_size=2))
+    return types.SimpleNamespace(cfg=cfg, model=new, ids=ids)
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["sequential", "parallel"])
+def tiny_fp32(request):
+    return tiny(parallel=request.param)
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_fp32, tmp_path_factory):
+    """The tiny model exported at EXPORT_SHAPE; the parallel variant stores its weights externally."""
+    external = tiny_fp32.cfg.parallel
+    path = export.to_onnx(tiny_fp32.model, (tiny_fp32.ids,), tmp_path_factory.mktemp("onnx") / "tiny.onnx",
+                          external_data=external)
+    return types.SimpleNamespace(path=path, external=external, session=export.session(path, device="cpu"))
+
+
+@pytest.mark.slow
+def test_compiled_matches_eager_without_graph_breaks(tiny_fp32):
+    compiled = export.compile(tiny_fp32.model)        # fullgraph=True: a graph break would raise
+    with torch.no_grad():
+        expected, got = tiny_fp32.model(tiny_fp32.ids), compiled(tiny_fp32.ids)
+    # fp32 either way; Inductor fuses the norms, the depth-softmax and the weighted sums and reorders
+    # their reductions, so only rounding differs (~1e-6 observed on logits of magnitude ~2).
+    assert (got - expected).abs().max() <= 1e-5
+    assert len(attnres_fx.sites(compiled)) == len(attnres_fx.sites(tiny_fp32.model))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", [EXPORT_SHAPE, *OTHER_SHAPES], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_onnxruntime_matches_eager_at_any_batch_and_length(tiny_fp32, exported, shape):
+    ids = example_ids(tiny_fp32.cfg, *shape, seed=1)
+    # ONNX Runtime's CPU kernels (MatMul, LayerNorm, Softmax) accumulate in a different order than
+    # PyTorch's: rounding only, ~1e-6 observed; 1e-4 leaves room for other CPUs' SIMD widths.
+    report = export.verify(tiny_fp32.model, exported.session, ids, atol=1e-4, rtol=0)
+    assert report.ok, str(report)
+    assert report.max_abs <= 1e-4
+    assert report.outputs[0].shape == (*shape, tiny_fp32.cfg.vocab_size)
+    assert report.providers == ("CPUExecutionProvider",)
+
+
+@pytest.mark.slow
+def test_onnx_graph_is_valid_named_and_traceable_to_every_site(tiny_fp32, exported):
+    onnx.checker.check_model(str(exported.path))
+    model = onnx.load(str(exported.path))
+    assert [i.name for i in model.graph.input] == ["ids"]
+    assert [o.name for o in model.graph.output] == ["logits"]
+    assert exported.path.with_name("tiny.onnx.data").exists() == exported.external
+    groups = export.attnres_node_groups(exported.path)
+    sites = attnres_fx.sites(tiny_fp32.model)
+    assert len(groups) == len(sites)
+    assert list(groups) == [site.name for site in sites]
+    nodes = {node.name: node for node in model.graph.node}
+    for site, names in groups.items():
+        assert names and set(names) <= set(nodes)
+        # The exporter's own "namespace" metadata spells out the module path, e.g. in Netron.
+        namespace = {p.key: p.value for p in nodes[names[0]].metadata_props}["namespace"]
+        assert f"{site}: attnres_fx.block_attnres.BlockAttnRes" in namespace
+
+
+@pytest.mark.slow
+def test_verify_reports_disagreement(tiny_fp32, exported):
+    other = copy.deepcopy(tiny_fp32.model)
+    randomise_queries(other, seed=1)
+    report = export.verify(other, exported.session, tiny_fp32.ids)
+    assert not report.ok
+    text = str(report)
+    assert "logits" in text and "CPUExecutionProvider" in text and "NO" in text
+    with pytest.raises(ExportError, match="disagrees"):
+        report.raise_if_failed()
+
+
+@pytest.mark.slow
+def test_bf16_compiled_matches_eager_bf16():
+    model = tiny(dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected, got = model.model(model.ids), export.compile(model.model)(model.ids)
+    assert got.dtype == torch.bfloat16
+    # Eager rounds to bf16 (8 significant bits) after every op; Inductor computes each fused chain in
+    # fp32 and rounds once. A few bf16 ulps per op accumulate over two layers: ~0.02-0.035 observed on
+    # logits of magnitude ~2, so allow 5% of the output's scale (~13 ulps).
+    scale = expected.float().abs().max()
+    assert (got.float() - expected.float()).abs().max() <= 0.05 * scale
+
+
+def test_block_attnres_softmax_runs_in_fp32_for_bf16_sources():
+    """Logits ~1000, 1 apart: bf16 (spacing 4 there) rounds them equal, an fp32 softmax does not."""
+    torch.manual_seed(0)
+    dim = 64
+    sources = [torch.randn(1, 1, dim).to(torch.bfloat16) for _ in range(2)]      # [batch, seq, dim]
+    keys = torch.cat([s.float() * torch.rsqrt(s.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+                      for s in sources]).view(2, dim)
+    # Smallest query whose logits against the two keys are 1000 and 1001.
+    query = torch.linalg.lstsq(keys, torch.tensor([1000.0, 1001.0])).solution
+    module = BlockAttnRes(dim).to(torch.bfloat16)
+    with torch.no_grad():
+        module.proj.weight.copy_(query[None])
+    fp32 = copy.deepcopy(module).float()
+    reference = block_attn_res([sources[0].float()], sources[1].float(), fp32.proj, fp32.norm)
+    logits = keys @ fp32.proj.weight[0]
+    assert logits[1] - logits[0] > 0.5 and logits.abs().max() > 512      # close, and large for bf16
+    bf16_weights = torch.softmax(logits.to(torch.bfloat16), dim=0).float()
+    bf16_softmax = bf16_weights[0] * sources[0].float() + bf16_weights[1] * sources[1].float()
+
+    out = module(*sources)
+    assert out.dtype == torch.bfloat16
+    module_error = (out.float() - reference).abs().max()
+    bf16_error = (bf16_softmax - reference).abs().max()
+    assert bf16_error > 0.5                       # a bf16 softmax visibly changes the result...
+    assert module_error < bf16_error / 20         # ...the module matches the fp32 one far better
+    assert module_error <= 2 ** -7 * reference.abs().max()   # up to rounding its output to bf16
+
+
+class DataDependent(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.sum() > 0:
+            return self.lin(x)
+        return -self.lin(x)
+
+
+def assert_readable(err: ExportError, *needles):
+    text = str(err)
+    assert "Traceback" not in text and len(text.splitlines()) < 20, text
+    assert "Hint:" in text
+    for needle in needles:
+        assert needle in text, text
+
+
+def test_data_dependent_control_flow_cannot_export(tmp_path):
+    with pytest.raises(ExportError) as info:
+        export.to_onnx(DataDependent(), (torch.randn(2, 3, 8),), tmp_path / "bad.onnx")
+    assert_readable(info.value, "torch.export failed", "data-dependent", "torch.where",
+                    "test_export.py", "if x.sum() > 0:")
+    assert not (tmp_path / "bad.onnx").exists()
+
+
+def test_graph_break_is_a_compile_error():
+    compiled = export.compile(DataDependent())
+    with pytest.raises(ExportError) as info:
+        compiled(torch.randn(2, 3, 8))
+    assert_readable(info.value, "torch.compile failed", "Data-dependent branching", "if x.sum() > 0:")
+
+
+@pytest.mark.skipif("CUDAExecutionProvider" in ort.get_available_providers(),
+                    reason="this onnxruntime build has CUDA: no fallback to provoke")
+def test_cuda_session_without_cuda_reports_the_fallback(tiny_fp32, exported):
+    with pytest.raises(ExportError, match="fell back to CPU") as info:
+        export.session(exported.path, device="cuda")
+    assert "CPUExecutionProvider" in str(info.value) and "onnxruntime-gpu" in str(info.value)
+    assert export.session(exported.path, device="auto").get_providers() == ["CPUExecutionProvider"]
+
+
+class KeywordsAndDict(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x, mask=None, scale=None):
+        hidden = self.lin(x) * mask[..., None]
+        return {"hidden": hidden, "pooled": hidden.mean(1) * scale, "unused": None}
+
+
+@pytest.mark.slow
+def test_inputs_named_by_signature_outputs_by_keys(tmp_path):
+    model = KeywordsAndDict()
+    x, mask, scale = torch.randn(2, 5, 8), torch.ones(2, 5), torch.randn(2, 8)
+    # Keyword order differs from forward()'s: the graph follows the signature either way.
+    path = export.to_onnx(model, (x,), tmp_path / "kw.onnx", example_kwargs={"scale": scale, "mask": mask})
+    sess = export.session(path, device="cpu")
+    assert [i.name for i in sess.get_inputs()] == ["x", "mask", "scale"]
+    assert [o.name for o in sess.get_outputs()] == ["hidden", "pooled"]
+    report = export.verify(model, sess, (torch.randn(3, 7, 8),),
+                           example_kwargs={"mask": torch.rand(3, 7), "scale": torch.randn(3, 8)})
+    assert report.ok, str(report)
+
+
+def test_non_tensor_outputs_are_reported_before_export(tmp_path):
+    class ReturnsInt(torch.nn.Module):
+        def forward(self, x):
+            return x * 2, 3
+
+    with pytest.raises(ExportError, match="non-tensor values"):
+        export.to_onnx(ReturnsInt(), (torch.randn(2, 3),), tmp_path / "int.onnx")
+
+
+@pytest.mark.slow
+def test_hf_llama_compiles_and_exports(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                      use_cache=False)
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 128, EXPORT_SHAPE, generator=torch.Generator().manual_seed(0))
+    new = randomise_queries(attnres_fx.attnresify(model, (ids,), tracer="export"))
+    with torch.no_grad():
+        expected, got = new(ids).logits, export.compile(new)(ids).logits
+    assert (got - expected).abs().max() <= 1e-5          # fp32, reordered reductions only
+    path = export.to_onnx(new, (ids,), tmp_path / "llama.onnx")
+    sess = export.session(path, device="cpu")
+    assert [i.name for i in sess.get_inputs()] == ["input_ids"]
+    assert [o.name for o in sess.get_outputs()] == ["logits"]
+    assert len(export.attnres_node_groups(path)) == len(attnres_fx.sites(new))
+    for shape in [EXPORT_SHAPE, *OTHER_SHAPES]:
+        report = export.verify(new, sess, torch.randint(0, 128, shape))
+        assert report.ok and report.max_abs <= 1e-4, str(report)
+
+
+@pytest.mark.slow
+def test_three_way_report(tmp_path):
+    model = tiny()
+    text = export.three_way_report(model.model, model.ids, tmp_path, runs=2)
+    lines = text.splitlines()
+    assert [line.split()[0] for line in lines[2:]] == ["eager", "compiled", "onnxruntime"]
+    assert "CPUExecutionProvider" in text and "compile" in text and "export" in text
+    assert all(float(line.split()[1]) <= 1e-4 for line in lines[3:])
+
+
+@pytest.mark.slow
+def test_cli_export(tmp_path, capsys):
+    path = tmp_path / "cli.onnx"
+    code = cli_main(["export", "tiny", "--onnx", str(path), "--block-size", "2", "--layers", "2", "--dim", "32"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert path.exists()
+    assert "providers used: CPUExecutionProvider" in out and "max |onnxruntime - torch|" in out
+
+
+def test_cli_export_unknown_model(tmp_path, capsys):
+    assert cli_main(["export", "no-such-model", "--onnx", str(tmp_path / "x.onnx")]) == 1
+    assert "unknown model 'no-such-model'" in capsys.readouterr().err
