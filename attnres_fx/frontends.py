@@ -4,11 +4,13 @@ Detection and rewrite only ever see a GraphModule; they do not care which fronte
 
 - ``"fx"``: ``torch.fx`` symbolic tracing, keeping normalisation modules as leaves.
 - ``"export"``: ``torch.export.export(..., strict=False)`` then ``.module()``; needs example inputs.
+  Hugging Face models are traced with ``config.use_cache`` off: the rewritten graph has no KV cache.
 - ``"auto"``: fx first, export if fx cannot trace the model.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +42,9 @@ def trace(model: nn.Module, example_inputs: tuple | None, example_kwargs: dict |
           dynamic_shapes: Any = None) -> Traced:
     if tracer not in TRACERS:
         raise ValueError(f"tracer must be one of {TRACERS}, got {tracer!r}")
+    if (example_kwargs or {}).get("use_cache"):
+        raise TraceError("use_cache=True is not supported: the rewritten graph has no KV cache (it neither "
+                         "returns nor takes past keys and values); pass use_cache=False")
     if tracer == "fx":
         try:
             return Traced(_trace_fx(model), "fx")
@@ -84,13 +89,33 @@ def _trace_export(model, example_inputs, example_kwargs, dynamic_shapes) -> fx.G
         raise TraceError("tracer='export' needs example inputs: attnresify(model, (x,), ...)")
     args = tuple(example_inputs or ())
     kwargs = dict(example_kwargs or {})
-    if kwargs.get("use_cache"):
-        raise TraceError("use_cache=True is not supported: the rewritten graph has no KV cache; "
-                         "pass use_cache=False")
     if dynamic_shapes is None:
         dynamic_shapes = default_dynamic_shapes(model, args, kwargs)
-    program = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
+    with _config_cache_off(model, kwargs):
+        program = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
     return program.module()
+
+
+@contextlib.contextmanager
+def _config_cache_off(model: nn.Module, kwargs: dict):
+    """Trace with every ``config.use_cache`` of the model off when the call leaves ``use_cache`` unset.
+
+    Hugging Face models then read the config, and with ``use_cache=True`` (the default of most
+    configs) return a KV cache, which torch.export cannot output and the rewritten graph could not take
+    back. Turning it off for the trace, rather than tracing with a ``use_cache=False`` input, keeps the
+    rewritten module's call signature the user's. The configs are restored; the rewritten module
+    returns no cache.
+    """
+    configs = [] if "use_cache" in kwargs else list({
+        id(config): config for module in model.modules()
+        if getattr(config := getattr(module, "config", None), "use_cache", None) is True}.values())
+    for config in configs:
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        for config in configs:
+            config.use_cache = True
 
 
 def default_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict):

@@ -1,0 +1,385 @@
+"""Real models: tiny random-weight Hugging Face Transformers, rewritten through torch.export.
+
+For every pre-norm architecture of :mod:`attnres_fx.zoo`: the sites found and their names, zero-init
+equivalence (exact with ``preserve_scale=True``; up to a derived eps bound by default), other input
+shapes, one training step. Then the two-stream T5, post-norm BERT, KV caches, eval dropout and dtype
+casts, ``dynamic_shapes``, the CLI, the import isolation of the optional packages, and timm.
+
+Each model is built, traced and rewritten once per module (the ``zoo`` fixture caches them): every
+export costs about a second.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.export import Dim
+
+import attnres_fx
+import hf_models as H
+from attnres_fx.cli import build_model
+from attnres_fx.cli import main as cli_main
+from attnres_fx.frontends import trace
+from attnres_fx.passes import detect_residual_streams
+
+# copy.deepcopy of an exported GraphModule goes through a pytree path torch itself deprecates.
+pytestmark = pytest.mark.filterwarnings(r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated:FutureWarning")
+
+needs_hf = pytest.mark.skipif(not H.transformers_available(),
+                              reason="needs Hugging Face transformers (pip install 'attnres-fx[hf]')")
+
+# preserve_scale=True multiplies each zero-init aggregate (the mean of its sources) back to their plain
+# sum, which is the original stream: exact in real arithmetic; fp32 round-off of the reassociated sums
+# stays below 1e-6 relative over these two-layer models.
+EXACT = 1e-5
+TINY_EPS = 1e-12
+OTHER_SHAPES = [(3, 11), (1, 64)]       # (batch, seq); the example inputs are (2, 16)
+
+
+class Zoo:
+    """Models, their example outputs, traced graphs and rewrites, each made once per module."""
+
+    def __init__(self):
+        self._cache: dict = {}
+
+    def _get(self, key, make):
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+    def model(self, name: str):
+        return self._get(("model", name), lambda: H.build(name))
+
+    def output(self, name: str):
+        args, kwargs = H.example_inputs(name)
+        with torch.no_grad():
+            return self._get(("output", name), lambda: self.model(name)(*args, **kwargs))
+
+    def detection(self, name: str):
+        """(the exported graph, the streams detected in it)."""
+        def make():
+            args, kwargs = H.example_inputs(name)
+            graph_module = trace(self.model(name), args, kwargs, "export").graph_module
+            return graph_module, detect_residual_streams(graph_module)
+        return self._get(("detection", name), make)
+
+    def rewritten(self, name: str, preserve_scale: bool = False):
+        args, kwargs = H.example_inputs(name)
+        return self._get(("rewritten", name, preserve_scale), lambda: attnres_fx.attnresify(
+            self.model(name), args, example_kwargs=kwargs, preserve_scale=preserve_scale))
+
+
+@pytest.fixture(scope="module")
+def zoo():
+    return Zoo()
+
+
+def run(name, module, batch=2, seq=16):
+    args, kwargs = H.example_inputs(name, batch, seq)
+    with torch.no_grad():
+        return module(*args, **kwargs)
+
+
+def compared_outputs(name, output):
+    """The tensors a zero-init rewrite must reproduce: the main output, and T5's encoder output."""
+    tensors = [H.main_output(name, output)]
+    if H.spec(name).task == "seq2seq_lm":
+        tensors.append(output.encoder_last_hidden_state)
+    return tensors
+
+
+def expected_kinds(name: str, stream: str) -> list[str]:
+    """Branch kinds per site, in execution order: attention then MLP per layer (T5's decoder: self-
+    and cross-attention, then MLP); a parallel layer is one site with both branches."""
+    s = H.spec(name)
+    if s.parallel_residual:
+        return ["attn+mlp"] * s.streams[stream]
+    per_layer = ["attn"] * (s.sites_per_layer[stream] - 1) + ["mlp"]
+    return per_layer * s.num_layers
+
+
+PRE_NORM = [pytest.param(name, marks=[needs_hf, pytest.mark.slow]) for name in H.PRE_NORM_NAMES]
+
+
+# -- every pre-norm architecture ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", PRE_NORM)
+def test_sites_found_on_the_aten_graph_are_named_after_the_module_that_adds(zoo, name):
+    s = H.spec(name)
+    _, detection = zoo.detection(name)
+    assert [len(stream.sites) for stream in detection.streams] == list(s.streams.values())
+    assert [site.owner for stream in detection.streams for site in stream.sites] == H.site_owner_paths(name)
+    for stream, stream_name in zip(detection.streams, s.streams):
+        kinds = ["+".join(sorted(b.kind for b in site.branches)) for site in stream.sites]
+        assert kinds == expected_kinds(name, stream_name)
+        assert all(site.normalised for site in stream.sites), "every branch reads the stream through a norm"
+
+    injected = attnres_fx.sites(zoo.rewritten(name))
+    branches = [(site.owner, branch.kind) for stream in detection.streams for site in stream.sites
+                for branch in site.branches]
+    names = [f"{owner}.{kind}_res" for owner, kind in branches]
+    assert [s_.name for s_ in injected if s_.kind != "final"] == names
+    finals = [s_ for s_ in injected if s_.kind == "final"]
+    assert [f.stream for f in finals] == list(range(s.num_streams)), "one final aggregation per stream"
+    assert len(injected) == len(branches) + s.num_streams
+
+
+@pytest.mark.parametrize("name", PRE_NORM)
+def test_class_names_are_never_why_a_site_is_found(zoo, name):
+    """Detection reads data flow: with every class name in the graph's metadata erased, it finds the
+    same sites, with the same owners and kinds."""
+    graph_module, detection = zoo.detection(name)
+    scrubbed = copy.deepcopy(graph_module)
+    for node in scrubbed.graph.nodes:
+        stack = node.meta.get("nn_module_stack")
+        if stack:
+            node.meta["nn_module_stack"] = {key: (path, "Module") for key, (path, *_) in stack.items()}
+        node.meta.pop("source_fn_stack", None)
+    again = detect_residual_streams(scrubbed)
+
+    def summary(result):
+        return [[(site.owner, site.kind, site.normalised) for site in stream.sites] for stream in result.streams]
+    assert summary(again) == summary(detection)
+
+
+@pytest.mark.parametrize("name", PRE_NORM)
+def test_preserve_scale_rewrite_equals_the_original_and_keeps_the_output_type(zoo, name):
+    original, new = zoo.output(name), run(name, zoo.rewritten(name, preserve_scale=True))
+    assert type(new) is type(original), "a ModelOutput stays the same ModelOutput"
+    for got, want in zip(compared_outputs(name, new), compared_outputs(name, original)):
+        assert H.relative_error(got, want) < EXACT
+
+
+@pytest.mark.parametrize("name", PRE_NORM)
+def test_default_rewrite_differs_only_by_the_norms_eps(zoo, name):
+    """At zero init each norm reads h / c instead of h (c = number of sources): the norm of h with eps
+    replaced by c^2 eps. ``H.eps_bound`` sums the resulting per-token rescaling over every aggregation,
+    from the models' own eps and the measured per-token variance of the stream (HF init keeps it small,
+    ~2e-4 for the LMs, hence differences of a few percent). With eps = 1e-12 the same rewrite must match
+    to round-off: the difference is the eps and nothing else."""
+    args, kwargs = H.example_inputs(name)
+    eps = getattr(zoo.model(name).config, H.spec(name).eps_field)
+    bound = H.eps_bound(zoo.rewritten(name, preserve_scale=True), args, kwargs, eps)
+    new = run(name, zoo.rewritten(name))
+    for got, want in zip(compared_outputs(name, new), compared_outputs(name, zoo.output(name))):
+        assert H.relative_error(got, want) <= bound + EXACT
+
+    tiny_eps = H.build(name, **{H.spec(name).eps_field: TINY_EPS})
+    rewritten = attnres_fx.attnresify(tiny_eps, args, example_kwargs=kwargs)
+    original = run(name, tiny_eps)
+    for got, want in zip(compared_outputs(name, run(name, rewritten)), compared_outputs(name, original)):
+        assert H.relative_error(got, want) < EXACT
+
+
+@pytest.mark.parametrize("name", PRE_NORM)
+def test_traced_at_one_shape_runs_at_others(zoo, name):
+    """Batch and sequence are dynamic by default (ViT's token count is fixed by its image size)."""
+    new, model = zoo.rewritten(name, preserve_scale=True), zoo.model(name)
+    for batch, seq in OTHER_SHAPES:
+        got, want = run(name, new, batch, seq), run(name, model, batch, seq)
+        assert H.main_output(name, got).shape[0] == batch
+        assert H.relative_error(H.main_output(name, got), H.main_output(name, want)) < EXACT
+
+
+@pytest.mark.parametrize("name", PRE_NORM)
+def test_one_optimizer_step_moves_the_pseudo_queries(zoo, name):
+    """Every aggregation over two or more sources gets a gradient; one over a single source (the first
+    site of a stream) has softmax weight 1 whatever its query, so its gradient is exactly zero."""
+    new = copy.deepcopy(zoo.rewritten(name))      # the cached one shares the original's weights
+    inputs = H.example_inputs(name)
+    optimizer = torch.optim.Adam(new.parameters(), lr=1e-2)
+    loss = H.lm_loss(name, new(*inputs[0], **inputs[1]), inputs)
+    loss.backward()
+    optimizer.step()
+    for site in attnres_fx.sites(new):
+        moved = bool(site.module.proj.weight.abs().max() > 0)
+        assert moved == (site.num_sources > 1), site.name
+
+
+# -- encoder-decoder: two streams -----------------------------------------------------------------------
+
+@needs_hf
+@pytest.mark.slow
+def test_t5_encoder_final_aggregation_feeds_the_output_and_every_cross_attention(zoo):
+    """With a random pseudo-query on ``encoder.final_res`` only, the exact rewrite must compute what the
+    original decoder computes from the rewritten encoder's output: the encoder's final aggregation
+    feeds ``encoder_last_hidden_state`` and, through the same final norm, each cross-attention."""
+    new = copy.deepcopy(zoo.rewritten("t5", preserve_scale=True))
+    final = {site.name: site for site in attnres_fx.sites(new)}["encoder.final_res"]
+    assert final.stream == 0
+    with torch.no_grad():
+        final.module.proj.weight.normal_(generator=torch.Generator().manual_seed(0))
+    args, kwargs = H.example_inputs("t5")
+    out = run("t5", new)
+    encoder_output = out.encoder_last_hidden_state
+    assert H.relative_error(encoder_output, zoo.output("t5").encoder_last_hidden_state) > 1e-3, \
+        "the perturbed final aggregation must change the encoder's output"
+    with torch.no_grad():
+        decoded = zoo.model("t5")(*args, encoder_outputs=(encoder_output,), **kwargs)
+    assert H.relative_error(out.logits, decoded.logits) < EXACT
+
+
+# -- post-norm ------------------------------------------------------------------------------------------
+
+@needs_hf
+@pytest.mark.slow
+def test_bert_is_post_norm_and_left_untouched(untouched):
+    model = H.build("bert")
+    args, kwargs = H.example_inputs("bert")
+    check = untouched(model)
+    with torch.no_grad():
+        before = model(*args, **kwargs).last_hidden_state
+    with pytest.raises(attnres_fx.UnsupportedArchitectureError, match="post-norm") as err:
+        attnres_fx.attnresify(model, args, example_kwargs=kwargs)
+    assert "pre-norm residual stream" in str(err.value) and "BertModel" in str(err.value)
+    check()
+    with torch.no_grad():
+        assert torch.equal(model(*args, **kwargs).last_hidden_state, before)
+
+
+# -- KV caches ------------------------------------------------------------------------------------------
+
+@needs_hf
+def test_asking_for_a_cache_raises_trace_error_before_tracing(zoo):
+    args, _ = H.example_inputs("llama")
+    for tracer in ("auto", "export"):
+        with pytest.raises(attnres_fx.TraceError, match="use_cache=False") as err:
+            attnres_fx.attnresify(zoo.model("llama"), args, example_kwargs={"use_cache": True}, tracer=tracer)
+        assert "KV cache" in str(err.value) and "neither tracer" not in str(err.value)
+
+
+@needs_hf
+@pytest.mark.slow
+def test_config_use_cache_is_off_while_tracing_and_restored(untouched):
+    """Most pretrained configs say use_cache=True: the model is traced without a cache, keeps its call
+    signature, returns no cache, and its config is left as it was."""
+    model = H.build("llama", use_cache=True)
+    args, _ = H.example_inputs("llama")
+    check = untouched(model)
+    new = attnres_fx.attnresify(model, args, preserve_scale=True)
+    assert model.config.use_cache is True
+    check()
+    with torch.no_grad():
+        got, want = new(*args), model(*args)
+    assert got.get("cache") is None and got.get("past_key_values") is None
+    assert H.relative_error(got.logits, want.logits) < EXACT
+
+
+# -- what the stream passes through ---------------------------------------------------------------------
+
+@needs_hf
+@pytest.mark.slow
+def test_eval_mode_dropout_on_the_stream_is_transparent():
+    model = H.build("gpt2", resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)   # eval(): dropout is off
+    args, _ = H.example_inputs("gpt2")
+    new = attnres_fx.attnresify(model, args, preserve_scale=True)
+    assert len([s for s in attnres_fx.sites(new) if s.kind != "final"]) == H.expected_sites("gpt2")
+    with torch.no_grad():
+        assert H.relative_error(new(*args).logits, model(*args).logits) < EXACT
+
+
+@needs_hf
+@pytest.mark.slow
+def test_bf16_model_casts_are_transparent_and_cost_no_more_than_bf16_itself():
+    """Llama's norms cast the bf16 stream to fp32 and back. The rewrite sums sources in fp32 and rounds
+    once where the original rounds after every add, so the two bf16 models differ by round-off; the
+    rewritten one must be as close to the fp32 model as the original bf16 model is (up to a factor 2
+    for the luck of rounding)."""
+    reference = H.build("llama")
+    model = H.build("llama").to(torch.bfloat16)
+    args, _ = H.example_inputs("llama")
+    new = attnres_fx.attnresify(model, args, preserve_scale=True)
+    assert len([s for s in attnres_fx.sites(new) if s.kind != "final"]) == H.expected_sites("llama")
+    with torch.no_grad():
+        truth = reference(*args).logits
+        original_error = H.relative_error(model(*args).logits.float(), truth)
+        assert H.relative_error(new(*args).logits.float(), truth) <= 2 * original_error
+
+
+# -- tracing --------------------------------------------------------------------------------------------
+
+@needs_hf
+def test_auto_falls_back_to_export_and_fx_alone_says_what_to_try(zoo):
+    assert zoo.rewritten("llama").meta["attnres"]["frontend"] == "export"
+    args, _ = H.example_inputs("llama")
+    with pytest.raises(attnres_fx.TraceError, match="tracer='export'") as err:
+        attnres_fx.attnresify(zoo.model("llama"), args, tracer="fx")
+    assert set(err.value.causes) == {"fx"}
+
+
+@needs_hf
+@pytest.mark.slow
+def test_dynamic_shapes_given_by_the_user_override_the_default(zoo):
+    args, _ = H.example_inputs("gpt2")
+    new = attnres_fx.attnresify(zoo.model("gpt2"), args, tracer="export", dynamic_shapes=({0: Dim.AUTO},))
+    assert run("gpt2", new, batch=3).logits.shape[:2] == (3, 16)
+    with pytest.raises((AssertionError, RuntimeError), match="16"):   # the sequence length stayed static
+        run("gpt2", new, seq=11)
+
+
+# -- CLI ------------------------------------------------------------------------------------------------
+
+@needs_hf
+@pytest.mark.slow
+def test_cli_demo_model_rewrites_a_zoo_model_and_refuses_bert(tmp_path, capsys):
+    assert cli_main(["demo", "--model", "llama", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "LlamaForCausalLM" in out and "model.layers.1.mlp_res" in out and "model.final_res" in out
+    assert cli_main(["demo", "--model", "bert", "--out", str(tmp_path)]) == 1
+    assert "post-norm" in capsys.readouterr().err
+
+
+def test_build_model_knows_tiny_and_every_zoo_name():
+    from attnres_fx.cli import MODELS, build_parser
+
+    assert MODELS == ("tiny", *H.ARCH_NAMES)
+    model, args, kwargs = build_model("tiny", build_parser().parse_args(["demo", "--layers", "2"]))
+    assert len(model.blocks) == 2 and args[0].shape == (2, 16) and kwargs == {}
+    with pytest.raises(ValueError, match="known: tiny, gpt2"):
+        build_model("gpt3", None)
+
+
+# -- optional packages ----------------------------------------------------------------------------------
+
+def test_import_needs_neither_transformers_nor_a_working_torchvision(tmp_path):
+    """``import attnres_fx`` (zoo and CLI included) imports neither transformers nor timm, so a broken
+    torchvision, as on this machine's CPU torch (README, Limits), cannot break it."""
+    for package in ("torchvision", "timm"):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text(f"raise RuntimeError('broken {package}')\n")
+    code = ("import sys, attnres_fx, attnres_fx.zoo, attnres_fx.cli; "
+            "loaded = {'transformers', 'torchvision', 'timm'} & set(sys.modules); assert not loaded, loaded")
+    path = [str(tmp_path), os.environ.get("PYTHONPATH")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True)
+
+
+def _import_timm():
+    """timm imports torchvision, which does not import next to this CPU torch (README, Limits). A
+    broken torchvision raises RuntimeError or OSError, not just ImportError: skip on any of them."""
+    try:
+        import timm
+    except Exception as err:  # noqa: BLE001 - whatever breaks the import is the reason to skip
+        pytest.skip(f"timm cannot be imported here: {type(err).__name__}: {err}")
+    return timm
+
+
+@pytest.mark.slow
+def test_timm_vision_transformer():
+    timm = _import_timm()
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8,
+                              embed_dim=32, depth=2, num_heads=2, num_classes=10).eval()
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    other = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    for tracer in ("auto", "export"):
+        new = attnres_fx.attnresify(model, (x,), preserve_scale=True, tracer=tracer)
+        assert [s.name for s in attnres_fx.sites(new)] == [
+            "blocks.0.attn_res", "blocks.0.mlp_res", "blocks.1.attn_res", "blocks.1.mlp_res", "final_res"]
+        with torch.no_grad():
+            assert H.relative_error(new(other), model(other)) < EXACT
