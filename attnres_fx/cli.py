@@ -1,13 +1,16 @@
 """``attnres-fx``: command-line entry point.
 
     attnres-fx demo [--model NAME] [--block-size S] [--num-blocks N] [--preserve-scale] [--out DIR]
+                    [--no-backends]
     attnres-fx export MODEL --onnx OUT.onnx [--block-size S] [--preserve-scale] [--device D]
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -85,6 +88,15 @@ def cmd_demo(args) -> int:
     code_path = out_dir / "rewritten_graph.py"
     code_path.write_text(new.code)
     print(f"Rewritten graph code saved to {code_path}")
+    if args.backends:
+        # Imported here: the ONNX packages are an optional extra.
+        from .export import three_way_report
+        print("\nHand-off: torch.compile (Inductor) and ONNX / onnxruntime")
+        try:
+            print(three_way_report(new, inputs, out_dir, example_kwargs=kwargs))
+        except (AttnResError, ImportError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 1
     return 0
 
 
@@ -140,14 +152,24 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--dim", type=int, default=64, help="tiny: hidden size")
     demo.add_argument("--norm", default="layernorm", help="tiny: norm style")
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--out", default="attnres_demo_out", help="folder for the saved graph code")
+    demo.add_argument("--out", default="attnres_demo_out", help="folder for the saved graph code and ONNX file")
+    demo.add_argument("--no-backends", dest="backends", action="store_false",
+                      help="skip compiling with Inductor and exporting to ONNX / onnxruntime")
     demo.set_defaults(func=cmd_demo)
     _add_export_parser(sub)
     return parser
 
 
+def _quiet_third_party_logs() -> None:
+    """The exporters log notices (e.g. "torchvision is not installed") that say nothing about the user's
+    model; the CLI's own report carries what matters. Errors still show."""
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning, module="copyreg")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _quiet_third_party_logs()
     return args.func(args)
 
 

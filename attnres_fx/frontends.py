@@ -93,7 +93,12 @@ def _trace_export(model, example_inputs, example_kwargs, dynamic_shapes) -> fx.G
         dynamic_shapes = default_dynamic_shapes(model, args, kwargs)
     with _config_cache_off(model, kwargs):
         program = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
-    return program.module()
+    gm = program.module()
+    # The graph was traced in the model's mode (dropout, batch-norm statistics are baked in), and
+    # export's module refuses .train()/.eval(): record that mode on the flags directly.
+    for module in gm.modules():
+        module.training = model.training
+    return gm
 
 
 @contextlib.contextmanager

@@ -17,13 +17,14 @@ from .runtime import run_session, session
 from .signature import bind, module_device, tensor_outputs
 
 
-def three_way_report(model_rewritten: nn.Module, inputs: Any, tmpdir: str | Path, *, runs: int = 5) -> str:
+def three_way_report(model_rewritten: nn.Module, inputs: Any, tmpdir: str | Path, *,
+                     example_kwargs: dict | None = None, runs: int = 5) -> str:
     """Compile ``model_rewritten``, export it to ``<tmpdir>/model.onnx``, run all three on ``inputs`` and
     return a printable table: agreement with eager (max absolute difference over all outputs, and
     that relative to the largest eager magnitude), median time of ``runs`` calls after one warm-up, and
     the one-off compile / export times. onnxruntime runs on the model's device when it can.
     """
-    call = bind(model_rewritten, inputs, None)
+    call = bind(model_rewritten, inputs, example_kwargs)
     device = module_device(model_rewritten)
 
     def forward(module):
@@ -37,7 +38,7 @@ def three_way_report(model_rewritten: nn.Module, inputs: Any, tmpdir: str | Path
         compile_s = time.perf_counter() - start
         compiled_out, compiled_ms = _timed(forward(compiled), runs, device)
     start = time.perf_counter()
-    path = to_onnx(model_rewritten, call.args, Path(tmpdir) / "model.onnx")
+    path = to_onnx(model_rewritten, call.args, Path(tmpdir) / "model.onnx", example_kwargs=call.kwargs)
     export_s = time.perf_counter() - start
     sess = session(path, device="auto" if device.type == "cuda" else "cpu")
     ort_out, ort_ms = _timed(lambda: [torch.from_numpy(np.asarray(o)) for o in run_session(sess, call)],

@@ -292,6 +292,7 @@ class _AttnResFactory:
             unique, suffix = f"{name}_{suffix}", suffix + 1
         dim = _infer_dim(self.gm, stream)
         module = BlockAttnRes(dim, self.eps, preserve_scale=self.preserve_scale, **self.factory_kwargs)
+        module.training = self.gm.training
         self.gm.add_submodule(unique, module)
         return unique
 

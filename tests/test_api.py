@@ -112,7 +112,7 @@ def test_import_does_not_pull_optional_dependencies():
 
 
 def test_cli_demo_prints_table_difference_and_saves_code(tmp_path, capsys):
-    assert cli_main(["demo", "--layers", "2", "--dim", "32", "--out", str(tmp_path)]) == 0
+    assert cli_main(["demo", "--layers", "2", "--dim", "32", "--out", str(tmp_path), "--no-backends"]) == 0
     out = capsys.readouterr().out
     assert "blocks.1  mlp   yes" in out
     assert "max |original - rewritten|" in out

@@ -272,3 +272,13 @@ def test_cli_export(tmp_path, capsys):
 def test_cli_export_unknown_model(tmp_path, capsys):
     assert cli_main(["export", "no-such-model", "--onnx", str(tmp_path / "x.onnx")]) == 1
     assert "unknown model 'no-such-model'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_cli_demo_reports_eager_compiled_and_onnxruntime(tmp_path, capsys):
+    assert cli_main(["demo", "--layers", "2", "--dim", "32", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("eager vs compiled vs onnxruntime"):].splitlines()
+    assert [line.split()[0] for line in table[2:5]] == ["eager", "compiled", "onnxruntime"]
+    assert all(float(line.split()[1]) <= 1e-4 for line in table[3:5]), "three-way agreement"
+    assert (tmp_path / "model.onnx").exists() and (tmp_path / "rewritten_graph.py").exists()
