@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp
 
-from attnres_fx.passes import BlockAttnResRewrite, ResidualStreams, block_sizes, detect_residual_streams
+from attnres_fx.passes import (BlockAttnResRewrite, ResidualStreams, RewrittenSite, block_sizes,
+                               detect_residual_streams)
 
 from .block_attnres import DEFAULT_EPS, BlockAttnRes
 from .errors import AttnResError, AttnResWarning, NoResidualStreamError, UnsupportedArchitectureError
@@ -18,8 +19,8 @@ from .frontends import trace
 
 
 @dataclass(frozen=True)
-class Site:
-    """One injected aggregation, as :func:`sites` reports it.
+class Site(RewrittenSite):
+    """One injected aggregation, as :func:`sites` reports it: the rewrite's record plus its module.
 
     ``index``: execution order over the whole model (the final aggregation of a stream comes after its
     sites). ``name``: dotted path of the ``BlockAttnRes`` in the returned model. ``kind``: ``"attn"``,
@@ -28,16 +29,9 @@ class Site:
     ``stream``: which residual stream (encoder-decoder models have two). ``layer``: the module that
     performed the original residual add. ``num_sources``: how many sources it attends over.
     ``normalised``: whether the branch read the stream through a norm (``None`` for ``"final"``).
+    ``replaced``: the original add node of the site. ``module``: the ``BlockAttnRes`` itself.
     """
 
-    index: int
-    name: str
-    kind: str
-    block: int | None
-    stream: int
-    layer: str
-    num_sources: int
-    normalised: bool | None
     module: BlockAttnRes
 
     def __str__(self) -> str:
@@ -56,8 +50,7 @@ def sites(module: nn.Module) -> list[Site]:
     for name, sub in _unwrap(module).named_modules():
         record = getattr(sub, "site", None)
         if isinstance(sub, BlockAttnRes) and record is not None:
-            found.append(Site(record.index, name, record.kind, record.block, record.stream, record.layer,
-                              record.num_sources, record.normalised, sub))
+            found.append(Site(**{**asdict(record), "name": name}, module=sub))
     return sorted(found, key=lambda s: s.index)
 
 

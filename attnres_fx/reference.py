@@ -69,35 +69,37 @@ class AttnResTransformer(nn.Module):
     def _aggregate(self, blocks, partial, proj, norm):
         return block_attn_res(blocks, partial, proj, norm, preserve_scale=self.preserve_scale)
 
+    def _site(self, blocks, partial, site, queries, branch):
+        """One residual site: aggregate before the boundary, commit at a block start, add the output."""
+        inputs = [self._aggregate(blocks, partial, proj, norm) for proj, norm in queries]
+        if site % self.block_size == 0:
+            blocks.append(partial)
+            partial = None
+        out = branch(*inputs)
+        return out if partial is None else partial + out
+
     def forward(self, ids):
         positions = torch.arange(ids.shape[1], device=ids.device)
         partial = self.tok_emb(ids) + self.pos_emb(positions)
         blocks: list[torch.Tensor] = []
         site = 0
         for block in self.blocks:
+            attn_query = (block.attn_res_proj, block.attn_res_norm)
+            mlp_query = (block.mlp_res_proj, block.mlp_res_norm)
+
+            def attn(h, block=block):
+                return block.attn(block.ln1(h))
+
+            def mlp(h, block=block):
+                return block.mlp(block.ln2(h))
+
             if block.parallel:
-                h_attn = self._aggregate(blocks, partial, block.attn_res_proj, block.attn_res_norm)
-                h_mlp = self._aggregate(blocks, partial, block.mlp_res_proj, block.mlp_res_norm)
-                if site % self.block_size == 0:
-                    blocks.append(partial)
-                    partial = None
-                out = block.attn(block.ln1(h_attn)) + block.mlp(block.ln2(h_mlp))
-                partial = out if partial is None else partial + out
+                partial = self._site(blocks, partial, site, [attn_query, mlp_query],
+                                     lambda h_attn, h_mlp: attn(h_attn) + mlp(h_mlp))
                 site += 1
-                continue
-            h = self._aggregate(blocks, partial, block.attn_res_proj, block.attn_res_norm)
-            if site % self.block_size == 0:
-                blocks.append(partial)
-                partial = None
-            attn_out = block.attn(block.ln1(h))
-            partial = attn_out if partial is None else partial + attn_out
-            site += 1
-            h = self._aggregate(blocks, partial, block.mlp_res_proj, block.mlp_res_norm)
-            if site % self.block_size == 0:
-                blocks.append(partial)
-                partial = None
-            mlp_out = block.mlp(block.ln2(h))
-            partial = mlp_out if partial is None else partial + mlp_out
-            site += 1
+            else:
+                partial = self._site(blocks, partial, site, [attn_query], attn)
+                partial = self._site(blocks, partial, site + 1, [mlp_query], mlp)
+                site += 2
         h = self._aggregate(blocks, partial, self.final_res_proj, self.final_res_norm)
         return self.head(self.ln_f(h))

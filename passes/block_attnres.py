@@ -44,7 +44,7 @@ from . import graph_patterns as gp
 from .residual_stream import Branch, ResidualSite, ResidualStream, ResidualStreams
 
 
-@dataclass
+@dataclass(frozen=True)
 class RewrittenSite:
     """Record of one injected aggregation (what ``attnres_fx.sites`` reports)."""
 
