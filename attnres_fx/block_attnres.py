@@ -8,6 +8,21 @@ from torch import nn
 DEFAULT_EPS = 1e-6
 
 
+def folded_query(proj_weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
+    """The pseudo-query with the key-norm weight folded in, in fp32: ``w . (g * k) == (w * g) . k``."""
+    return (proj_weight[0] * norm_weight).float()
+
+
+def key_scale(value: torch.Tensor, eps: float) -> torch.Tensor:
+    """``rsqrt(mean(v**2) + eps)`` over the last dim of an fp32 ``value``, keepdim: the RMSNorm of a key.
+
+    ``vector_norm`` is one reduction kernel in eager mode (``pow`` then ``mean`` would write a full-size
+    temporary); under Inductor it fuses with the dot product that reads the same source.
+    """
+    norm = torch.linalg.vector_norm(value, dim=-1, keepdim=True)
+    return torch.rsqrt(norm.square() / value.shape[-1] + eps)
+
+
 class BlockAttnRes(nn.Module):
     """Aggregate residual sources with one learned, input-independent pseudo-query.
 
@@ -24,8 +39,17 @@ class BlockAttnRes(nn.Module):
     by the number of sources, so at zero init it equals the plain sum of the sources (the original
     residual stream) exactly, on any architecture.
 
-    The sources are never stacked into one tensor: each one is read once to get its key scale and its
-    dot product with the (norm-weighted) pseudo-query, and once more for the weighted sum.
+    Written to fuse: the sources are never stacked into one tensor; one pass over each source gives its
+    key scale and its dot product with the (norm-folded) pseudo-query; the softmax over the few sources
+    works on per-token scalars only (running max, exponentials, their sum), and the weighted sum is one
+    more pass with the normalisation (and ``preserve_scale``) folded into the per-source weights. Under
+    Inductor on CPU the module is one kernel with no full-size temporary (tests/test_kernels.py); it
+    reads each source twice (logits, then weighted sum), which bounds it at about (k + 1) / (2k + 1) of
+    a single streaming read of its k sources when memory-bound.
+
+    In this per-site form every site recomputes the key scale of every completed block it reads. A
+    completed block's keys never change, so :mod:`attnres_fx.passes.two_phase` computes them once per
+    block and scores all of the block's pseudo-queries against them in one product.
     """
 
     def __init__(self, dim: int, eps: float = DEFAULT_EPS, *, preserve_scale: bool = False,
@@ -50,18 +74,21 @@ class BlockAttnRes(nn.Module):
     def forward(self, *sources: torch.Tensor) -> torch.Tensor:
         if not sources:
             raise ValueError("BlockAttnRes needs at least one source")
-        out_dtype = sources[0].dtype
-        # w . (g * v / rms(v)) == ((w * g) . v) / rms(v): fold the key-norm weight into the query.
-        query = (self.proj.weight[0] * self.norm.weight).float()
+        query = folded_query(self.proj.weight, self.norm.weight)
         logits = []
         for value in sources:
             value = value.float()
-            key_scale = torch.rsqrt(value.pow(2).mean(-1, keepdim=True) + self.eps)
-            logits.append((value * query).sum(-1, keepdim=True) * key_scale)
-        weights = torch.softmax(torch.cat(logits, dim=-1), dim=-1)
-        out = weights[..., 0:1] * sources[0].float()
-        for i in range(1, len(sources)):
-            out = out + weights[..., i:i + 1] * sources[i].float()
-        if self.preserve_scale:
-            out = out * len(sources)
-        return out.to(out_dtype)
+            logits.append(torch.matmul(value, query).unsqueeze(-1) * key_scale(value, self.eps))
+        top = logits[0]
+        for logit in logits[1:]:
+            top = torch.maximum(top, logit)
+        exps = [torch.exp(logit - top) for logit in logits]
+        total = exps[0]
+        for e in exps[1:]:
+            total = total + e
+        inverse = (len(sources) if self.preserve_scale else 1.0) / total
+        # Mixed-dtype products promote to fp32 inside the kernel: no fp32 copy of a bf16 source.
+        out = (exps[0] * inverse) * sources[0]
+        for e, value in zip(exps[1:], sources[1:]):
+            out = torch.addcmul(out, e * inverse, value)
+        return out.to(sources[0].dtype)

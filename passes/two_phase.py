@@ -1,0 +1,232 @@
+"""The paper's two-phase schedule (METHOD.md section 5) as an fx pass over a rewritten GraphModule.
+
+Pseudo-queries do not depend on the input, so all the sites that read the same completed blocks can be
+scored against those blocks at once:
+
+- phase 1, once per block: read each completed block once; its key scale ``rsqrt(mean(b^2) + eps)`` is
+  computed there, once for all S queries (in the per-site form every site recomputes it), and so are its
+  logits for all S queries (pseudo-queries with their key-norm weights folded in). The result is one
+  online-softmax state per query: running max ``m``, sum of exponentials ``l`` (``[..., 1]``) and the
+  un-normalised weighted sum of the blocks ``acc`` (``[..., D]``), all fp32;
+- phase 2, per site: score the intra-block partial sum with the site's own query and merge it into its
+  phase-1 state with an online-softmax update::
+
+      M = max(m, z);  a = exp(m - M);  c = exp(z - M)
+      h = (a * acc + c * partial) / (a * l + c)        (* number of sources with preserve_scale)
+
+  This is the softmax over ``blocks + [partial]`` regrouped, not an approximation.
+
+Contract
+    requires  a GraphModule in the per-site form that :func:`attnres_fx.attnresify` returns:
+              ``call_module`` nodes of :class:`~attnres_fx.BlockAttnRes` modules that carry a ``.site``
+              record, with the sources ``(*completed_blocks, partial)`` as positional arguments.
+    ensures   no ``call_module`` of a BlockAttnRes is left; every site reads a ``attnres_phase2_<site>``
+              node; the graph lints.
+    modifies  the graph only, in place. The BlockAttnRes modules stay registered and are read through
+              ``get_attr`` nodes (their ``proj.weight`` and ``norm.weight``), so parameter names, the
+              ``state_dict`` and :func:`attnres_fx.sites` are those of the per-site form: a checkpoint
+              loads into either form, and gradients reach the same pseudo-queries.
+              ``preserves_computation`` is True: the result equals the per-site form up to fp32
+              rounding (about 1e-6 relative).
+
+A *group* is the set of sites whose sources minus the last (the partial) are the very same nodes: the
+sites of one block (and the stream's final aggregation, which reads the last block's completed set).
+A site with no completed block (the first one, whose only source is the embedding) gets phase 2 alone,
+which is the partial itself.
+
+Worked example: 2 layers (4 sites), ``block_size=2``; ``at0`` / ``at1`` are the attention outputs,
+``emb`` is ``b_0``, ``p1 = at0 + mlp_out_0`` becomes ``b_1`` at site 2, and ``p2 = at1 + mlp_out_1``::
+
+    per-site form                       two-phase form
+    a0 = blocks.0.attn_res(emb)         a0 = attnres_phase2_blocks_0_attn_res(emb)
+    a1 = blocks.0.mlp_res(emb, at0)     attnres_phase1_block1 = phase1((w1, w2), (g1, g2), (emb,))
+    a2 = blocks.1.attn_res(emb, p1)     a1 = attnres_phase2_blocks_0_mlp_res(<query0>, w1, g1, at0)
+    a3 = blocks.1.mlp_res(emb, p1, at1) a2 = attnres_phase2_blocks_1_attn_res(<query1>, w2, g2, p1)
+    fin = final_res(emb, p1, p2)        attnres_phase1_block2 = phase1((w3, w4), (g3, g4), (emb, p1))
+                                        a3 = attnres_phase2_blocks_1_mlp_res(<query0>, w3, g3, at1)
+                                        fin = attnres_phase2_final_res(<query1>, w4, g4, p2)
+
+(``w_k`` / ``g_k`` are ``get_attr`` nodes of the sites' ``proj.weight`` / ``norm.weight``;
+``<query s>`` is the ``attnres_phase1_block<n>_query<s>`` item of the phase-1 result; each phase-2
+call also gets the site's first source, whose dtype its result takes.)
+
+The schedule is meant for inference: it reads each completed block once per block instead of once per
+site. It is differentiable, but autograd then keeps each site's ``acc`` (one fp32 stream tensor per
+site) for the backward pass, which the per-site form does not need; train in the per-site form.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+from torch.fx.passes.infra.pass_base import PassBase, PassResult
+
+from attnres_fx.block_attnres import BlockAttnRes, folded_query, key_scale
+
+SCHEDULE_META = "two_phase"
+
+
+def phase1(proj_weights: tuple[torch.Tensor, ...], norm_weights: tuple[torch.Tensor, ...],
+           blocks: tuple[torch.Tensor, ...], *, eps: float) -> tuple[tuple[torch.Tensor, ...], ...]:
+    """Score S pseudo-queries against the completed ``blocks`` at once.
+
+    Returns one online-softmax state per query: ``(m, l, acc)``, the running max and sum of
+    exponentials of its logits (``[..., 1]``) and the un-normalised weighted sum of the blocks
+    (``[..., D]``), all fp32.
+    """
+    values = [block.float() for block in blocks]
+    # Each block's key scale is computed once here and shared by all S queries.
+    scales = [key_scale(value, eps) for value in values]
+    states = []
+    for proj_weight, norm_weight in zip(proj_weights, norm_weights):
+        query = folded_query(proj_weight, norm_weight)
+        # One matrix-vector product per query and block: Inductor turns each into a reduction and fuses
+        # them all, with the key scales, into one pass over each block (a [D, S] matmul would stay an
+        # external GEMM call that reads the block on its own).
+        logits = [torch.matmul(value, query).unsqueeze(-1) * scale for value, scale in zip(values, scales)]
+        top = logits[0]
+        for logit in logits[1:]:
+            top = torch.maximum(top, logit)
+        exps = [torch.exp(logit - top) for logit in logits]
+        total = exps[0]
+        for e in exps[1:]:
+            total = total + e
+        # Mixed-dtype products promote to fp32 inside the kernel: no fp32 copy of a bf16 block.
+        acc = exps[0] * blocks[0]
+        for e, block in zip(exps[1:], blocks[1:]):
+            acc = torch.addcmul(acc, e, block)
+        states.append((top, total, acc))
+    return tuple(states)
+
+
+def phase2(state: tuple[torch.Tensor, torch.Tensor, torch.Tensor], proj_weight: torch.Tensor,
+           norm_weight: torch.Tensor, partial: torch.Tensor, first: torch.Tensor, *, eps: float,
+           scale: float) -> torch.Tensor:
+    """Merge the partial sum into one query's phase-1 state; the result has ``first``'s dtype."""
+    running_max, sum_exp, acc = state
+    value = partial.float()
+    logit = torch.matmul(value, folded_query(proj_weight, norm_weight)).unsqueeze(-1) * key_scale(value, eps)
+    top = torch.maximum(running_max, logit)
+    old = torch.exp(running_max - top)
+    new = torch.exp(logit - top)
+    inverse = scale / (old * sum_exp + new)
+    return torch.addcmul((old * inverse) * acc, new * inverse, partial).to(first.dtype)
+
+
+def phase2_alone(partial: torch.Tensor, *, scale: float) -> torch.Tensor:
+    """A site whose only source is the partial: the softmax over one source is 1."""
+    return (partial.float() * scale).to(partial.dtype)
+
+
+@dataclass
+class _Site:
+    node: fx.Node
+    module: BlockAttnRes
+
+    @property
+    def completed(self) -> tuple[fx.Node, ...]:
+        return tuple(self.node.args[:-1])
+
+    @property
+    def scale(self) -> float:
+        return float(len(self.node.args)) if self.module.preserve_scale else 1.0
+
+
+class TwoPhaseSchedule(PassBase):
+    """Rewrite the per-site aggregations of a GraphModule into the two-phase schedule, in place."""
+
+    preserves_computation = True
+
+    def requires(self, graph_module: fx.GraphModule) -> None:
+        if not isinstance(graph_module, fx.GraphModule):
+            raise ValueError(f"the two-phase schedule applies to a torch.fx.GraphModule, got "
+                             f"{type(graph_module).__name__}")
+        if graph_module.meta.get("attnres", {}).get("schedule") == SCHEDULE_META:
+            raise ValueError("this GraphModule already uses the two-phase schedule")
+        if not _sites(graph_module):
+            raise ValueError("no BlockAttnRes aggregation is called in this graph: the two-phase schedule "
+                             "applies to the GraphModule that attnres_fx.attnresify returns")
+
+    def ensures(self, graph_module: fx.GraphModule) -> None:
+        graph_module.graph.lint()
+        left = [site.node.name for site in _sites(graph_module)]
+        if left:
+            raise RuntimeError(f"per-site aggregations left after the two-phase rewrite: {left}")
+
+    def call(self, graph_module: fx.GraphModule) -> PassResult:
+        graph = graph_module.graph
+        groups: dict[tuple, list[_Site]] = {}
+        for site in _sites(graph_module):
+            if site.completed:
+                groups.setdefault((site.completed, site.module.eps), []).append(site)
+            else:
+                _replace(graph, site, "call_function", phase2_alone, (site.node.args[-1],),
+                         {"scale": site.scale}, "phase2")
+        for (completed, eps), members in groups.items():
+            _rewrite_group(graph, completed, eps, members)
+        graph_module.meta.setdefault("attnres", {})["schedule"] = SCHEDULE_META
+        graph_module.recompile()
+        return PassResult(graph_module, True)
+
+
+def apply_two_phase(gm: fx.GraphModule) -> fx.GraphModule:
+    """Switch a rewritten GraphModule to the two-phase schedule, in place, and return it.
+
+    ``gm`` is what :func:`attnres_fx.attnresify` returned. Parameters, ``state_dict`` and
+    ``attnres_fx.sites(gm)`` are unchanged; only the graph is. To keep the per-site form as well, pass
+    ``copy.deepcopy(gm)`` (its parameters are then copies). Raises ``ValueError`` (leaving ``gm``
+    untouched) on a module without BlockAttnRes aggregations, or one already switched.
+    """
+    return TwoPhaseSchedule()(gm).graph_module
+
+
+def can_apply_two_phase(module) -> bool:
+    """Whether :func:`apply_two_phase` applies: a GraphModule with per-site BlockAttnRes calls."""
+    return isinstance(module, fx.GraphModule) and bool(_sites(module))
+
+
+def _sites(gm: fx.GraphModule) -> list[_Site]:
+    found = []
+    for node in gm.graph.nodes:
+        if node.op != "call_module":
+            continue
+        module = gm.get_submodule(node.target)
+        if isinstance(module, BlockAttnRes) and getattr(module, "site", None) is not None:
+            found.append(_Site(node, module))
+    return found
+
+
+def _rewrite_group(graph: fx.Graph, completed: tuple[fx.Node, ...], eps: float, members: list[_Site]) -> None:
+    stream = members[0].module.site.stream
+    name = f"attnres_phase1_{f'stream{stream}_' if stream else ''}block{len(completed)}"
+    weights = []
+    with graph.inserting_before(members[0].node):
+        for site in members:
+            weights.append((graph.get_attr(f"{site.node.target}.proj.weight"),
+                            graph.get_attr(f"{site.node.target}.norm.weight")))
+        state = graph.create_node("call_function", phase1,
+                                  (tuple(p for p, _ in weights), tuple(g for _, g in weights), completed),
+                                  {"eps": eps}, name=name)
+        state.meta["attnres"] = {"name": name, "role": "phase1", "block": len(completed),
+                                 "sites": [site.node.target for site in members]}
+        states = [graph.create_node("call_function", operator.getitem, (state, s), name=f"{name}_query{s}")
+                  for s in range(len(members))]
+    for site, (proj, norm), query_state in zip(members, weights, states):
+        args = (query_state, proj, norm, site.node.args[-1], site.node.args[0])
+        _replace(graph, site, "call_function", phase2, args, {"eps": eps, "scale": site.scale}, "phase2")
+
+
+def _replace(graph: fx.Graph, site: _Site, op: str, target, args: tuple, kwargs: dict, role: str) -> None:
+    """Put a phase node where the site's call was, with the site's provenance, and drop the call."""
+    old = site.node
+    with graph.inserting_before(old):
+        new = graph.create_node(op, target, args, kwargs, name=f"attnres_{role}_{old.target.replace('.', '_')}")
+    for key in ("nn_module_stack", "stack_trace"):
+        if key in old.meta:
+            new.meta[key] = old.meta[key]
+    new.meta["attnres"] = {**old.meta.get("attnres", {}), "role": role}
+    old.replace_all_uses_with(new)
+    graph.erase_node(old)

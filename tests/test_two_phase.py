@@ -1,0 +1,137 @@
+"""The two-phase schedule pass: exact against the per-site form (forward and gradients), its graph
+structure, and its failures."""
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import fx, nn
+
+import attnres_fx
+from attnres_fx.block_attnres import BlockAttnRes
+from attnres_fx.models import TinyConfig, TinyTransformer, example_ids
+from attnres_fx.passes.two_phase import TwoPhaseSchedule, apply_two_phase, can_apply_two_phase
+
+ALL_SITES = 100          # a block size larger than any model here: one block covers every site
+
+
+def _rewritten(parallel=False, block_size=2, preserve_scale=False, num_layers=3, seed=0):
+    """A rewritten TinyTransformer with random non-zero pseudo-queries and key-norm weights."""
+    torch.manual_seed(seed)
+    cfg = TinyConfig(dim=32, num_layers=num_layers, num_heads=2, parallel=parallel)
+    ids = example_ids(cfg, batch=2, seq=12)
+    gm = attnres_fx.attnresify(TinyTransformer(cfg), (ids,), block_size=block_size,
+                               preserve_scale=preserve_scale)
+    for site in attnres_fx.sites(gm):
+        nn.init.normal_(site.module.proj.weight, std=0.5)
+        nn.init.uniform_(site.module.norm.weight, 0.5, 1.5)
+    return gm, ids
+
+
+def _grads(module):
+    # A site whose only source is the embedding has a zero gradient per site and none in phase-2-alone.
+    return {name: torch.zeros_like(p) if p.grad is None else p.grad for name, p in module.named_parameters()}
+
+
+def _loss(module, ids):
+    return module(ids).square().mean()
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["sequential", "parallel"])
+@pytest.mark.parametrize("block_size", [1, 2, 3, ALL_SITES], ids=["S1", "S2", "S3", "one_block"])
+def test_matches_the_per_site_form_forward_and_gradients(parallel, block_size):
+    per_site, ids = _rewritten(parallel, block_size, preserve_scale=block_size == 2)
+    two_phase = apply_two_phase(copy.deepcopy(per_site))
+    _loss(per_site, ids).backward()
+    _loss(two_phase, ids).backward()
+    with torch.no_grad():
+        torch.testing.assert_close(two_phase(ids), per_site(ids), rtol=1e-5, atol=1e-5)
+    want, got = _grads(per_site), _grads(two_phase)
+    assert list(got) == list(want)
+    queries = [name for name in want if name.endswith("proj.weight")]
+    attending = [f"{s.name}.proj.weight" for s in attnres_fx.sites(per_site) if s.num_sources > 1]
+    assert attending and all(torch.count_nonzero(want[name]) for name in attending), \
+        "the pseudo-query of every site with more than one source must get a gradient"
+    for name in [*queries, "blocks.0.attn.qkv.weight", "blocks.1.mlp.fc1.weight"]:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5, msg=name)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("block_size", [1, 2, ALL_SITES])
+def test_structure_one_phase1_per_block_one_phase2_per_site(block_size):
+    gm, ids = _rewritten(block_size=block_size)
+    keys, params = list(gm.state_dict()), [id(p) for p in gm.parameters()]
+    names = [s.name for s in attnres_fx.sites(gm)]
+    num_sites = sum(1 for s in attnres_fx.sites(gm) if s.kind != "final")      # 6: 3 layers x 2
+    result = TwoPhaseSchedule()(gm)
+    assert result.modified and result.graph_module is gm
+    nodes = list(gm.graph.nodes)
+    phase1 = [n.name for n in nodes if n.meta.get("attnres", {}).get("role") == "phase1"]
+    # Commits happen at sites 0, S, 2S, ...: every later site (and the final one) reads 1..ceil(M/S).
+    blocks = math.ceil(num_sites / min(block_size, num_sites))
+    assert phase1 == [f"attnres_phase1_block{k}" for k in range(1, blocks + 1)]
+    phase2 = [n.name for n in nodes if n.meta.get("attnres", {}).get("role") == "phase2"]
+    assert phase2 == ["attnres_phase2_" + name.replace(".", "_") for name in names]
+    calls = [n for n in nodes if n.op == "call_module"]
+    assert not [n for n in calls if isinstance(gm.get_submodule(n.target), BlockAttnRes)]
+    gm.graph.lint()
+    assert list(gm.state_dict()) == keys
+    assert [id(p) for p in gm.parameters()] == params
+    assert [s.name for s in attnres_fx.sites(gm)] == names
+    assert TwoPhaseSchedule.preserves_computation is True
+    assert gm.meta["attnres"]["schedule"] == "two_phase"
+
+
+def test_checkpoints_load_into_either_form():
+    per_site, ids = _rewritten(block_size=2)
+    two_phase = apply_two_phase(_rewritten(block_size=2, seed=1)[0])
+    two_phase.load_state_dict(per_site.state_dict(), strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(two_phase(ids), per_site(ids), rtol=1e-5, atol=1e-5)
+        per_site.load_state_dict(two_phase.state_dict(), strict=True)
+
+
+def test_bf16_keeps_dtype_and_fp32_softmax():
+    per_site, ids = _rewritten(block_size=2)
+    per_site = per_site.to(torch.bfloat16)
+    two_phase = apply_two_phase(copy.deepcopy(per_site))
+    with torch.no_grad():
+        want, got = per_site(ids), two_phase(ids)
+    assert got.dtype == torch.bfloat16
+    # Same fp32 aggregates, rounded to bf16 at each site: a few bf16 ulps after 3 layers at most.
+    assert (got.float() - want.float()).abs().max() <= 2 ** -5 * want.float().abs().max()
+
+
+def test_rejects_a_model_that_was_not_rewritten(untouched):
+    cfg = TinyConfig(dim=16, num_layers=2, num_heads=2)
+    traced = fx.symbolic_trace(TinyTransformer(cfg))
+    check = untouched(traced)
+    code = traced.code
+    assert not can_apply_two_phase(traced) and not can_apply_two_phase(TinyTransformer(cfg))
+    with pytest.raises(ValueError, match="attnresify"):
+        apply_two_phase(traced)
+    assert traced.code == code
+    check()
+    with pytest.raises(ValueError, match="GraphModule"):
+        apply_two_phase(TinyTransformer(cfg))
+
+
+def test_rejects_a_second_application():
+    gm, _ = _rewritten()
+    assert can_apply_two_phase(gm)
+    apply_two_phase(gm)
+    assert not can_apply_two_phase(gm)
+    code = gm.code
+    with pytest.raises(ValueError, match="already"):
+        apply_two_phase(gm)
+    assert gm.code == code
+
+
+@pytest.mark.slow
+def test_compiles_with_inductor_fullgraph():
+    gm, ids = _rewritten(block_size=2)
+    gm = apply_two_phase(gm)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(gm, fullgraph=True)(ids), gm(ids), rtol=1e-5, atol=1e-5)
