@@ -8,10 +8,17 @@ import torch
 from torch import nn
 
 from .errors import export_error
+from .schedule import inference_form
 
 
-def compile(module: nn.Module, **torch_compile_kwargs) -> nn.Module:  # noqa: A001 - mirrors torch.compile
+def compile(module: nn.Module, *, two_phase: bool | None = None,  # noqa: A001 - mirrors torch.compile
+            **torch_compile_kwargs) -> nn.Module:
     """``torch.compile(module, backend="inductor", fullgraph=True, **torch_compile_kwargs)``.
+
+    ``two_phase``: compile the two-phase inference schedule (:mod:`attnres_fx.passes.two_phase`), built
+    on a twin of ``module`` that shares its parameters (``module`` itself is not changed). ``None`` (the
+    default) means: for a module in eval mode, i.e. for inference; a module in training mode keeps the
+    per-site form, which needs less activation memory in the backward pass.
 
     ``fullgraph=True`` makes a graph break an error instead of a silent fallback to eager Python for
     part of the model; the caller's keyword arguments override both defaults.
@@ -22,6 +29,7 @@ def compile(module: nn.Module, **torch_compile_kwargs) -> nn.Module:  # noqa: A0
     ``OptimizedModule``: ``attnres_fx.sites()`` and ``state_dict()`` see the original module through it.
     """
     options = {"backend": "inductor", "fullgraph": True, **torch_compile_kwargs}
+    module = inference_form(module, not module.training if two_phase is None else two_phase)
     compiled = torch.compile(module, **options)
     if compiled is module:
         # disable=True: torch.compile hands back the caller's module, which must not be patched.

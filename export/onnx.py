@@ -28,6 +28,7 @@ from attnres_fx.errors import AttnResWarning
 from attnres_fx.frontends import default_dynamic_shapes
 
 from .errors import reraise_as_export_error
+from .schedule import inference_form
 from .signature import bind, output_names
 
 NAME_SCOPES = "pkg.torch.onnx.name_scopes"
@@ -36,7 +37,8 @@ _ATTNRES_CLASS = f"{BlockAttnRes.__module__}.{BlockAttnRes.__qualname__}"
 
 
 def to_onnx(module: nn.Module, example_inputs: Any, path: str | Path, *, example_kwargs: dict | None = None,
-            dynamic: bool = True, opset: int | None = None, external_data: bool | None = None) -> Path:
+            dynamic: bool = True, opset: int | None = None, external_data: bool | None = None,
+            two_phase: bool = True) -> Path:
     """Export ``module`` to an ONNX file at ``path`` and check it with ``onnx.checker``; return the path.
 
     Args:
@@ -51,13 +53,16 @@ def to_onnx(module: nn.Module, example_inputs: Any, path: str | Path, *, example
         external_data: store weights in ``<path>.data`` beside the model. ``None``: automatically when
             the initializers exceed 1.5 GB (a protobuf cannot exceed 2 GB, so ``False`` cannot force
             a larger model into one file).
+        two_phase: export the two-phase inference schedule (:mod:`attnres_fx.passes.two_phase`):
+            each completed block is read once per block instead of once per site. Exact; ``False``
+            exports the per-site form, one node group per BlockAttnRes.
 
     Graph inputs are named after ``forward()``'s parameters (``ids``, ``input_ids``); outputs after
     the output's keys (``logits``, ``last_hidden_state``), ``output_<i>`` for a tuple, and ``logits``
     / ``output`` for a single tensor. Every failure raises :class:`attnres_fx.ExportError` with the
     exporter's root cause and a hint.
     """
-    module = getattr(module, "_orig_mod", module)
+    module = inference_form(getattr(module, "_orig_mod", module), two_phase)
     path = Path(path)
     call = bind(module, example_inputs, example_kwargs)
     dynamic_shapes = default_dynamic_shapes(module, call.args, call.kwargs) if dynamic else None

@@ -79,16 +79,22 @@ def test_onnxruntime_matches_eager_at_any_batch_and_length(tiny_fp32, exported, 
 
 
 @pytest.mark.slow
-def test_onnx_graph_is_valid_named_and_traceable_to_every_site(tiny_fp32, exported):
+def test_onnx_graph_is_valid_named_and_traceable_to_every_site(tiny_fp32, exported, tmp_path):
     onnx.checker.check_model(str(exported.path))
     model = onnx.load(str(exported.path))
     assert [i.name for i in model.graph.input] == ["ids"]
     assert [o.name for o in model.graph.output] == ["logits"]
     assert exported.path.with_name("tiny.onnx.data").exists() == exported.external
-    groups = export.attnres_node_groups(exported.path)
     sites = attnres_fx.sites(tiny_fp32.model)
+    # The default export is the two-phase schedule: a single-source site (the first) is the identity
+    # and exports to no node; every other site keeps its own group.
+    two_phase_groups = export.attnres_node_groups(exported.path)
+    assert list(two_phase_groups) == [site.name for site in sites if site.num_sources > 1]
+    per_site = export.to_onnx(tiny_fp32.model, (tiny_fp32.ids,), tmp_path / "per_site.onnx", two_phase=False)
+    groups = export.attnres_node_groups(per_site)
     assert len(groups) == len(sites)
     assert list(groups) == [site.name for site in sites]
+    model = onnx.load(str(per_site))
     nodes = {node.name: node for node in model.graph.node}
     for site, names in groups.items():
         assert names and set(names) <= set(nodes)
@@ -243,7 +249,7 @@ def test_hf_llama_compiles_and_exports(tmp_path):
     sess = export.session(path, device="cpu")
     assert [i.name for i in sess.get_inputs()] == ["input_ids"]
     assert [o.name for o in sess.get_outputs()] == ["logits"]
-    assert len(export.attnres_node_groups(path)) == len(attnres_fx.sites(new))
+    assert len(export.attnres_node_groups(path)) == sum(s.num_sources > 1 for s in attnres_fx.sites(new))
     for shape in [EXPORT_SHAPE, *OTHER_SHAPES]:
         report = export.verify(new, sess, torch.randint(0, 128, shape))
         assert report.ok and report.max_abs <= 1e-4, str(report)
@@ -282,3 +288,18 @@ def test_cli_demo_reports_eager_compiled_and_onnxruntime(tmp_path, capsys):
     assert [line.split()[0] for line in table[2:5]] == ["eager", "compiled", "onnxruntime"]
     assert all(float(line.split()[1]) <= 1e-4 for line in table[3:5]), "three-way agreement"
     assert (tmp_path / "model.onnx").exists() and (tmp_path / "rewritten_graph.py").exists()
+
+
+def test_backends_get_the_two_phase_form_without_touching_the_module(tiny_fp32):
+    from attnres_fx.export.schedule import inference_form
+    module = tiny_fp32.model
+    code = module.code
+    twin = inference_form(module, two_phase=True)
+    assert twin is not module and module.code == code, "the caller's module keeps its per-site graph"
+    assert any(n.name.startswith("attnres_phase1_block") for n in twin.graph.nodes)
+    assert twin.get_parameter("blocks.1.attn_res.proj.weight") is module.get_parameter("blocks.1.attn_res.proj.weight")
+    assert [s.name for s in attnres_fx.sites(twin)] == [s.name for s in attnres_fx.sites(module)]
+    assert inference_form(module, two_phase=False) is module
+    with torch.no_grad():
+        # The schedule regroups the same fp32 softmax (online-softmax merge): rounding only.
+        torch.testing.assert_close(twin(tiny_fp32.ids), module(tiny_fp32.ids), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,26 @@
+"""Which form of a rewritten module the backends get: per-site, or the two-phase inference schedule."""
+
+from __future__ import annotations
+
+import copy
+
+from torch import fx, nn
+
+from attnres_fx.passes.two_phase import apply_two_phase, can_apply_two_phase
+
+
+def inference_form(module: nn.Module, two_phase: bool) -> nn.Module:
+    """``module`` itself, or, with ``two_phase``, a twin in the two-phase schedule.
+
+    The twin has its own copy of the graph but the same submodules and parameters, so the caller's
+    module is never modified and the twin follows later weight updates. Modules the pass does not
+    apply to (not rewritten, or already two-phase) are returned as they are.
+    """
+    if not two_phase or not can_apply_two_phase(module):
+        return module
+    twin = fx.GraphModule(module, copy.deepcopy(module.graph), class_name=type(module).__name__)
+    twin.meta = copy.deepcopy(module.meta)
+    # Export-produced modules refuse .train()/.eval(); copy the mode flags as they are.
+    for name, sub in twin.named_modules():
+        sub.training = module.get_submodule(name).training if name else module.training
+    return apply_two_phase(twin)
