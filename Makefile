@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast bench clean
+.PHONY: venv demo test test-fast bench bench-quick clean
 
 venv: $(STAMP)
 
@@ -28,6 +28,9 @@ test-fast: venv
 
 bench: venv
 	$(PY) benchmarks/bench.py
+
+bench-quick: venv
+	$(PY) benchmarks/bench.py --quick
 
 clean:
 	rm -rf $(VENV) build *.egg-info attnres_demo_out

@@ -10,7 +10,7 @@ DEFAULT_EPS = 1e-6
 
 def folded_query(proj_weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
     """The pseudo-query with the key-norm weight folded in, in fp32: ``w . (g * k) == (w * g) . k``."""
-    return (proj_weight[0] * norm_weight).float()
+    return proj_weight[0].float() * norm_weight.float()
 
 
 def key_scale(value: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""torch.fx passes: residual-stream detection and the Block AttnRes rewrite.
+"""torch.fx passes: residual-stream detection, the Block AttnRes rewrite, the two-phase schedule.
 
 Each pass follows ``torch.fx.passes.infra``: a ``PassBase`` with ``requires`` / ``ensures`` checks,
 returning a ``PassResult`` that says whether the graph was modified, and a ``preserves_computation``
@@ -15,8 +15,10 @@ from .residual_stream import (
     ResidualStreams,
     detect_residual_streams,
 )
+from .two_phase import TwoPhaseSchedule, apply_two_phase, can_apply_two_phase
 
 __all__ = [
     "BlockAttnResRewrite", "Branch", "DetectResidualStreams", "RejectedAdd", "ResidualSite",
-    "ResidualStream", "ResidualStreams", "RewrittenSite", "block_sizes", "detect_residual_streams",
+    "ResidualStream", "ResidualStreams", "RewrittenSite", "TwoPhaseSchedule", "apply_two_phase", "block_sizes",
+    "can_apply_two_phase", "detect_residual_streams",
 ]
