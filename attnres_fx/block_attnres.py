@@ -23,6 +23,34 @@ def key_scale(value: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rsqrt(norm.square() / value.shape[-1] + eps)
 
 
+def depth_logit(value: torch.Tensor, query: torch.Tensor, eps: float) -> torch.Tensor:
+    """``query . RMSNorm(value)`` per token (``[..., 1]``) for an fp32 ``value``: one pass over it."""
+    return torch.matmul(value, query).unsqueeze(-1) * key_scale(value, eps)
+
+
+def softmax_parts(logits: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """Softmax over a few per-token logits without stacking them: ``(max, exp(logit - max), sum)``."""
+    top = logits[0]
+    for logit in logits[1:]:
+        top = torch.maximum(top, logit)
+    exps = [torch.exp(logit - top) for logit in logits]
+    total = exps[0]
+    for e in exps[1:]:
+        total = total + e
+    return top, exps, total
+
+
+def weighted_sum(weights: list[torch.Tensor], values: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> torch.Tensor:
+    """``sum_i weights[i] * values[i]`` in fp32 (weights are fp32 ``[..., 1]``).
+
+    Mixed-dtype products promote to fp32 inside the kernel: no fp32 copy of a bf16 value is made.
+    """
+    out = weights[0] * values[0]
+    for weight, value in zip(weights[1:], values[1:]):
+        out = torch.addcmul(out, weight, value)
+    return out
+
+
 class BlockAttnRes(nn.Module):
     """Aggregate residual sources with one learned, input-independent pseudo-query.
 
@@ -75,20 +103,7 @@ class BlockAttnRes(nn.Module):
         if not sources:
             raise ValueError("BlockAttnRes needs at least one source")
         query = folded_query(self.proj.weight, self.norm.weight)
-        logits = []
-        for value in sources:
-            value = value.float()
-            logits.append(torch.matmul(value, query).unsqueeze(-1) * key_scale(value, self.eps))
-        top = logits[0]
-        for logit in logits[1:]:
-            top = torch.maximum(top, logit)
-        exps = [torch.exp(logit - top) for logit in logits]
-        total = exps[0]
-        for e in exps[1:]:
-            total = total + e
+        logits = [depth_logit(value.float(), query, self.eps) for value in sources]
+        _, exps, total = softmax_parts(logits)
         inverse = (len(sources) if self.preserve_scale else 1.0) / total
-        # Mixed-dtype products promote to fp32 inside the kernel: no fp32 copy of a bf16 source.
-        out = (exps[0] * inverse) * sources[0]
-        for e, value in zip(exps[1:], sources[1:]):
-            out = torch.addcmul(out, e * inverse, value)
-        return out.to(sources[0].dtype)
+        return weighted_sum([e * inverse for e in exps], sources).to(sources[0].dtype)

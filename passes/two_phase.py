@@ -64,7 +64,8 @@ import torch
 from torch import fx
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from attnres_fx.block_attnres import BlockAttnRes, folded_query, key_scale
+from attnres_fx.block_attnres import (BlockAttnRes, depth_logit, folded_query, key_scale, softmax_parts,
+                                      weighted_sum)
 
 SCHEDULE_META = "two_phase"
 
@@ -87,18 +88,8 @@ def phase1(proj_weights: tuple[torch.Tensor, ...], norm_weights: tuple[torch.Ten
         # them all, with the key scales, into one pass over each block (a [D, S] matmul would stay an
         # external GEMM call that reads the block on its own).
         logits = [torch.matmul(value, query).unsqueeze(-1) * scale for value, scale in zip(values, scales)]
-        top = logits[0]
-        for logit in logits[1:]:
-            top = torch.maximum(top, logit)
-        exps = [torch.exp(logit - top) for logit in logits]
-        total = exps[0]
-        for e in exps[1:]:
-            total = total + e
-        # Mixed-dtype products promote to fp32 inside the kernel: no fp32 copy of a bf16 block.
-        acc = exps[0] * blocks[0]
-        for e, block in zip(exps[1:], blocks[1:]):
-            acc = torch.addcmul(acc, e, block)
-        states.append((top, total, acc))
+        top, exps, total = softmax_parts(logits)
+        states.append((top, total, weighted_sum(exps, blocks)))
     return tuple(states)
 
 
@@ -108,7 +99,7 @@ def phase2(state: tuple[torch.Tensor, torch.Tensor, torch.Tensor], proj_weight: 
     """Merge the partial sum into one query's phase-1 state; the result has ``first``'s dtype."""
     running_max, sum_exp, acc = state
     value = partial.float()
-    logit = torch.matmul(value, folded_query(proj_weight, norm_weight)).unsqueeze(-1) * key_scale(value, eps)
+    logit = depth_logit(value, folded_query(proj_weight, norm_weight), eps)
     top = torch.maximum(running_max, logit)
     old = torch.exp(running_max - top)
     new = torch.exp(logit - top)
