@@ -49,6 +49,16 @@ def _describe(name: str, args) -> str:
     return f"{spec.hf_class} (tiny random-weight config: {spec.num_layers} layers, hidden {zoo.HIDDEN})"
 
 
+def _sites_table(injected) -> str:
+    header = ("site", "name", "layer", "kind", "block", "sources", "normalised")
+    rows = [(str(s.index), s.name, s.layer or "<root>", s.kind, "-" if s.block is None else str(s.block),
+             str(s.num_sources), "-" if s.normalised is None else ("yes" if s.normalised else "NO (raw)"))
+            for s in injected]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    return "\n".join("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
+                     for row in [header, tuple("-" * w for w in widths), *rows])
+
+
 def _max_diff(a, b) -> float:
     return float((a.float() - b.float()).abs().max())
 
@@ -71,12 +81,8 @@ def cmd_demo(args) -> int:
     except AttnResError as err:
         print(f"\nerror: {err}", file=sys.stderr)
         return 1
-    print("\nInjected BlockAttnRes aggregations:")
-    injected = api.sites(new)
-    width = max(len(site.name) for site in injected)
-    for site in injected:
-        print(f"  {site.index:>2}  {site.name:<{width}} kind={site.kind:<5} block={'-' if site.block is None else site.block:<2}"
-              f" sources={site.num_sources}")
+    print("\nInjected BlockAttnRes aggregations (block 0 is the embedding):")
+    print(_sites_table(api.sites(new)))
     with torch.no_grad():
         original = zoo.main_output(args.model, model(*inputs, **kwargs))
         rewritten = zoo.main_output(args.model, new(*inputs, **kwargs))

@@ -115,6 +115,9 @@ def test_cli_demo_prints_table_difference_and_saves_code(tmp_path, capsys):
     assert cli_main(["demo", "--layers", "2", "--dim", "32", "--out", str(tmp_path), "--no-backends"]) == 0
     out = capsys.readouterr().out
     assert "blocks.1  mlp   yes" in out
+    injected = out[out.index("Injected BlockAttnRes"):].splitlines()
+    assert injected[1].split() == ["site", "name", "layer", "kind", "block", "sources", "normalised"]
+    assert injected[3].split() == ["0", "blocks.0.attn_res", "blocks.0", "attn", "1", "1", "yes"]
     assert "max |original - rewritten|" in out
     code = (tmp_path / "rewritten_graph.py").read_text()
     assert "blocks_0_attn_res" in code and "final_res" in code
