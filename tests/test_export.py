@@ -303,3 +303,70 @@ def test_backends_get_the_two_phase_form_without_touching_the_module(tiny_fp32):
     with torch.no_grad():
         # The schedule regroups the same fp32 softmax (online-softmax merge): rounding only.
         torch.testing.assert_close(twin(tiny_fp32.ids), module(tiny_fp32.ids), rtol=1e-5, atol=1e-5)
+
+
+# -- real models: one parallel-residual decoder, T5 with both streams, ViT (Llama is above) -------------
+
+HF_BACKEND_MODELS = ["gpt_neox", "t5", "vit"]
+
+
+@pytest.fixture(scope="module", params=HF_BACKEND_MODELS)
+def hf_rewritten(request):
+    from attnres_fx import zoo
+    if not zoo.transformers_available():
+        pytest.skip("transformers is not installed (pip install 'attnres-fx[hf]')")
+    name = request.param
+    args, kwargs = zoo.example_inputs(name, *EXPORT_SHAPE)
+    new = randomise_queries(attnres_fx.attnresify(zoo.build(name), args, example_kwargs=kwargs, block_size=2))
+    return types.SimpleNamespace(name=name, model=new, args=args, kwargs=kwargs, zoo=zoo)
+
+
+@pytest.mark.slow
+def test_hf_models_compile_without_graph_breaks_and_match_eager(hf_rewritten):
+    m = hf_rewritten
+    compiled = export.compile(m.model)                 # fullgraph=True: a graph break raises
+    with torch.no_grad():
+        expected = m.zoo.main_output(m.name, m.model(*m.args, **m.kwargs))
+        got = m.zoo.main_output(m.name, compiled(*m.args, **m.kwargs))
+    # fp32 both; Inductor reorders reductions (norms, depth softmax, matmuls): rounding only.
+    assert (got - expected).abs().max() <= 1e-5
+
+
+@pytest.mark.slow
+def test_hf_models_run_in_onnxruntime_at_three_shapes(hf_rewritten, tmp_path):
+    m = hf_rewritten
+    path = export.to_onnx(m.model, m.args, tmp_path / f"{m.name}.onnx", example_kwargs=m.kwargs)
+    onnx.checker.check_model(str(path))
+    sess = export.session(path, device="cpu")
+    sites = attnres_fx.sites(m.model)
+    assert m.name != "t5" or {s.stream for s in sites} == {0, 1}, "T5: encoder and decoder streams"
+    # Two-phase export: every site but the single-source ones (the identity) keeps a node group.
+    assert list(export.attnres_node_groups(path)) == [s.name for s in sites if s.num_sources > 1]
+    # ViT's token count is fixed by the image size: only the batch varies there.
+    shapes = [EXPORT_SHAPE, *OTHER_SHAPES]
+    for batch, seq in shapes:
+        args, kwargs = m.zoo.example_inputs(m.name, batch, seq)
+        # onnxruntime's CPU kernels accumulate in another order than PyTorch's: rounding, ~1e-6 seen.
+        report = export.verify(m.model, sess, args, example_kwargs=kwargs, atol=1e-4, rtol=0)
+        assert report.ok and report.max_abs <= 1e-4, str(report)
+
+
+def _pre_norm_zoo_names():
+    from attnres_fx import zoo
+    return [name for name in zoo.ARCH_NAMES if name != "bert"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", _pre_norm_zoo_names())
+def test_every_real_model_traces_into_one_graph(name):
+    """Dynamo's explain traces without generating code: the graph-break check for all models, cheaply
+    (the models above also go through Inductor itself)."""
+    from attnres_fx import zoo
+    if not zoo.transformers_available():
+        pytest.skip("transformers is not installed (pip install 'attnres-fx[hf]')")
+    args, kwargs = zoo.example_inputs(name, *EXPORT_SHAPE)
+    new = attnres_fx.attnresify(zoo.build(name), args, example_kwargs=kwargs, block_size=2)
+    for form in (new, export.schedule.inference_form(new, two_phase=True)):
+        explanation = torch._dynamo.explain(form)(*args, **kwargs)
+        assert explanation.graph_break_count == 0, explanation.break_reasons
+        assert explanation.graph_count == 1
