@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -14,6 +15,8 @@ from attnres_fx.passes import (BlockAttnResRewrite, ResidualStreams, RewrittenSi
                                detect_residual_streams)
 
 from .block_attnres import DEFAULT_EPS, BlockAttnRes
+
+DEFAULT_NUM_BLOCKS = 8
 from .errors import AttnResError, AttnResWarning, NoResidualStreamError, UnsupportedArchitectureError
 from .frontends import trace
 
@@ -66,7 +69,7 @@ def detect(model: nn.Module, example_inputs: tuple | None = None, *, example_kwa
 
 
 def attnresify(model: nn.Module, example_inputs: tuple | None = None, *, example_kwargs: dict | None = None,
-               num_blocks: int = 8, block_size: int | None = None, preserve_scale: bool = False,
+               num_blocks: int | None = None, block_size: int | None = None, preserve_scale: bool = False,
                tracer: str = "auto", dynamic_shapes: Any = None, eps: float = DEFAULT_EPS) -> fx.GraphModule:
     """Return a copy of ``model`` whose residual stream(s) use Block Attention Residuals.
 
@@ -75,9 +78,11 @@ def attnresify(model: nn.Module, example_inputs: tuple | None = None, *, example
         example_inputs: positional inputs (a tuple, or one tensor). Needed by ``tracer="export"``;
             when given, the rewritten module is run once on them to check it works.
         example_kwargs: keyword inputs, with ``example_inputs``.
-        num_blocks: target number of blocks N per stream; ``block_size = ceil(M / num_blocks)`` for M
-            residual sites.
-        block_size: sites per block S; wins over ``num_blocks``. ``1`` is Full AttnRes.
+        num_blocks: target number of blocks N per stream (default 8); ``block_size = ceil(M / num_blocks)``
+            for the M residual sites of each stream.
+        block_size: sites per block S; wins over the default ``num_blocks``. ``1`` is Full AttnRes.
+            Passing both is allowed only when they agree (``ceil(M / block_size) == num_blocks`` for
+            every stream); otherwise ``ValueError``.
         preserve_scale: multiply every aggregate by its number of sources, so that at zero init the
             rewritten model computes exactly the original function on any architecture. ``False`` (the
             paper's convex combination) is identical only up to the pre-norms' ``eps``.
@@ -105,7 +110,8 @@ def attnresify(model: nn.Module, example_inputs: tuple | None = None, *, example
             "preserve_scale=False the aggregates are averages, not sums, so the converted model will not "
             "start out identical to the original; pass preserve_scale=True for an exact conversion.",
             AttnResWarning, stacklevel=2)
-    rewrite = BlockAttnResRewrite(detection, block_sizes(detection, num_blocks, block_size),
+    _check_sizes_agree(detection, num_blocks, block_size)
+    rewrite = BlockAttnResRewrite(detection, block_sizes(detection, num_blocks or DEFAULT_NUM_BLOCKS, block_size),
                                   preserve_scale=preserve_scale, eps=eps, protected_modules=model.modules())
     rewrite(gm)
     gm.meta["attnres"] = {"frontend": traced.frontend, "block_sizes": rewrite.block_sizes,
@@ -132,8 +138,21 @@ def _check_arguments(model, num_blocks, block_size) -> None:
     if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)
                                    or block_size < 1):
         raise ValueError(f"block_size must be a positive int (sites per block), got {block_size!r}")
-    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+    if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int)
+                                   or num_blocks < 1):
         raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+
+
+def _check_sizes_agree(detection: ResidualStreams, num_blocks: int | None, block_size: int | None) -> None:
+    if num_blocks is None or block_size is None:
+        return
+    for index, stream in enumerate(detection.streams):
+        implied = math.ceil(len(stream.sites) / block_size)
+        if implied != num_blocks:
+            raise ValueError(
+                f"block_size={block_size} and num_blocks={num_blocks} disagree: stream {index} has "
+                f"{len(stream.sites)} residual sites, so block_size={block_size} makes {implied} blocks. "
+                "Pass only one of them.")
 
 
 def _check_detection(model: nn.Module, detection: ResidualStreams) -> None:

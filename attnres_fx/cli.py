@@ -49,6 +49,17 @@ def _describe(name: str, args) -> str:
     return f"{spec.hf_class} (tiny random-weight config: {spec.num_layers} layers, hidden {zoo.HIDDEN})"
 
 
+NUM_BLOCKS_HELP = "blocks per stream (default 4 unless --block-size is given)"
+
+
+def _num_blocks(args) -> int | None:
+    """The CLI's default of 4 blocks makes the small models' block structure visible (8 blocks would
+    make the 8 sites of the default tiny model Full AttnRes); an explicit --block-size stands alone."""
+    if args.num_blocks is None and args.block_size is None:
+        return 4
+    return args.num_blocks
+
+
 def _sites_table(injected) -> str:
     header = ("site", "name", "layer", "kind", "block", "sources", "normalised")
     rows = [(str(s.index), s.name, s.layer or "<root>", s.kind, "-" if s.block is None else str(s.block),
@@ -76,7 +87,7 @@ def cmd_demo(args) -> int:
     print(f"\nDetected residual stream ({detection.num_sites} sites):")
     print(detection.table())
     try:
-        new = api.attnresify(model, inputs, example_kwargs=kwargs, num_blocks=args.num_blocks,
+        new = api.attnresify(model, inputs, example_kwargs=kwargs, num_blocks=_num_blocks(args),
                              block_size=args.block_size, preserve_scale=args.preserve_scale)
     except AttnResError as err:
         print(f"\nerror: {err}", file=sys.stderr)
@@ -112,7 +123,7 @@ def cmd_export(args) -> int:
 
     try:
         model, inputs, kwargs = build_model(args.model, args)
-        new = api.attnresify(model, inputs, example_kwargs=kwargs, num_blocks=args.num_blocks,
+        new = api.attnresify(model, inputs, example_kwargs=kwargs, num_blocks=_num_blocks(args),
                              block_size=args.block_size, preserve_scale=args.preserve_scale)
         path = to_onnx(new, inputs, args.onnx, example_kwargs=kwargs, opset=args.opset)
         runtime = path if args.device is None else session(path, device=args.device)
@@ -133,7 +144,7 @@ def _add_export_parser(sub) -> None:
     export.add_argument("model", help=f"model to convert: {', '.join(MODELS)}")
     export.add_argument("--onnx", required=True, help="path of the ONNX file to write")
     export.add_argument("--block-size", type=int, default=None, help="sites per block (wins over --num-blocks)")
-    export.add_argument("--num-blocks", type=int, default=4)
+    export.add_argument("--num-blocks", type=int, default=None, help=NUM_BLOCKS_HELP)
     export.add_argument("--preserve-scale", action="store_true")
     export.add_argument("--opset", type=int, default=None, help="ONNX opset (default: the exporter's)")
     export.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
@@ -152,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", choices=MODELS, default="tiny",
                       help="tiny: the built-in model; the others: tiny random-weight Hugging Face models")
     demo.add_argument("--block-size", type=int, default=None, help="sites per block (wins over --num-blocks)")
-    demo.add_argument("--num-blocks", type=int, default=4)
+    demo.add_argument("--num-blocks", type=int, default=None, help=NUM_BLOCKS_HELP)
     demo.add_argument("--preserve-scale", action="store_true")
     demo.add_argument("--layers", type=int, default=4, help="tiny: number of layers")
     demo.add_argument("--dim", type=int, default=64, help="tiny: hidden size")

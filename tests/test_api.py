@@ -44,9 +44,13 @@ def test_bad_arguments_raise_value_error_naming_them(model, untouched, kwargs, m
     check()
 
 
-def test_block_size_wins_over_num_blocks(model):
-    new = attnres_fx.attnresify(model, num_blocks=1, block_size=1)
-    assert new.meta["attnres"]["block_sizes"] == [1]
+def test_block_size_wins_over_the_default_num_blocks_and_must_agree_with_an_explicit_one(model, untouched):
+    assert attnres_fx.attnresify(model, block_size=1).meta["attnres"]["block_sizes"] == [1]
+    assert attnres_fx.attnresify(model, num_blocks=2, block_size=2).meta["attnres"]["block_sizes"] == [2]
+    check = untouched(model)
+    with pytest.raises(ValueError, match=r"block_size=1 and num_blocks=1 disagree: stream 0 has 4 residual"):
+        attnres_fx.attnresify(model, num_blocks=1, block_size=1)
+    check()
 
 
 def test_already_rewritten_module_is_refused(model):
