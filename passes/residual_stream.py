@@ -232,6 +232,10 @@ def detect_residual_streams(gm: fx.GraphModule, *, min_sites: int = MIN_STREAM_S
 
 
 def _match_site(node, operands, gm, ancestry, param_derived) -> tuple[ResidualSite | None, str]:
+    if gp.op_name(node).endswith("_") and not node.users:
+        # ``x.add_(f(x))`` with ``x`` used afterwards: the graph reads the mutated ``x`` through the
+        # operand's node, so the sum's own node carries no data flow to rewrite.
+        return None, "in-place add whose result is never used; write x = x + f(x) (or x = x.add_(...))"
     a, b = operands
     adds = [node]
     if ancestry.reaches(a, b):

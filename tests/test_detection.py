@@ -96,8 +96,8 @@ def test_add_forms_are_all_recognised():
     class Forms(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.norms = torch.nn.ModuleList(torch.nn.LayerNorm(16) for _ in range(4))
-            self.lins = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+            self.norms = torch.nn.ModuleList(torch.nn.LayerNorm(16) for _ in range(5))
+            self.lins = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(5))
 
         def forward(self, x):
             x = self.lins[0](self.norms[0](x)) + x           # branch first
@@ -105,10 +105,11 @@ def test_add_forms_are_all_recognised():
             x = x.add(self.lins[2](self.norms[2](x)))
             y = self.lins[3](self.norms[3](x))
             x += y                                            # operator.iadd
+            x = x.add_(self.lins[4](self.norms[4](x)))        # Tensor.add_
             return x
 
     detection = detect(Forms(), torch.randn(2, 3, 16))
-    assert detection.num_sites == 4
+    assert detection.num_sites == 5
     model = Forms()
     x = torch.randn(2, 3, 16)
     new = attnres_fx.attnresify(model, (x,), block_size=1, preserve_scale=True)
@@ -126,3 +127,20 @@ def test_no_residual_lists_every_add_and_why():
     assert not detection.streams
     assert len(detection.rejected) == 4
     assert all(r.reason for r in detection.rejected)
+
+
+def test_an_unused_in_place_add_is_rejected_with_a_rewrite_hint():
+    class InPlace(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norms = torch.nn.ModuleList(torch.nn.LayerNorm(16) for _ in range(2))
+            self.lins = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(2))
+
+        def forward(self, x):
+            x = x * 2
+            for norm, lin in zip(self.norms, self.lins):
+                x.add_(lin(norm(x)))
+            return x
+
+    with pytest.raises(attnres_fx.NoResidualStreamError, match=r"in-place add whose result is never used"):
+        attnres_fx.attnresify(InPlace(), (torch.randn(2, 3, 16),), tracer="fx")
