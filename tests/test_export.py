@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import attnres_fx
-from attnres_fx import BlockAttnRes, ExportError, export
+from attnres_fx import BlockAttnRes, ExportError, export, zoo
 from attnres_fx.cli import main as cli_main
 from attnres_fx.models import TinyConfig, TinyTransformer, example_ids
 from attnres_fx.reference import block_attn_res
@@ -312,7 +312,6 @@ HF_BACKEND_MODELS = ["gpt_neox", "t5", "vit"]
 
 @pytest.fixture(scope="module", params=HF_BACKEND_MODELS)
 def hf_rewritten(request):
-    from attnres_fx import zoo
     if not zoo.transformers_available():
         pytest.skip("transformers is not installed (pip install 'attnres-fx[hf]')")
     name = request.param
@@ -351,17 +350,11 @@ def test_hf_models_run_in_onnxruntime_at_three_shapes(hf_rewritten, tmp_path):
         assert report.ok and report.max_abs <= 1e-4, str(report)
 
 
-def _pre_norm_zoo_names():
-    from attnres_fx import zoo
-    return [name for name in zoo.ARCH_NAMES if name != "bert"]
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("name", _pre_norm_zoo_names())
+@pytest.mark.parametrize("name", zoo.PRE_NORM_NAMES)
 def test_every_real_model_traces_into_one_graph(name):
     """Dynamo's explain traces without generating code: the graph-break check for all models, cheaply
     (the models above also go through Inductor itself)."""
-    from attnres_fx import zoo
     if not zoo.transformers_available():
         pytest.skip("transformers is not installed (pip install 'attnres-fx[hf]')")
     args, kwargs = zoo.example_inputs(name, *EXPORT_SHAPE)
