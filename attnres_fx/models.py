@@ -13,7 +13,7 @@ selects how the pre-norms are written, so detection can be exercised on every fo
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -40,9 +40,6 @@ class TinyConfig:
             raise ValueError(f"norm must be one of {NORM_STYLES}, got {self.norm!r}")
         if self.dim % self.num_heads:
             raise ValueError(f"dim ({self.dim}) must be divisible by num_heads ({self.num_heads})")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 class FunctionalLayerNorm(nn.Module):

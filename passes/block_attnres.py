@@ -260,6 +260,7 @@ class _AttnResFactory:
             self.factory_kwargs["dtype"] = None
         self.class_as_string = _stack_uses_strings(gm)
         self.fallback_count = 0
+        self._dims: dict[int, int] = {}          # id(stream) -> hidden size, inferred once per stream
 
     def module_class_entry(self, name: str):
         cls = BlockAttnRes
@@ -290,7 +291,9 @@ class _AttnResFactory:
         unique, suffix = name, 1
         while _exists(self.gm, unique):
             unique, suffix = f"{name}_{suffix}", suffix + 1
-        dim = _infer_dim(self.gm, stream)
+        if id(stream) not in self._dims:
+            self._dims[id(stream)] = _infer_dim(self.gm, stream)
+        dim = self._dims[id(stream)]
         module = BlockAttnRes(dim, self.eps, preserve_scale=self.preserve_scale, **self.factory_kwargs)
         module.training = self.gm.training
         self.gm.add_submodule(unique, module)

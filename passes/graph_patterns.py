@@ -92,13 +92,6 @@ def is_shape_query(node: fx.Node) -> bool:
     return op_name(node) in SHAPE_OPS
 
 
-def is_dropout(node: fx.Node, gm: fx.GraphModule) -> bool:
-    module = submodule(gm, node)
-    if module is not None:
-        return isinstance(module, nn.modules.dropout._DropoutNd)
-    return op_name(node) in DROPOUT_OPS
-
-
 def is_inactive_dropout(node: fx.Node, gm: fx.GraphModule) -> bool:
     """A dropout that is the identity: eval-mode module, ``training=False`` or ``p == 0``."""
     module = submodule(gm, node)

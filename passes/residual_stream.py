@@ -41,9 +41,6 @@ class Branch:
     module_path: str
     normalised: bool
 
-    def readers(self, value: fx.Node) -> list[fx.Node]:
-        return [user for user in value.users if user in self.region]
-
 
 @dataclass(eq=False)
 class ResidualSite:
@@ -141,6 +138,7 @@ class _Ancestry:
 
     def __init__(self, graph: fx.Graph):
         self.position = {node: i for i, node in enumerate(graph.nodes)}
+        self._regions: dict[tuple[fx.Node, fx.Node], set[fx.Node]] = {}
 
     def ancestors(self, node: fx.Node, lower: fx.Node) -> set[fx.Node]:
         """Data ancestors of ``node`` (itself included) that come after ``lower`` or are ``lower``."""
@@ -158,7 +156,15 @@ class _Ancestry:
         return source is not target and source in self.ancestors(target, source)
 
     def region(self, source: fx.Node, target: fx.Node) -> set[fx.Node]:
-        """Nodes on a data path from ``source`` to ``target`` (``target`` included, ``source`` not)."""
+        """Nodes on a data path from ``source`` to ``target`` (``target`` included, ``source`` not).
+
+        Memoised: splitting a parallel site asks for the same regions as describing its branches."""
+        key = (source, target)
+        if key not in self._regions:
+            self._regions[key] = self._region(source, target)
+        return self._regions[key]
+
+    def _region(self, source: fx.Node, target: fx.Node) -> set[fx.Node]:
         upstream = self.ancestors(target, source)
         region: set[fx.Node] = set()
         todo = [source]
