@@ -20,11 +20,14 @@ $(STAMP): pyproject.toml
 demo: venv
 	$(VENV)/bin/attnres-fx demo
 
+# Two workers (one per CI core); tests of one file share a worker, and the file's cached models.
+PYTEST := $(PY) -m pytest -q -n 2 --dist loadfile
+
 test: venv
-	$(PY) -m pytest -q
+	$(PYTEST)
 
 test-fast: venv
-	$(PY) -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 bench: venv
 	$(PY) benchmarks/bench.py

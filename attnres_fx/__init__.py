@@ -1,26 +1,29 @@
-"""attnres_fx: rewrite the residual stream of an existing Transformer into Block Attention Residuals.
+"""attnres_fx: turn the residual stream of an existing Transformer into Block Attention Residuals.
 
     import attnres_fx
-    new = attnres_fx.attnresify(model)                      # or attnresify(model, (x,), num_blocks=8)
-    for site in attnres_fx.sites(new):
+    attnres_fx.attnresify(model)                 # in place: the same model, AttnRes inside
+    for site in attnres_fx.sites(model):
         print(site)
+    attnres_fx.remove(model)                     # back to the original
 """
 
-from . import reference
-from .api import Site, attnresify, detect, sites
+from .api import attnresify, compile, detect, is_converted, plan_of, remove, rewrite, sites
 from .block_attnres import BlockAttnRes
 from .errors import (
     AttnResError,
     AttnResWarning,
     ExportError,
     NoResidualStreamError,
+    StreamMismatchError,
     TraceError,
     UnsupportedArchitectureError,
 )
+from .passes.plan import Site
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "AttnResError", "AttnResWarning", "BlockAttnRes", "ExportError", "NoResidualStreamError", "Site",
-    "TraceError", "UnsupportedArchitectureError", "attnresify", "detect", "reference", "sites",
+    "StreamMismatchError", "TraceError", "UnsupportedArchitectureError", "attnresify", "compile", "detect",
+    "is_converted", "plan_of", "remove", "rewrite", "sites",
 ]

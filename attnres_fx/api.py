@@ -1,124 +1,170 @@
-"""Public entry points: ``attnresify``, ``detect`` and ``sites``."""
+"""Public entry points: convert a model in place, undo it, compile it, inspect it, get an explicit graph.
+
+The pipeline: capture (:mod:`attnres_fx.capture`) -> detect (:mod:`attnres_fx.passes.detect`) -> plan
+(:mod:`attnres_fx.passes.plan`) -> rewrite (:mod:`attnres_fx.passes.rewrite`, at every routed call:
+:mod:`attnres_fx.live`) -> schedule (:mod:`attnres_fx.passes.two_phase`) -> hand-off
+(:mod:`attnres_fx.export`).
+"""
 
 from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.fx.passes.shape_prop import ShapeProp
 
-from attnres_fx.passes import (BlockAttnResRewrite, ResidualStreams, RewrittenSite, block_sizes,
-                               detect_residual_streams)
+from attnres_fx.passes.detect import Detection, detect_residual_streams
+from attnres_fx.passes.plan import Plan, Site, make_plan, match_streams
+from attnres_fx.passes.rewrite import BlockAttnResRewrite, ModuleCalls, ParameterInputs, new_modules
 
+from . import live
 from .block_attnres import DEFAULT_EPS, BlockAttnRes
-
-DEFAULT_NUM_BLOCKS = 8
+from .capture import capture_dynamo, capture_for_plan, trace
 from .errors import AttnResError, AttnResWarning, NoResidualStreamError, UnsupportedArchitectureError
-from .frontends import trace
+
+DETECT_TRACERS = ("auto", "dynamo", "fx", "export")
 
 
-@dataclass(frozen=True)
-class Site(RewrittenSite):
-    """One injected aggregation, as :func:`sites` reports it: the rewrite's record plus its module.
-
-    ``index``: execution order over the whole model (the final aggregation of a stream comes after its
-    sites). ``name``: dotted path of the ``BlockAttnRes`` in the returned model. ``kind``: ``"attn"``,
-    ``"mlp"``, ``"branch"`` (neither could be told) or ``"final"``. ``block``: index of the block the
-    site's own output goes into (block 0 is the embedding ``b_0``; ``None`` for ``"final"``).
-    ``stream``: which residual stream (encoder-decoder models have two). ``layer``: the module that
-    performed the original residual add. ``num_sources``: how many sources it attends over.
-    ``normalised``: whether the branch read the stream through a norm (``None`` for ``"final"``).
-    ``replaced``: the original add node of the site. ``module``: the ``BlockAttnRes`` itself.
-    """
-
-    module: BlockAttnRes
-
-    def __str__(self) -> str:
-        block = "-" if self.block is None else str(self.block)
-        return (f"Site({self.index}: {self.name}, kind={self.kind}, block={block}, "
-                f"stream={self.stream}, sources={self.num_sources})")
-
-
-def _unwrap(module: nn.Module) -> nn.Module:
-    return getattr(module, "_orig_mod", module)
-
-
-def sites(module: nn.Module) -> list[Site]:
-    """Every injected ``BlockAttnRes`` of a rewritten model, in execution order, final ones last per stream."""
-    found = []
-    for name, sub in _unwrap(module).named_modules():
-        record = getattr(sub, "site", None)
-        if isinstance(sub, BlockAttnRes) and record is not None:
-            found.append(Site(**{**asdict(record), "name": name}, module=sub))
-    return sorted(found, key=lambda s: s.index)
-
-
-def detect(model: nn.Module, example_inputs: tuple | None = None, *, example_kwargs: dict | None = None,
-           tracer: str = "auto", dynamic_shapes: Any = None) -> ResidualStreams:
-    """Dry run: trace ``model`` and return the residual streams found, without rewriting anything.
-
-    ``print(detect(model))`` shows one row per site: layer, kind, whether the branch reads the stream
-    through a norm. The returned object also lists every add that was rejected, and why.
-    """
-    traced = trace(model, _as_tuple(example_inputs), example_kwargs, tracer, dynamic_shapes)
-    return detect_residual_streams(traced.graph_module)
-
-
-def attnresify(model: nn.Module, example_inputs: tuple | None = None, *, example_kwargs: dict | None = None,
+def attnresify(model: nn.Module, example_inputs: Any = None, *, example_kwargs: dict | None = None,
                num_blocks: int | None = None, block_size: int | None = None, preserve_scale: bool = False,
-               tracer: str = "auto", dynamic_shapes: Any = None, eps: float = DEFAULT_EPS) -> fx.GraphModule:
-    """Return a copy of ``model`` whose residual stream(s) use Block Attention Residuals.
+               eps: float = DEFAULT_EPS) -> nn.Module:
+    """Convert ``model`` in place to Block Attention Residuals and return it (the same object).
+
+    The model keeps its class, submodules, methods, call signature and train/eval behaviour. It gains one
+    ``BlockAttnRes`` per sublayer of each residual stream, on the module that performs the residual add
+    (``model.layers.3.attn_res``, ``model.layers.3.mlp_res``) and one per stream before its final norm
+    (``model.final_res``), and every call runs the AttnRes rewrite of the graph TorchDynamo captures for
+    it (:mod:`attnres_fx.live`).
 
     Args:
         model: a pre-norm Transformer (any ``nn.Module`` whose graph has a residual-add chain).
-        example_inputs: positional inputs (a tuple, or one tensor). Needed by ``tracer="export"``;
-            when given, the rewritten module is run once on them to check it works.
-        example_kwargs: keyword inputs, with ``example_inputs``.
-        num_blocks: target number of blocks N per stream (default 8); ``block_size = ceil(M / num_blocks)``
-            for the M residual sites of each stream.
-        block_size: sites per block S; wins over the default ``num_blocks``. ``1`` is Full AttnRes.
-            Passing both is allowed only when they agree (``ceil(M / block_size) == num_blocks`` for
-            every stream); otherwise ``ValueError``.
+        example_inputs: positional inputs as the model is called (a tensor, tuple or list). The model is
+            captured with them by TorchDynamo on fake tensors; nothing runs for real. Without them a
+            Hugging Face model is captured with dummy inputs from its config, any other model with
+            ``torch.fx`` symbolic tracing.
+        example_kwargs: keyword inputs (a dict).
+        num_blocks: target number of blocks N per stream (default 8); ``block_size = ceil(M / N)`` for
+            the M residual sites of a stream.
+        block_size: sites per block S; wins over the default ``num_blocks``; ``1`` is Full AttnRes.
+            Passing both is allowed only when they agree for every stream.
         preserve_scale: multiply every aggregate by its number of sources, so that at zero init the
-            rewritten model computes exactly the original function on any architecture. ``False`` (the
+            converted model computes exactly the original function on any architecture. ``False`` (the
             paper's convex combination) is identical only up to the pre-norms' ``eps``.
-        tracer: ``"auto"`` (fx, then export), ``"fx"`` or ``"export"``.
-        dynamic_shapes: passed to ``torch.export`` (default: batch and sequence dims dynamic).
-        eps: epsilon of the keys' RMSNorm.
+        eps: epsilon of the keys' RMSNorm (a positive number).
 
-    The user's module is not modified: no attribute, parameter value or ``state_dict`` key of it
-    changes. The returned ``GraphModule`` *shares* the original parameter tensors (no copy is made), so
-    training the rewritten model updates the original's weights too; ``copy.deepcopy`` the result (or
-    the model first) to decouple them.
+    Conversion is atomic: on any error the model is exactly as before. Undo it with :func:`remove`.
     """
-    _check_arguments(model, num_blocks, block_size)
+    _check_arguments(model, example_inputs, example_kwargs, num_blocks, block_size, preserve_scale, eps)
+    if live.conversion_of(model) is not None:
+        raise AttnResError(f"{type(model).__name__} is already converted (attnres_fx.sites(model) lists its "
+                           "sites); call attnres_fx.remove(model) first to convert it again")
+    traced = capture_for_plan(model, _as_tuple(example_inputs), example_kwargs)
+    detection = detect_residual_streams(traced.graph_module)
+    _check_detection(model, detection)
+    _warn_raw_reads(detection, preserve_scale)
+    plan = make_plan(detection, dict(model.named_modules()), num_blocks=num_blocks, block_size=block_size,
+                     preserve_scale=preserve_scale, eps=eps)
+    # The rewrite runs on a copy of the captured graph before the model is touched: a plan that cannot be
+    # applied fails here, not at the model's first call.
+    BlockAttnResRewrite(plan, detection, ParameterInputs(plan))(traced.graph_module)
+    live.install(model, plan, new_modules(plan, like=model))
+    return model
+
+
+def remove(model: nn.Module) -> nn.Module:
+    """Undo :func:`attnresify` in place: the AttnRes modules and the routing go; forward, ``state_dict``
+    keys and outputs are the original's again. Returns ``model``."""
+    conversion = _conversion(model, "remove")
+    live.uninstall(model, conversion)
+    return model
+
+
+def compile(model: nn.Module, **inductor_options) -> nn.Module:  # noqa: A001 - mirrors torch.compile
+    """Route the converted ``model``'s calls through Inductor, in place, and return it.
+
+    The same routing as eager (one Dynamo graph per call signature and mode, ``fullgraph``: a graph break
+    is an error), with each rewritten graph compiled by Inductor; the AttnRes weights are graph inputs,
+    so they get gradients. ``inductor_options`` are Inductor config patches (e.g. ``max_autotune=True``).
+    ``attnres_fx.compile(model, backend="eager")`` switches back to eager execution.
+    """
+    conversion = _conversion(model, "compile")
+    compiler = inductor_options.pop("backend", "inductor")
+    live.set_compiler(model, conversion, compiler, inductor_options)
+    return model
+
+
+def rewrite(model: nn.Module, example_inputs: Any = None, *, example_kwargs: dict | None = None,
+            tracer: str = "auto", dynamic_shapes: Any = None) -> fx.GraphModule:
+    """An explicit ``GraphModule`` of the converted ``model``: its AttnRes rewrite as one graph, for
+    export (:func:`attnres_fx.export.to_onnx`) and inspection.
+
+    ``tracer``: ``"fx"`` (symbolic tracing), ``"export"`` (``torch.export``, batch and sequence dynamic;
+    needs example inputs) or ``"auto"`` (fx, then export). The graph calls the model's own
+    ``BlockAttnRes`` modules and shares all its weights: it computes what the model computes now, and
+    follows later training. A graph made by ``torch.export`` is fixed to the model's train/eval mode at
+    the time of the call. The model is not modified.
+    """
+    conversion = _conversion(model, "rewrite")
     example_inputs = _as_tuple(example_inputs)
     traced = trace(model, example_inputs, example_kwargs, tracer, dynamic_shapes)
     gm = traced.graph_module
-    if traced.frontend == "fx" and example_inputs is not None and not example_kwargs:
-        _propagate_shapes(gm, example_inputs)
     detection = detect_residual_streams(gm)
-    _check_detection(model, detection)
-    raw = [f"{s.owner or s.add.name} ({s.kind})" for st in detection.streams for s in st.sites if not s.normalised]
-    if raw and not preserve_scale:
-        warnings.warn(
-            f"{len(raw)} residual site(s) read the stream without a norm: {', '.join(raw)}. With "
-            "preserve_scale=False the aggregates are averages, not sums, so the converted model will not "
-            "start out identical to the original; pass preserve_scale=True for an exact conversion.",
-            AttnResWarning, stacklevel=2)
-    _check_sizes_agree(detection, num_blocks, block_size)
-    rewrite = BlockAttnResRewrite(detection, block_sizes(detection, num_blocks or DEFAULT_NUM_BLOCKS, block_size),
-                                  preserve_scale=preserve_scale, eps=eps, protected_modules=model.modules())
-    rewrite(gm)
-    gm.meta["attnres"] = {"frontend": traced.frontend, "block_sizes": rewrite.block_sizes,
-                          "preserve_scale": preserve_scale, "num_sites": len(rewrite.records)}
-    if example_inputs is not None or example_kwargs:
-        _smoke_run(gm, example_inputs or (), example_kwargs or {})
+    streams = match_streams(detection, conversion.plan, where=type(model).__name__)
+    modules = {site.name: model.get_submodule(site.name)
+               for stream in streams for site in stream.sites}
+    BlockAttnResRewrite(conversion.plan, detection, ModuleCalls(gm, modules), streams=streams)(gm)
+    gm.meta["attnres"] = {"frontend": traced.frontend, "block_sizes": [s.block_size for s in streams],
+                          "preserve_scale": conversion.plan.preserve_scale}
     return gm
+
+
+def sites(module: nn.Module) -> list[Site]:
+    """Every injected aggregation of a converted model (or of a :func:`rewrite` graph), in execution
+    order, each stream's final one after its sites. ``module.get_submodule(site.name)`` is its
+    ``BlockAttnRes``."""
+    module = getattr(module, "_orig_mod", module)
+    found = [m.site for m in module.modules() if isinstance(m, BlockAttnRes) and m.site is not None]
+    return sorted(found, key=lambda site: site.index)
+
+
+def plan_of(model: nn.Module) -> Plan:
+    """The plan a converted model was converted with (block sizes, names, sources per site)."""
+    return _conversion(model, "plan_of").plan
+
+
+def is_converted(model: nn.Module) -> bool:
+    return live.conversion_of(getattr(model, "_orig_mod", model)) is not None
+
+
+def detect(model: nn.Module, example_inputs: Any = None, *, example_kwargs: dict | None = None,
+           tracer: str = "auto", dynamic_shapes: Any = None) -> Detection:
+    """Dry run: capture ``model`` and return the residual streams found, without changing anything.
+
+    ``print(detect(model))`` shows one row per site: layer, kind, whether the branch reads the stream
+    through a norm; ``.rejected`` lists every other add, and why. ``tracer="auto"`` captures the way
+    :func:`attnresify` does; ``"dynamo"``, ``"fx"`` and ``"export"`` force one capture. On a converted
+    model it shows the streams as the model was written.
+    """
+    if tracer not in DETECT_TRACERS:
+        raise ValueError(f"tracer must be one of {DETECT_TRACERS}, got {tracer!r}")
+    example_inputs = _as_tuple(example_inputs)
+    if tracer == "auto":
+        gm = capture_for_plan(model, example_inputs, example_kwargs).graph_module
+    elif tracer == "dynamo":
+        gm, _ = capture_dynamo(model, example_inputs or (), dict(example_kwargs or {}))
+    else:
+        gm = trace(model, example_inputs, example_kwargs, tracer, dynamic_shapes).graph_module
+    return detect_residual_streams(gm)
+
+
+def _conversion(model: nn.Module, caller: str) -> live.Conversion:
+    conversion = live.conversion_of(getattr(model, "_orig_mod", model))
+    if conversion is None:
+        raise ValueError(f"model: attnres_fx.{caller} needs a model converted by attnres_fx.attnresify "
+                         f"(got a {type(model).__name__} that is not converted)")
+    return conversion
 
 
 def _as_tuple(example_inputs) -> tuple | None:
@@ -129,33 +175,27 @@ def _as_tuple(example_inputs) -> tuple | None:
     return (example_inputs,)
 
 
-def _check_arguments(model, num_blocks, block_size) -> None:
+def _check_arguments(model, example_inputs, example_kwargs, num_blocks, block_size, preserve_scale, eps) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if any(isinstance(m, BlockAttnRes) for m in _unwrap(model).modules()):
-        raise ValueError("model: it already contains BlockAttnRes modules (was it rewritten before?); "
-                         "pass the original model")
-    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)
-                                   or block_size < 1):
-        raise ValueError(f"block_size must be a positive int (sites per block), got {block_size!r}")
-    if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int)
-                                   or num_blocks < 1):
-        raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+    if any(isinstance(m, BlockAttnRes) for m in model.modules()) and live.conversion_of(model) is None:
+        raise ValueError("model: it already contains BlockAttnRes modules (is it an attnres_fx.rewrite "
+                         "graph?); pass the original model")
+    if example_inputs is not None and not isinstance(example_inputs, (torch.Tensor, tuple, list)):
+        raise TypeError(f"example_inputs must be a tensor, a tuple or a list of the positional inputs, got "
+                        f"{type(example_inputs).__name__}")
+    if example_kwargs is not None and not isinstance(example_kwargs, dict):
+        raise TypeError(f"example_kwargs must be a dict of keyword inputs, got {type(example_kwargs).__name__}")
+    for name, value in (("block_size", block_size), ("num_blocks", num_blocks)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if not isinstance(preserve_scale, bool):
+        raise TypeError(f"preserve_scale must be a bool, got {type(preserve_scale).__name__}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
+        raise ValueError(f"eps must be a positive finite number, got {eps!r}")
 
 
-def _check_sizes_agree(detection: ResidualStreams, num_blocks: int | None, block_size: int | None) -> None:
-    if num_blocks is None or block_size is None:
-        return
-    for index, stream in enumerate(detection.streams):
-        implied = math.ceil(len(stream.sites) / block_size)
-        if implied != num_blocks:
-            raise ValueError(
-                f"block_size={block_size} and num_blocks={num_blocks} disagree: stream {index} has "
-                f"{len(stream.sites)} residual sites, so block_size={block_size} makes {implied} blocks. "
-                "Pass only one of them.")
-
-
-def _check_detection(model: nn.Module, detection: ResidualStreams) -> None:
+def _check_detection(model: nn.Module, detection: Detection) -> None:
     if detection.streams:
         return
     name = type(model).__name__
@@ -172,19 +212,11 @@ def _check_detection(model: nn.Module, detection: ResidualStreams) -> None:
         [(r.node, r.owner, r.reason) for r in detection.rejected])
 
 
-def _propagate_shapes(gm: fx.GraphModule, args: tuple) -> None:
-    """Record each node's shape (``tensor_meta``) so the rewrite reads the hidden size off the graph."""
-    try:
-        with torch.no_grad():
-            ShapeProp(gm).propagate(*args)
-    except Exception as err:  # noqa: BLE001 - reported with context below
-        raise AttnResError(f"the traced model failed on the example inputs: {type(err).__name__}: {err}") from err
-
-
-def _smoke_run(gm: fx.GraphModule, args: tuple, kwargs: dict) -> None:
-    try:
-        with torch.no_grad():
-            gm(*args, **kwargs)
-    except Exception as err:  # noqa: BLE001 - reported with context below
-        raise AttnResError(f"the rewritten module failed on the example inputs: "
-                           f"{type(err).__name__}: {err}") from err
+def _warn_raw_reads(detection: Detection, preserve_scale: bool) -> None:
+    raw = [f"{s.owner or s.add.name} ({s.kind})" for st in detection.streams for s in st.sites if not s.normalised]
+    if raw and not preserve_scale:
+        warnings.warn(
+            f"{len(raw)} residual site(s) read the stream without a norm: {', '.join(raw)}. With "
+            "preserve_scale=False the aggregates are averages, not sums, so the converted model will not "
+            "start out identical to the original; pass preserve_scale=True for an exact conversion.",
+            AttnResWarning, stacklevel=3)

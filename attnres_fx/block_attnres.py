@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from attnres_fx.passes.plan import Site
 
 DEFAULT_EPS = 1e-6
 
@@ -51,12 +56,29 @@ def weighted_sum(weights: list[torch.Tensor], values: tuple[torch.Tensor, ...] |
     return out
 
 
+def aggregate(proj_weight: torch.Tensor, norm_weight: torch.Tensor, sources, *, eps: float,
+              preserve_scale: bool) -> torch.Tensor:
+    """``sum_i softmax_i(w . RMSNorm(v_i)) * v_i`` over ``sources`` (``[..., D]`` each), fp32 inside.
+
+    The functional form of :class:`BlockAttnRes` (``proj_weight`` ``[1, D]``, ``norm_weight`` ``[D]``):
+    what the Dynamo route calls, with the weights as graph inputs. The result has the first source's
+    dtype; with ``preserve_scale`` it is multiplied by the number of sources.
+    """
+    if not sources:
+        raise ValueError("BlockAttnRes needs at least one source")
+    query = folded_query(proj_weight, norm_weight)
+    logits = [depth_logit(value.float(), query, eps) for value in sources]
+    _, exps, total = softmax_parts(logits)
+    inverse = (len(sources) if preserve_scale else 1.0) / total
+    return weighted_sum([e * inverse for e in exps], sources).to(sources[0].dtype)
+
+
 class BlockAttnRes(nn.Module):
     """Aggregate residual sources with one learned, input-independent pseudo-query.
 
     ``forward(*sources)`` takes the completed block sums ``b_0 .. b_{n-1}`` and the current partial sum,
     each of shape ``[..., dim]``, and returns ``sum_i softmax_i(w . RMSNorm(v_i)) * v_i``: keys are
-    RMS-normalised, values are not, and there is no 1/sqrt(d) temperature (METHOD.md section 2).
+    RMS-normalised, values are not, and there is no 1/sqrt(d) temperature (docs/method.md, section 2).
 
     Parameters mirror the reference code: ``proj = Linear(dim, 1, bias=False)`` holds the pseudo-query
     ``w`` (weight ``[1, dim]``, zero-initialised so that every source starts with equal weight) and
@@ -88,6 +110,8 @@ class BlockAttnRes(nn.Module):
         self.dim = dim
         self.eps = eps
         self.preserve_scale = preserve_scale
+        # Where this module sits in a converted model (attnres_fx.sites reads it); None for a free module.
+        self.site: Site | None = None
         self.proj = nn.Linear(dim, 1, bias=False, device=device, dtype=dtype)
         self.norm = nn.RMSNorm(dim, eps=eps, device=device, dtype=dtype)
         self.reset_parameters()
@@ -100,10 +124,5 @@ class BlockAttnRes(nn.Module):
         return f"dim={self.dim}, eps={self.eps}, preserve_scale={self.preserve_scale}"
 
     def forward(self, *sources: torch.Tensor) -> torch.Tensor:
-        if not sources:
-            raise ValueError("BlockAttnRes needs at least one source")
-        query = folded_query(self.proj.weight, self.norm.weight)
-        logits = [depth_logit(value.float(), query, self.eps) for value in sources]
-        _, exps, total = softmax_parts(logits)
-        inverse = (len(sources) if self.preserve_scale else 1.0) / total
-        return weighted_sum([e * inverse for e in exps], sources).to(sources[0].dtype)
+        return aggregate(self.proj.weight, self.norm.weight, sources, eps=self.eps,
+                         preserve_scale=self.preserve_scale)

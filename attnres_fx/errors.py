@@ -33,6 +33,11 @@ class UnsupportedArchitectureError(AttnResError):
     """The graph has residual connections, but of a form Block AttnRes does not apply to."""
 
 
+class StreamMismatchError(AttnResError):
+    """A graph captured for a call of a converted model holds a residual stream that is not the one the
+    model was converted with (or none at all): the message names the sites that differ."""
+
+
 class ExportError(AttnResError):
     """Compiling or exporting a rewritten module failed; carries the exporter's root cause."""
 

@@ -51,9 +51,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import attnres_fx
-from attnres_fx import traffic
 from attnres_fx.models import TinyConfig, TinyTransformer, example_ids
 from attnres_fx.passes.two_phase import apply_two_phase, phase1, phase2
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import traffic  # noqa: E402 - the memory-traffic model beside this script
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 SECTIONS = ("forward", "train", "memory", "op")
@@ -116,11 +118,12 @@ def build(cfg: Config, variant: str) -> nn.Module:
     original = TinyTransformer(cfg.model_config()).eval()
     if variant == "original":
         return original
-    # A short example keeps the rewrite's smoke run small (the fx graph is not shape-specialised).
-    example = example_ids(cfg.model_config(), batch=1, seq=4)
+    example = example_ids(cfg.model_config(), batch=cfg.batch, seq=cfg.seq)
     options = {"block_size": 1} if variant.startswith("full") else {"num_blocks": cfg.num_blocks}
-    rewritten = attnres_fx.attnresify(original, (example,), **options)
-    return apply_two_phase(rewritten) if variant.endswith("two_phase") else rewritten
+    converted = attnres_fx.attnresify(original, (example,), **options)
+    # The two-phase schedule applies to explicit graphs (the ONNX export and export.compile use it).
+    return apply_two_phase(attnres_fx.rewrite(converted, (example,))) if variant.endswith("two_phase") \
+        else converted
 
 
 def inputs(cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,11 +132,15 @@ def inputs(cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def compiler() -> Callable[[nn.Module], nn.Module]:
-    try:
-        from attnres_fx.export import compile as export_compile
-    except ImportError:
-        return functools.partial(torch.compile, backend="inductor", fullgraph=True)
-    return export_compile
+    """Inductor, fullgraph: ``attnres_fx.compile`` for a converted model (its routes use Inductor), the
+    hand-off's ``export.compile`` for an explicit graph, ``torch.compile`` for the original."""
+    from attnres_fx.export import compile as export_compile
+
+    def compile_(model: nn.Module) -> nn.Module:
+        if attnres_fx.is_converted(model) or isinstance(model, torch.fx.GraphModule):
+            return export_compile(model)
+        return torch.compile(model, backend="inductor", fullgraph=True)
+    return compile_
 
 
 # --------------------------------------------------------------------------------------------- timing

@@ -1,18 +1,37 @@
-"""Hand-off of rewritten modules to torch.compile (Inductor) and ONNX / onnxruntime.
+"""Hand-off of converted models to torch.compile (Inductor) and ONNX / onnxruntime.
 
     from attnres_fx import export
-    fast = export.compile(new)                                   # Inductor, fullgraph=True
-    path = export.to_onnx(new, (ids,), "model.onnx")             # dynamic batch and sequence
-    print(export.verify(new, path, (ids,)))                      # torch vs onnxruntime, per output
-    export.attnres_node_groups(path)                             # {"blocks.0.attn_res": [...], ...}
+    path = export.to_onnx(model, (ids,), "model.onnx")           # dynamic batch and sequence
+    print(export.verify(model, path, (ids,)))                    # torch vs onnxruntime, per output
+    export.attnres_node_groups(path)                             # {"model.layers.0.attn_res": [...], ...}
+    fast = export.compile(graph)                                 # an explicit graph, Inductor fullgraph
 
-Every failure raises :class:`attnres_fx.ExportError` with the root cause and a hint.
+Every failure raises :class:`attnres_fx.ExportError` with the root cause and a hint. The ONNX packages
+are an optional extra (``pip install 'attnres-fx[onnx]'``): they are imported by the functions that
+need them, so ``export.compile`` works without them.
 """
 
-from .compile import compile
-from .onnx import attnres_node_groups, to_onnx
-from .report import three_way_report
-from .runtime import OutputDiff, VerifyReport, session, verify
+from __future__ import annotations
 
-__all__ = ["OutputDiff", "VerifyReport", "attnres_node_groups", "compile", "session", "three_way_report",
-           "to_onnx", "verify"]
+import importlib
+
+_WHERE = {
+    "compile": "inductor",
+    "to_onnx": "onnx", "attnres_node_groups": "onnx",
+    "three_way_report": "report",
+    "OutputDiff": "runtime", "VerifyReport": "runtime", "session": "runtime", "verify": "runtime",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -23,11 +23,12 @@ import onnx
 import torch
 from torch import nn
 
+from attnres_fx.api import is_converted, rewrite
 from attnres_fx.block_attnres import BlockAttnRes
 from attnres_fx.errors import AttnResWarning
-from attnres_fx.frontends import default_dynamic_shapes
+from attnres_fx.capture import default_dynamic_shapes
 
-from .errors import reraise_as_export_error
+from .failures import reraise_as_export_error
 from .schedule import inference_form
 from .signature import bind, output_names
 
@@ -42,8 +43,10 @@ def to_onnx(module: nn.Module, example_inputs: Any, path: str | Path, *, example
     """Export ``module`` to an ONNX file at ``path`` and check it with ``onnx.checker``; return the path.
 
     Args:
-        module: any ``nn.Module`` (typically what ``attnresify`` returned; a ``compile()``d module is
-            exported from its original). Its weights' device is where the example inputs go.
+        module: a model converted by ``attnresify`` (exported through its explicit graph,
+            :func:`attnres_fx.rewrite`, with its current weights), an explicit graph, or any ``nn.Module``
+            (a ``compile()``d module is exported from its original). Its weights' device is where the
+            example inputs go.
         example_inputs: positional inputs (a tuple, or one tensor).
         example_kwargs: keyword inputs.
         dynamic: batch and sequence dimensions (the first two) of every tensor input are dynamic, so
@@ -62,7 +65,10 @@ def to_onnx(module: nn.Module, example_inputs: Any, path: str | Path, *, example
     / ``output`` for a single tensor. Every failure raises :class:`attnres_fx.ExportError` with the
     exporter's root cause and a hint.
     """
-    module = inference_form(getattr(module, "_orig_mod", module), two_phase)
+    module = getattr(module, "_orig_mod", module)
+    if is_converted(module):
+        module = rewrite(module, example_inputs, example_kwargs=example_kwargs)
+    module = inference_form(module, two_phase)
     path = Path(path)
     call = bind(module, example_inputs, example_kwargs)
     dynamic_shapes = default_dynamic_shapes(module, call.args, call.kwargs) if dynamic else None

@@ -11,7 +11,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from .compile import compile
+from attnres_fx.api import is_converted, rewrite
+
+from .inductor import compile
 from .onnx import to_onnx
 from .runtime import run_session, session
 from .signature import bind, module_device, tensor_outputs
@@ -24,6 +26,8 @@ def three_way_report(model_rewritten: nn.Module, inputs: Any, tmpdir: str | Path
     that relative to the largest eager magnitude), median time of ``runs`` calls after one warm-up, and
     the one-off compile / export times. onnxruntime runs on the model's device when it can.
     """
+    if is_converted(model_rewritten):
+        model_rewritten = rewrite(model_rewritten, inputs, example_kwargs=example_kwargs)
     call = bind(model_rewritten, inputs, example_kwargs)
     device = module_device(model_rewritten)
 

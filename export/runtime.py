@@ -13,7 +13,7 @@ from torch import nn
 
 from attnres_fx.errors import ExportError
 
-from .errors import reraise_as_export_error
+from .failures import reraise_as_export_error
 from .signature import Call, bind, module_device, tensor_outputs
 
 CPU = "CPUExecutionProvider"

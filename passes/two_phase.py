@@ -1,4 +1,4 @@
-"""The paper's two-phase schedule (METHOD.md section 5) as an fx pass over a rewritten GraphModule.
+"""The paper's two-phase schedule (docs/method.md, section 5) as an fx pass over a rewritten GraphModule.
 
 Pseudo-queries do not depend on the input, so all the sites that read the same completed blocks can be
 scored against those blocks at once:
@@ -17,9 +17,9 @@ scored against those blocks at once:
   This is the softmax over ``blocks + [partial]`` regrouped, not an approximation.
 
 Contract
-    requires  a GraphModule in the per-site form that :func:`attnres_fx.attnresify` returns:
-              ``call_module`` nodes of :class:`~attnres_fx.BlockAttnRes` modules that carry a ``.site``
-              record, with the sources ``(*completed_blocks, partial)`` as positional arguments.
+    requires  a GraphModule in the per-site form that :func:`attnres_fx.rewrite` returns:
+              ``call_module`` nodes of :class:`~attnres_fx.BlockAttnRes` modules that carry their
+              :class:`~attnres_fx.Site` (``module.site``), with the sources ``(*completed_blocks, partial)`` as positional arguments.
     ensures   no ``call_module`` of a BlockAttnRes is left; every site reads a ``attnres_phase2_<site>``
               node; the graph lints.
     modifies  the graph only, in place. The BlockAttnRes modules stay registered and are read through
@@ -64,6 +64,7 @@ import torch
 from torch import fx
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
+from attnres_fx.errors import AttnResError
 from attnres_fx.block_attnres import (BlockAttnRes, depth_logit, folded_query, key_scale, softmax_parts,
                                       weighted_sum)
 
@@ -113,7 +114,7 @@ def phase2_alone(partial: torch.Tensor, *, scale: float) -> torch.Tensor:
 
 
 @dataclass
-class _Site:
+class _AggregationCall:
     node: fx.Node
     module: BlockAttnRes
 
@@ -139,17 +140,17 @@ class TwoPhaseSchedule(PassBase):
             raise ValueError("this GraphModule already uses the two-phase schedule")
         if not _sites(graph_module):
             raise ValueError("no BlockAttnRes aggregation is called in this graph: the two-phase schedule "
-                             "applies to the GraphModule that attnres_fx.attnresify returns")
+                             "applies to the GraphModule that attnres_fx.rewrite returns")
 
     def ensures(self, graph_module: fx.GraphModule) -> None:
         graph_module.graph.lint()
         left = [site.node.name for site in _sites(graph_module)]
         if left:
-            raise RuntimeError(f"per-site aggregations left after the two-phase rewrite: {left}")
+            raise AttnResError(f"per-site aggregations left after the two-phase rewrite: {left}")
 
     def call(self, graph_module: fx.GraphModule) -> PassResult:
         graph = graph_module.graph
-        groups: dict[tuple, list[_Site]] = {}
+        groups: dict[tuple, list[_AggregationCall]] = {}
         for site in _sites(graph_module):
             if site.completed:
                 groups.setdefault((site.completed, site.module.eps), []).append(site)
@@ -166,7 +167,7 @@ class TwoPhaseSchedule(PassBase):
 def apply_two_phase(gm: fx.GraphModule) -> fx.GraphModule:
     """Switch a rewritten GraphModule to the two-phase schedule, in place, and return it.
 
-    ``gm`` is what :func:`attnres_fx.attnresify` returned. Parameters, ``state_dict`` and
+    ``gm`` is what :func:`attnres_fx.rewrite` returned. Parameters, ``state_dict`` and
     ``attnres_fx.sites(gm)`` are unchanged; only the graph is. To keep the per-site form as well, pass
     ``copy.deepcopy(gm)`` (its parameters are then copies). Raises ``ValueError`` (leaving ``gm``
     untouched) on a module without BlockAttnRes aggregations, or one already switched.
@@ -179,18 +180,18 @@ def can_apply_two_phase(module) -> bool:
     return isinstance(module, fx.GraphModule) and bool(_sites(module))
 
 
-def _sites(gm: fx.GraphModule) -> list[_Site]:
+def _sites(gm: fx.GraphModule) -> list[_AggregationCall]:
     found = []
     for node in gm.graph.nodes:
         if node.op != "call_module":
             continue
         module = gm.get_submodule(node.target)
         if isinstance(module, BlockAttnRes) and getattr(module, "site", None) is not None:
-            found.append(_Site(node, module))
+            found.append(_AggregationCall(node, module))
     return found
 
 
-def _rewrite_group(graph: fx.Graph, completed: tuple[fx.Node, ...], eps: float, members: list[_Site]) -> None:
+def _rewrite_group(graph: fx.Graph, completed: tuple[fx.Node, ...], eps: float, members: list[_AggregationCall]) -> None:
     stream = members[0].module.site.stream
     name = f"attnres_phase1_{f'stream{stream}_' if stream else ''}block{len(completed)}"
     weights = []
@@ -210,7 +211,7 @@ def _rewrite_group(graph: fx.Graph, completed: tuple[fx.Node, ...], eps: float, 
         _replace(graph, site, "call_function", phase2, args, {"eps": eps, "scale": site.scale}, "phase2")
 
 
-def _replace(graph: fx.Graph, site: _Site, op: str, target, args: tuple, kwargs: dict, role: str) -> None:
+def _replace(graph: fx.Graph, site: _AggregationCall, op: str, target, args: tuple, kwargs: dict, role: str) -> None:
     """Put a phase node where the site's call was, with the site's provenance, and drop the call."""
     old = site.node
     with graph.inserting_before(old):

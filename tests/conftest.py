@@ -54,3 +54,11 @@ def _probe_input(model):
 def _run(model, x):
     with torch.no_grad():
         return copy.deepcopy(model)(x) if x is not None else None
+
+
+def converted(model: torch.nn.Module, *example_inputs, **options) -> torch.nn.Module:
+    """``attnresify`` of a deep copy of ``model`` (conversion is in place; the original stays the
+    reference). ``example_kwargs`` goes through ``options``."""
+    import attnres_fx
+
+    return attnres_fx.attnresify(copy.deepcopy(model), example_inputs or None, **options)

@@ -1,24 +1,18 @@
-"""Tiny random-weight Hugging Face models for the tests: :mod:`attnres_fx.zoo`, plus test-only helpers.
+"""The tiny Hugging Face models of :mod:`attnres_fx.models` with what the tests expect of them.
 
-The models, example inputs, losses and measurements are defined once, in the package (the CLI's
-``demo --model NAME`` builds the same models); this module re-exports them and adds what only tests
-need. ``transformers`` is imported lazily: tests skip when :func:`transformers_available` is False.
+``transformers`` is imported lazily: tests skip when :func:`transformers_available` is False.
 """
 
 from __future__ import annotations
 
-from attnres_fx.zoo import *  # noqa: F403 - this module extends the zoo for the tests
-from attnres_fx.zoo import spec
+import pytest
 
+from attnres_fx.checks import eps_bound, relative_error  # noqa: F401 - re-exported for the tests
+from attnres_fx.models import (HF_NAMES, build_hf, hf_example_inputs, hf_model,  # noqa: F401
+                               main_output, transformers_available)
+from attnres_fx.testing import EXPECTED, PRE_NORM_NAMES, lm_loss  # noqa: F401
 
-def site_owner_paths(name: str, stream: str | None = None) -> list[str]:
-    """Module paths owning each residual add of ``stream`` (all streams when None), in execution
-    order: ``["model.layers.0", "model.layers.0", "model.layers.1", ...]`` for a pre-norm LM (its two
-    sites share the layer's path), one entry per layer for parallel layers (Phi, GPT-NeoX)."""
-    s = spec(name)
-    out = []
-    for st in [stream] if stream else list(s.streams):
-        patterns = (s.site_owners or {}).get(st) or (s.layer_paths[st] + ".{i}",) * s.sites_per_layer[st]
-        for i in range(s.num_layers):
-            out.extend(p.format(i=i) for p in patterns)
-    return out
+needs_hf = pytest.mark.skipif(not transformers_available(),
+                              reason="needs Hugging Face transformers (pip install 'attnres-fx[hf]')")
+LM_NAMES = tuple(name for name in PRE_NORM_NAMES if hf_model(name).is_lm)
+DECODER_LM_NAMES = tuple(name for name in LM_NAMES if hf_model(name).task == "causal_lm")

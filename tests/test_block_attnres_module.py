@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from attnres_fx import BlockAttnRes
-from attnres_fx.reference import block_attn_res
+from attnres_fx.testing.reference import block_attn_res
 
 
 def _random_module(dim, seed=0, preserve_scale=False):

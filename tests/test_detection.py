@@ -5,6 +5,7 @@ import torch
 
 import attnres_fx
 from attnres_fx.models import TinyTransformer
+from conftest import converted
 from toy_models import (EncoderDecoder, NestedModel, NoResidualModel, PostNormModel, RawBranchModel, RopeModel,
                         make_inputs)
 
@@ -70,10 +71,14 @@ def test_two_independent_streams_encoder_and_decoder():
 def test_encoder_final_aggregate_feeds_the_decoder_cross_attention():
     model = EncoderDecoder().eval()
     src, tgt = make_inputs(), make_inputs(seed=1)
-    new = attnres_fx.attnresify(model, (src, tgt), block_size=2, preserve_scale=True)
+    new = converted(model, src, tgt, block_size=2, preserve_scale=True)
     names = [s.name for s in attnres_fx.sites(new)]
-    assert "encoder.final_res" in names and "decoder.final_res" in names
-    final = next(n for n in new.graph.nodes if n.target == "encoder.final_res")
+    # ``encoder`` and ``decoder`` are ModuleLists, which iterate over their children: the final
+    # aggregations go on the root instead.
+    assert "encoder_final_res" in names and "decoder_final_res" in names
+    assert len(new.encoder) == len(new.decoder) == 2
+    graph = attnres_fx.rewrite(new, (src, tgt))
+    final = next(n for n in graph.graph.nodes if n.target == "encoder_final_res")
     (enc_norm,) = final.users
     assert enc_norm.target == "enc_norm"
     assert sum(1 for u in enc_norm.users if "cross_attn" in str(u.target)) == 2, "both decoder layers"
@@ -116,7 +121,7 @@ def test_add_forms_are_all_recognised():
     assert detection.num_sites == 5
     model = Forms()
     x = torch.randn(2, 3, 16)
-    new = attnres_fx.attnresify(model, (x,), block_size=1, preserve_scale=True)
+    new = converted(model, x, block_size=1, preserve_scale=True)
     torch.testing.assert_close(new(x), model(x), rtol=1e-5, atol=1e-5)
 
 
@@ -142,4 +147,4 @@ def test_an_unused_in_place_add_is_rejected_with_a_rewrite_hint():
             return x
 
     with pytest.raises(attnres_fx.NoResidualStreamError, match=r"in-place add whose result is never used"):
-        attnres_fx.attnresify(InPlace(2), (torch.randn(2, 3, 16),), tracer="fx")
+        attnres_fx.attnresify(InPlace(2))

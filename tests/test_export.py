@@ -1,6 +1,7 @@
-"""attnres_fx.export: torch.compile (Inductor) and ONNX / onnxruntime agree with the eager rewritten model.
+"""attnres_fx.export: torch.compile (Inductor) of explicit graphs and ONNX / onnxruntime agree with the
+eager converted model.
 
-Every rewritten model gets random, non-zero pseudo-queries, so the softmax over depth really weighs the
+Every converted model gets random, non-zero pseudo-queries, so the softmax over depth really weighs the
 sources unequally (at zero init every aggregate is a plain mean). Compiled and exported artefacts are
 module-scoped: each torch.compile / ONNX export is paid once.
 """
@@ -14,30 +15,30 @@ import pytest
 import torch
 
 import attnres_fx
-from attnres_fx import BlockAttnRes, ExportError, export, zoo
+from attnres_fx import BlockAttnRes, ExportError, export
 from attnres_fx.cli import main as cli_main
-from attnres_fx.models import TinyConfig, TinyTransformer, example_ids
-from attnres_fx.reference import block_attn_res
+from attnres_fx.export.schedule import inference_form
+from attnres_fx.models import (TinyConfig, TinyTransformer, build_hf, example_ids, hf_example_inputs, main_output,
+                               transformers_available)
+from attnres_fx.testing import randomise_pseudo_queries
+from attnres_fx.testing.reference import block_attn_res
 
 EXPORT_SHAPE = (2, 16)
 OTHER_SHAPES = [(3, 11), (1, 40)]
 
 
 def randomise_queries(model, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    for site in attnres_fx.sites(model):
-        with torch.no_grad():
-            site.module.proj.weight.copy_(torch.randn(site.module.proj.weight.shape, generator=generator) * 0.5)
-    return model
+    return randomise_pseudo_queries(model, seed=seed, std=0.5)
 
 
 def tiny(parallel=False, dtype=torch.float32):
+    """A converted TinyTransformer (``model``) with random pseudo-queries, and its explicit graph."""
     torch.manual_seed(0)
     cfg = TinyConfig(dim=32, num_layers=2, parallel=parallel)
     model = TinyTransformer(cfg).eval().to(dtype)
     ids = example_ids(cfg, *EXPORT_SHAPE)
     new = randomise_queries(attnres_fx.attnresify(model, (ids,), block_size=2))
-    return types.SimpleNamespace(cfg=cfg, model=new, ids=ids)
+    return types.SimpleNamespace(cfg=cfg, model=new, ids=ids, graph=attnres_fx.rewrite(new, (ids,)))
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["sequential", "parallel"])
@@ -56,7 +57,7 @@ def exported(tiny_fp32, tmp_path_factory):
 
 @pytest.mark.slow
 def test_compiled_matches_eager_without_graph_breaks(tiny_fp32):
-    compiled = export.compile(tiny_fp32.model)        # fullgraph=True: a graph break would raise
+    compiled = export.compile(tiny_fp32.graph)        # fullgraph=True: a graph break would raise
     with torch.no_grad():
         expected, got = tiny_fp32.model(tiny_fp32.ids), compiled(tiny_fp32.ids)
     # fp32 either way; Inductor fuses the norms, the depth-softmax and the weighted sums and reorders
@@ -119,7 +120,7 @@ def test_verify_reports_disagreement(tiny_fp32, exported):
 def test_bf16_compiled_matches_eager_bf16():
     model = tiny(dtype=torch.bfloat16)
     with torch.no_grad():
-        expected, got = model.model(model.ids), export.compile(model.model)(model.ids)
+        expected, got = model.model(model.ids), export.compile(model.graph)(model.ids)
     assert got.dtype == torch.bfloat16
     # Eager rounds to bf16 (8 significant bits) after every op; Inductor computes each fused chain in
     # fp32 and rounds once. A few bf16 ulps per op accumulate over two layers: ~0.02-0.035 observed on
@@ -241,9 +242,9 @@ def test_hf_llama_compiles_and_exports(tmp_path):
                                       use_cache=False)
     model = transformers.LlamaForCausalLM(config).eval()
     ids = torch.randint(0, 128, EXPORT_SHAPE, generator=torch.Generator().manual_seed(0))
-    new = randomise_queries(attnres_fx.attnresify(model, (ids,), tracer="export"))
+    new = randomise_queries(attnres_fx.attnresify(model, (ids,)))
     with torch.no_grad():
-        expected, got = new(ids).logits, export.compile(new)(ids).logits
+        expected, got = new(ids).logits, export.compile(attnres_fx.rewrite(new, (ids,)))(ids).logits
     assert (got - expected).abs().max() <= 1e-5          # fp32, reordered reductions only
     path = export.to_onnx(new, (ids,), tmp_path / "llama.onnx")
     sess = export.session(path, device="cpu")
@@ -276,8 +277,10 @@ def test_cli_export(tmp_path, capsys):
 
 
 def test_cli_export_unknown_model(tmp_path, capsys):
-    assert cli_main(["export", "no-such-model", "--onnx", str(tmp_path / "x.onnx")]) == 1
-    assert "unknown model 'no-such-model'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["export", "no-such-model", "--onnx", str(tmp_path / "x.onnx")])
+    assert exit_.value.code == 2
+    assert "invalid choice: 'no-such-model'" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -291,8 +294,7 @@ def test_cli_demo_reports_eager_compiled_and_onnxruntime(tmp_path, capsys):
 
 
 def test_backends_get_the_two_phase_form_without_touching_the_module(tiny_fp32):
-    from attnres_fx.export.schedule import inference_form
-    module = tiny_fp32.model
+    module = tiny_fp32.graph
     code = module.code
     twin = inference_form(module, two_phase=True)
     assert twin is not module and module.code == code, "the caller's module keeps its per-site graph"
@@ -311,29 +313,29 @@ HF_BACKEND_MODELS = ["gpt_neox", "t5", "vit"]
 
 
 @pytest.fixture(scope="module", params=HF_BACKEND_MODELS)
-def hf_rewritten(request):
-    if not zoo.transformers_available():
+def hf_converted(request):
+    if not transformers_available():
         pytest.skip("transformers is not installed (pip install 'attnres-fx[hf]')")
     name = request.param
-    args, kwargs = zoo.example_inputs(name, *EXPORT_SHAPE)
-    new = randomise_queries(attnres_fx.attnresify(zoo.build(name), args, example_kwargs=kwargs, block_size=2))
-    return types.SimpleNamespace(name=name, model=new, args=args, kwargs=kwargs, zoo=zoo)
+    args, kwargs = hf_example_inputs(name, *EXPORT_SHAPE)
+    new = randomise_queries(attnres_fx.attnresify(build_hf(name), args, example_kwargs=kwargs, block_size=2))
+    return types.SimpleNamespace(name=name, model=new, args=args, kwargs=kwargs)
 
 
 @pytest.mark.slow
-def test_hf_models_compile_without_graph_breaks_and_match_eager(hf_rewritten):
-    m = hf_rewritten
-    compiled = export.compile(m.model)                 # fullgraph=True: a graph break raises
+def test_hf_explicit_graphs_compile_without_graph_breaks_and_match_eager(hf_converted):
+    m = hf_converted
+    compiled = export.compile(attnres_fx.rewrite(m.model, m.args, example_kwargs=m.kwargs))   # fullgraph=True
     with torch.no_grad():
-        expected = m.zoo.main_output(m.name, m.model(*m.args, **m.kwargs))
-        got = m.zoo.main_output(m.name, compiled(*m.args, **m.kwargs))
+        expected = main_output(m.name, m.model(*m.args, **m.kwargs))
+        got = main_output(m.name, compiled(*m.args, **m.kwargs))
     # fp32 both; Inductor reorders reductions (norms, depth softmax, matmuls): rounding only.
     assert (got - expected).abs().max() <= 1e-5
 
 
 @pytest.mark.slow
-def test_hf_models_run_in_onnxruntime_at_three_shapes(hf_rewritten, tmp_path):
-    m = hf_rewritten
+def test_hf_models_run_in_onnxruntime_at_three_shapes(hf_converted, tmp_path):
+    m = hf_converted
     path = export.to_onnx(m.model, m.args, tmp_path / f"{m.name}.onnx", example_kwargs=m.kwargs)
     onnx.checker.check_model(str(path))
     sess = export.session(path, device="cpu")
@@ -342,24 +344,8 @@ def test_hf_models_run_in_onnxruntime_at_three_shapes(hf_rewritten, tmp_path):
     # Two-phase export: every site but the single-source ones (the identity) keeps a node group.
     assert list(export.attnres_node_groups(path)) == [s.name for s in sites if s.num_sources > 1]
     # ViT's token count is fixed by the image size: only the batch varies there.
-    shapes = [EXPORT_SHAPE, *OTHER_SHAPES]
-    for batch, seq in shapes:
-        args, kwargs = m.zoo.example_inputs(m.name, batch, seq)
+    for batch, seq in [EXPORT_SHAPE, *OTHER_SHAPES]:
+        args, kwargs = hf_example_inputs(m.name, batch, seq)
         # onnxruntime's CPU kernels accumulate in another order than PyTorch's: rounding, ~1e-6 seen.
         report = export.verify(m.model, sess, args, example_kwargs=kwargs, atol=1e-4, rtol=0)
         assert report.ok and report.max_abs <= 1e-4, str(report)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", zoo.PRE_NORM_NAMES)
-def test_every_real_model_traces_into_one_graph(name):
-    """Dynamo's explain traces without generating code: the graph-break check for all models, cheaply
-    (the models above also go through Inductor itself)."""
-    if not zoo.transformers_available():
-        pytest.skip("transformers is not installed (pip install 'attnres-fx[hf]')")
-    args, kwargs = zoo.example_inputs(name, *EXPORT_SHAPE)
-    new = attnres_fx.attnresify(zoo.build(name), args, example_kwargs=kwargs, block_size=2)
-    for form in (new, export.schedule.inference_form(new, two_phase=True)):
-        explanation = torch._dynamo.explain(form)(*args, **kwargs)
-        assert explanation.graph_break_count == 0, explanation.break_reasons
-        assert explanation.graph_count == 1

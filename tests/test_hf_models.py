@@ -1,12 +1,12 @@
-"""Real models: tiny random-weight Hugging Face Transformers, rewritten through torch.export.
+"""Real models: tiny random-weight Hugging Face Transformers, converted in place.
 
-For every pre-norm architecture of :mod:`attnres_fx.zoo`: the sites found and their names, zero-init
-equivalence (exact with ``preserve_scale=True``; up to a derived eps bound by default), other input
-shapes, one training step. Then the two-stream T5, post-norm BERT, KV caches, eval dropout and dtype
-casts, ``dynamic_shapes``, the CLI, the import isolation of the optional packages, and timm.
+For every pre-norm architecture of :data:`attnres_fx.models.HF_MODELS`: the sites found and their names,
+zero-init equivalence (exact with ``preserve_scale=True``; up to a derived eps bound by default), the
+explicit graph equal to the live model under random pseudo-queries, other input shapes, one training
+step. Then the two-stream T5, post-norm BERT, eval dropout and dtype casts, the explicit graph's
+tracers, the CLI, the import isolation of the optional packages, and timm.
 
-Each model is built, traced and rewritten once per module (the ``zoo`` fixture caches them): every
-export costs about a second.
+Each model is built and converted once per module (the ``zoo`` fixture caches them).
 """
 
 from __future__ import annotations
@@ -22,16 +22,10 @@ from torch.export import Dim
 
 import attnres_fx
 import hf_models as H
-from attnres_fx.cli import build_model
+from attnres_fx.cli import build_model, build_parser
 from attnres_fx.cli import main as cli_main
-from attnres_fx.frontends import trace
-from attnres_fx.passes import detect_residual_streams
-
-# copy.deepcopy of an exported GraphModule goes through a pytree path torch itself deprecates.
-pytestmark = pytest.mark.filterwarnings(r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated:FutureWarning")
-
-needs_hf = pytest.mark.skipif(not H.transformers_available(),
-                              reason="needs Hugging Face transformers (pip install 'attnres-fx[hf]')")
+from attnres_fx.testing import randomise_pseudo_queries
+from hf_models import needs_hf
 
 # preserve_scale=True multiplies each zero-init aggregate (the mean of its sources) back to their plain
 # sum, which is the original stream: exact in real arithmetic; fp32 round-off of the reassociated sums
@@ -42,7 +36,7 @@ OTHER_SHAPES = [(3, 11), (1, 64)]       # (batch, seq); the example inputs are (
 
 
 class Zoo:
-    """Models, their example outputs, traced graphs and rewrites, each made once per module."""
+    """Models, their example outputs and conversions, each made once per module."""
 
     def __init__(self):
         self._cache: dict = {}
@@ -53,25 +47,15 @@ class Zoo:
         return self._cache[key]
 
     def model(self, name: str):
-        return self._get(("model", name), lambda: H.build(name))
+        return self._get(("model", name), lambda: H.build_hf(name))
 
     def output(self, name: str):
-        args, kwargs = H.example_inputs(name)
-        with torch.no_grad():
-            return self._get(("output", name), lambda: self.model(name)(*args, **kwargs))
+        return self._get(("output", name), lambda: run(name, self.model(name)))
 
-    def detection(self, name: str):
-        """(the exported graph, the streams detected in it)."""
-        def make():
-            args, kwargs = H.example_inputs(name)
-            graph_module = trace(self.model(name), args, kwargs, "export").graph_module
-            return graph_module, detect_residual_streams(graph_module)
-        return self._get(("detection", name), make)
-
-    def rewritten(self, name: str, preserve_scale: bool = False):
-        args, kwargs = H.example_inputs(name)
-        return self._get(("rewritten", name, preserve_scale), lambda: attnres_fx.attnresify(
-            self.model(name), args, example_kwargs=kwargs, preserve_scale=preserve_scale))
+    def converted(self, name: str, preserve_scale: bool = False):
+        args, kwargs = H.hf_example_inputs(name)
+        return self._get(("converted", name, preserve_scale), lambda: attnres_fx.attnresify(
+            copy.deepcopy(self.model(name)), args, example_kwargs=kwargs, preserve_scale=preserve_scale))
 
 
 @pytest.fixture(scope="module")
@@ -80,15 +64,15 @@ def zoo():
 
 
 def run(name, module, batch=2, seq=16):
-    args, kwargs = H.example_inputs(name, batch, seq)
+    args, kwargs = H.hf_example_inputs(name, batch, seq)
     with torch.no_grad():
         return module(*args, **kwargs)
 
 
 def compared_outputs(name, output):
-    """The tensors a zero-init rewrite must reproduce: the main output, and T5's encoder output."""
+    """The tensors a zero-init conversion must reproduce: the main output, and T5's encoder output."""
     tensors = [H.main_output(name, output)]
-    if H.spec(name).task == "seq2seq_lm":
+    if H.hf_model(name).task == "seq2seq_lm":
         tensors.append(output.encoder_last_hidden_state)
     return tensors
 
@@ -96,11 +80,11 @@ def compared_outputs(name, output):
 def expected_kinds(name: str, stream: str) -> list[str]:
     """Branch kinds per site, in execution order: attention then MLP per layer (T5's decoder: self-
     and cross-attention, then MLP); a parallel layer is one site with both branches."""
-    s = H.spec(name)
-    if s.parallel_residual:
-        return ["attn+mlp"] * s.streams[stream]
-    per_layer = ["attn"] * (s.sites_per_layer[stream] - 1) + ["mlp"]
-    return per_layer * s.num_layers
+    e = H.EXPECTED[name]
+    if e.parallel_residual:
+        return ["attn+mlp"] * e.streams[stream]
+    per_layer = ["attn"] * (e.sites_per_layer[stream] - 1) + ["mlp"]
+    return per_layer * e.num_layers
 
 
 PRE_NORM = [pytest.param(name, marks=[needs_hf, pytest.mark.slow]) for name in H.PRE_NORM_NAMES]
@@ -109,77 +93,92 @@ PRE_NORM = [pytest.param(name, marks=[needs_hf, pytest.mark.slow]) for name in H
 # -- every pre-norm architecture ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", PRE_NORM)
-def test_sites_found_on_the_aten_graph_are_named_after_the_module_that_adds(zoo, name):
-    s = H.spec(name)
-    _, detection = zoo.detection(name)
-    assert [len(stream.sites) for stream in detection.streams] == list(s.streams.values())
-    assert [site.owner for stream in detection.streams for site in stream.sites] == H.site_owner_paths(name)
-    for stream, stream_name in zip(detection.streams, s.streams):
+def test_sites_are_named_after_the_module_that_adds(zoo, name):
+    e = H.EXPECTED[name]
+    args, kwargs = H.hf_example_inputs(name)
+    detection = attnres_fx.detect(zoo.model(name), args, example_kwargs=kwargs, tracer="export")
+    assert [len(stream.sites) for stream in detection.streams] == list(e.streams.values())
+    assert [site.owner for stream in detection.streams for site in stream.sites] == e.owner_paths()
+    for stream, stream_name in zip(detection.streams, e.streams):
         kinds = ["+".join(sorted(b.kind for b in site.branches)) for site in stream.sites]
         assert kinds == expected_kinds(name, stream_name)
         assert all(site.normalised for site in stream.sites), "every branch reads the stream through a norm"
 
-    injected = attnres_fx.sites(zoo.rewritten(name))
+    injected = attnres_fx.sites(zoo.converted(name))
     branches = [(site.owner, branch.kind) for stream in detection.streams for site in stream.sites
                 for branch in site.branches]
-    names = [f"{owner}.{kind}_res" for owner, kind in branches]
-    assert [s_.name for s_ in injected if s_.kind != "final"] == names
-    finals = [s_ for s_ in injected if s_.kind == "final"]
-    assert [f.stream for f in finals] == list(range(s.num_streams)), "one final aggregation per stream"
-    assert len(injected) == len(branches) + s.num_streams
+    assert [s.name for s in injected if s.kind != "final"] == [f"{owner}.{kind}_res" for owner, kind in branches]
+    finals = [s for s in injected if s.kind == "final"]
+    assert [f.stream for f in finals] == list(range(e.num_streams)), "one final aggregation per stream"
 
 
 @pytest.mark.parametrize("name", PRE_NORM)
 def test_class_names_are_never_why_a_site_is_found(zoo, name):
     """Detection reads data flow: with every class name in the graph's metadata erased, it finds the
     same sites, with the same owners and kinds."""
-    graph_module, detection = zoo.detection(name)
-    scrubbed = copy.deepcopy(graph_module)
-    for node in scrubbed.graph.nodes:
+    from attnres_fx.capture import capture_dynamo
+    from attnres_fx.passes import detect_residual_streams
+
+    args, kwargs = H.hf_example_inputs(name)
+    graph_module, _ = capture_dynamo(zoo.model(name), args, kwargs)
+    detection = detect_residual_streams(graph_module)
+    for node in graph_module.graph.nodes:
         stack = node.meta.get("nn_module_stack")
         if stack:
             node.meta["nn_module_stack"] = {key: (path, "Module") for key, (path, *_) in stack.items()}
         node.meta.pop("source_fn_stack", None)
-    again = detect_residual_streams(scrubbed)
+    again = detect_residual_streams(graph_module)
 
     def summary(result):
         return [[(site.owner, site.kind, site.normalised) for site in stream.sites] for stream in result.streams]
-    assert summary(again) == summary(detection)
+    assert summary(again) == summary(detection) and detection.num_sites == H.EXPECTED[name].num_sites
 
 
 @pytest.mark.parametrize("name", PRE_NORM)
-def test_preserve_scale_rewrite_equals_the_original_and_keeps_the_output_type(zoo, name):
-    original, new = zoo.output(name), run(name, zoo.rewritten(name, preserve_scale=True))
+def test_preserve_scale_conversion_equals_the_original_and_keeps_the_output_type(zoo, name):
+    original, new = zoo.output(name), run(name, zoo.converted(name, preserve_scale=True))
     assert type(new) is type(original), "a ModelOutput stays the same ModelOutput"
     for got, want in zip(compared_outputs(name, new), compared_outputs(name, original)):
         assert H.relative_error(got, want) < EXACT
 
 
 @pytest.mark.parametrize("name", PRE_NORM)
-def test_default_rewrite_differs_only_by_the_norms_eps(zoo, name):
+def test_default_conversion_differs_only_by_the_norms_eps(zoo, name):
     """At zero init each norm reads h / c instead of h (c = number of sources): the norm of h with eps
-    replaced by c^2 eps. ``H.eps_bound`` sums the resulting per-token rescaling over every aggregation,
+    replaced by c^2 eps. ``eps_bound`` sums the resulting per-token rescaling over every aggregation,
     from the models' own eps and the measured per-token variance of the stream (HF init keeps it small,
-    ~2e-4 for the LMs, hence differences of a few percent). With eps = 1e-12 the same rewrite must match
-    to round-off: the difference is the eps and nothing else."""
-    args, kwargs = H.example_inputs(name)
-    eps = getattr(zoo.model(name).config, H.spec(name).eps_field)
-    bound = H.eps_bound(zoo.rewritten(name, preserve_scale=True), args, kwargs, eps)
-    new = run(name, zoo.rewritten(name))
+    ~2e-4 for the LMs, hence differences of a few percent). With eps = 1e-12 the same conversion must
+    match to round-off: the difference is the eps and nothing else."""
+    args, kwargs = H.hf_example_inputs(name)
+    eps = getattr(zoo.model(name).config, H.hf_model(name).eps_field)
+    bound = H.eps_bound(zoo.converted(name, preserve_scale=True), args, kwargs, eps)
+    new = run(name, zoo.converted(name))
     for got, want in zip(compared_outputs(name, new), compared_outputs(name, zoo.output(name))):
         assert H.relative_error(got, want) <= bound + EXACT
 
-    tiny_eps = H.build(name, **{H.spec(name).eps_field: TINY_EPS})
-    rewritten = attnres_fx.attnresify(tiny_eps, args, example_kwargs=kwargs)
+    tiny_eps = H.build_hf(name, **{H.hf_model(name).eps_field: TINY_EPS})
     original = run(name, tiny_eps)
-    for got, want in zip(compared_outputs(name, run(name, rewritten)), compared_outputs(name, original)):
+    converted = attnres_fx.attnresify(tiny_eps, args, example_kwargs=kwargs)
+    for got, want in zip(compared_outputs(name, run(name, converted)), compared_outputs(name, original)):
         assert H.relative_error(got, want) < EXACT
 
 
 @pytest.mark.parametrize("name", PRE_NORM)
-def test_traced_at_one_shape_runs_at_others(zoo, name):
-    """Batch and sequence are dynamic by default (ViT's token count is fixed by its image size)."""
-    new, model = zoo.rewritten(name, preserve_scale=True), zoo.model(name)
+def test_the_explicit_graph_equals_the_live_model_with_random_pseudo_queries(zoo, name):
+    new = randomise_pseudo_queries(copy.deepcopy(zoo.converted(name)), seed=2, std=0.5)
+    args, kwargs = H.hf_example_inputs(name)
+    graph = attnres_fx.rewrite(new, args, example_kwargs=kwargs)
+    live, explicit = run(name, new), run(name, graph)
+    for got, want in zip(compared_outputs(name, explicit), compared_outputs(name, live)):
+        assert H.relative_error(got, want) < EXACT
+    assert H.relative_error(H.main_output(name, live), H.main_output(name, zoo.output(name))) > 1e-3, \
+        "the random pseudo-queries must change the output"
+
+
+@pytest.mark.parametrize("name", PRE_NORM)
+def test_other_shapes_run_exactly_too(zoo, name):
+    """Batch and sequence may change between calls (ViT's token count is fixed by its image size)."""
+    new, model = zoo.converted(name, preserve_scale=True), zoo.model(name)
     for batch, seq in OTHER_SHAPES:
         got, want = run(name, new, batch, seq), run(name, model, batch, seq)
         assert H.main_output(name, got).shape[0] == batch
@@ -190,14 +189,14 @@ def test_traced_at_one_shape_runs_at_others(zoo, name):
 def test_one_optimizer_step_moves_the_pseudo_queries(zoo, name):
     """Every aggregation over two or more sources gets a gradient; one over a single source (the first
     site of a stream) has softmax weight 1 whatever its query, so its gradient is exactly zero."""
-    new = copy.deepcopy(zoo.rewritten(name))      # the cached one shares the original's weights
-    inputs = H.example_inputs(name)
+    new = copy.deepcopy(zoo.converted(name)).train()
+    inputs = H.hf_example_inputs(name)
     optimizer = torch.optim.Adam(new.parameters(), lr=1e-2)
     loss = H.lm_loss(name, new(*inputs[0], **inputs[1]), inputs)
     loss.backward()
     optimizer.step()
     for site in attnres_fx.sites(new):
-        moved = bool(site.module.proj.weight.abs().max() > 0)
+        moved = bool(new.get_submodule(site.name).proj.weight.abs().max() > 0)
         assert moved == (site.num_sources > 1), site.name
 
 
@@ -206,21 +205,23 @@ def test_one_optimizer_step_moves_the_pseudo_queries(zoo, name):
 @needs_hf
 @pytest.mark.slow
 def test_t5_encoder_final_aggregation_feeds_the_output_and_every_cross_attention(zoo):
-    """With a random pseudo-query on ``encoder.final_res`` only, the exact rewrite must compute what the
-    original decoder computes from the rewritten encoder's output: the encoder's final aggregation
+    """With a random pseudo-query on ``encoder.final_res`` only, the exact conversion must compute what
+    the original decoder computes from the converted encoder's output: the encoder's final aggregation
     feeds ``encoder_last_hidden_state`` and, through the same final norm, each cross-attention."""
-    new = copy.deepcopy(zoo.rewritten("t5", preserve_scale=True))
+    new = copy.deepcopy(zoo.converted("t5", preserve_scale=True))
     final = {site.name: site for site in attnres_fx.sites(new)}["encoder.final_res"]
     assert final.stream == 0
     with torch.no_grad():
-        final.module.proj.weight.normal_(generator=torch.Generator().manual_seed(0))
-    args, kwargs = H.example_inputs("t5")
+        new.encoder.final_res.proj.weight.normal_(generator=torch.Generator().manual_seed(0))
+    args, kwargs = H.hf_example_inputs("t5")
     out = run("t5", new)
     encoder_output = out.encoder_last_hidden_state
     assert H.relative_error(encoder_output, zoo.output("t5").encoder_last_hidden_state) > 1e-3, \
         "the perturbed final aggregation must change the encoder's output"
     with torch.no_grad():
         decoded = zoo.model("t5")(*args, encoder_outputs=(encoder_output,), **kwargs)
+        assert H.relative_error(new.encoder(*args).last_hidden_state, encoder_output) < EXACT, \
+            "the encoder called on its own (as generate does) is converted too"
     assert H.relative_error(out.logits, decoded.logits) < EXACT
 
 
@@ -229,8 +230,8 @@ def test_t5_encoder_final_aggregation_feeds_the_output_and_every_cross_attention
 @needs_hf
 @pytest.mark.slow
 def test_bert_is_post_norm_and_left_untouched(untouched):
-    model = H.build("bert")
-    args, kwargs = H.example_inputs("bert")
+    model = H.build_hf("bert")
+    args, kwargs = H.hf_example_inputs("bert")
     check = untouched(model)
     with torch.no_grad():
         before = model(*args, **kwargs).last_hidden_state
@@ -240,34 +241,7 @@ def test_bert_is_post_norm_and_left_untouched(untouched):
     check()
     with torch.no_grad():
         assert torch.equal(model(*args, **kwargs).last_hidden_state, before)
-
-
-# -- KV caches ------------------------------------------------------------------------------------------
-
-@needs_hf
-def test_asking_for_a_cache_raises_trace_error_before_tracing(zoo):
-    args, _ = H.example_inputs("llama")
-    for tracer in ("auto", "export"):
-        with pytest.raises(attnres_fx.TraceError, match="use_cache=False") as err:
-            attnres_fx.attnresify(zoo.model("llama"), args, example_kwargs={"use_cache": True}, tracer=tracer)
-        assert "KV cache" in str(err.value) and "neither tracer" not in str(err.value)
-
-
-@needs_hf
-@pytest.mark.slow
-def test_config_use_cache_is_off_while_tracing_and_restored(untouched):
-    """Most pretrained configs say use_cache=True: the model is traced without a cache, keeps its call
-    signature, returns no cache, and its config is left as it was."""
-    model = H.build("llama", use_cache=True)
-    args, _ = H.example_inputs("llama")
-    check = untouched(model)
-    new = attnres_fx.attnresify(model, args, preserve_scale=True)
-    assert model.config.use_cache is True
-    check()
-    with torch.no_grad():
-        got, want = new(*args), model(*args)
-    assert got.get("cache") is None and got.get("past_key_values") is None
-    assert H.relative_error(got.logits, want.logits) < EXACT
+    assert "forward" not in model.__dict__
 
 
 # -- what the stream passes through ---------------------------------------------------------------------
@@ -275,10 +249,10 @@ def test_config_use_cache_is_off_while_tracing_and_restored(untouched):
 @needs_hf
 @pytest.mark.slow
 def test_eval_mode_dropout_on_the_stream_is_transparent():
-    model = H.build("gpt2", resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)   # eval(): dropout is off
-    args, _ = H.example_inputs("gpt2")
-    new = attnres_fx.attnresify(model, args, preserve_scale=True)
-    assert len([s for s in attnres_fx.sites(new) if s.kind != "final"]) == H.expected_sites("gpt2")
+    model = H.build_hf("gpt2", resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)   # eval(): dropout is off
+    args, _ = H.hf_example_inputs("gpt2")
+    new = attnres_fx.attnresify(copy.deepcopy(model), args, preserve_scale=True)
+    assert len([s for s in attnres_fx.sites(new) if s.kind != "final"]) == H.EXPECTED["gpt2"].num_sites
     with torch.no_grad():
         assert H.relative_error(new(*args).logits, model(*args).logits) < EXACT
 
@@ -286,73 +260,86 @@ def test_eval_mode_dropout_on_the_stream_is_transparent():
 @needs_hf
 @pytest.mark.slow
 def test_bf16_model_casts_are_transparent_and_cost_no_more_than_bf16_itself():
-    """Llama's norms cast the bf16 stream to fp32 and back. The rewrite sums sources in fp32 and rounds
-    once where the original rounds after every add, so the two bf16 models differ by round-off; the
-    rewritten one must be as close to the fp32 model as the original bf16 model is (up to a factor 2
-    for the luck of rounding)."""
-    reference = H.build("llama")
-    model = H.build("llama").to(torch.bfloat16)
-    args, _ = H.example_inputs("llama")
-    new = attnres_fx.attnresify(model, args, preserve_scale=True)
-    assert len([s for s in attnres_fx.sites(new) if s.kind != "final"]) == H.expected_sites("llama")
+    """Llama's norms cast the bf16 stream to fp32 and back. The conversion sums sources in fp32 and
+    rounds once where the original rounds after every add, so the two bf16 models differ by round-off;
+    the converted one must be as close to the fp32 model as the original bf16 model is (up to a factor
+    2 for the luck of rounding)."""
+    reference = H.build_hf("llama")
+    model = H.build_hf("llama").to(torch.bfloat16)
+    args, _ = H.hf_example_inputs("llama")
+    new = attnres_fx.attnresify(copy.deepcopy(model), args, preserve_scale=True)
+    assert len([s for s in attnres_fx.sites(new) if s.kind != "final"]) == H.EXPECTED["llama"].num_sites
     with torch.no_grad():
         truth = reference(*args).logits
         original_error = H.relative_error(model(*args).logits.float(), truth)
         assert H.relative_error(new(*args).logits.float(), truth) <= 2 * original_error
 
 
-# -- tracing --------------------------------------------------------------------------------------------
+# -- the explicit graph's tracers -----------------------------------------------------------------------
 
 @needs_hf
-def test_auto_falls_back_to_export_and_fx_alone_says_what_to_try(zoo):
-    assert zoo.rewritten("llama").meta["attnres"]["frontend"] == "export"
-    args, _ = H.example_inputs("llama")
+@pytest.mark.slow
+def test_explicit_graph_falls_back_to_export_keeps_the_config_and_refuses_a_cache(zoo):
+    """Most pretrained configs say use_cache=True: the explicit graph is traced without a cache, keeps the
+    call signature, returns no cache, and leaves the config as it was; fx alone says what to try."""
+    model = attnres_fx.attnresify(H.build_hf("llama", use_cache=True), preserve_scale=True)
+    args, _ = H.hf_example_inputs("llama")
+    graph = attnres_fx.rewrite(model, args)
+    assert graph.meta["attnres"]["frontend"] == "export" and model.config.use_cache is True
+    with torch.no_grad():
+        got = graph(*args)
+    assert got.get("past_key_values") is None
+    assert H.relative_error(got.logits, run("llama", zoo.model("llama")).logits) < EXACT
     with pytest.raises(attnres_fx.TraceError, match="tracer='export'") as err:
-        attnres_fx.attnresify(zoo.model("llama"), args, tracer="fx")
+        attnres_fx.rewrite(model, args, tracer="fx")
     assert set(err.value.causes) == {"fx"}
+    with pytest.raises(attnres_fx.TraceError, match="use_cache=False") as err:
+        attnres_fx.rewrite(model, args, example_kwargs={"use_cache": True})
+    assert "KV cache" in str(err.value) and "converted model itself" in str(err.value)
 
 
 @needs_hf
 @pytest.mark.slow
 def test_dynamic_shapes_given_by_the_user_override_the_default(zoo):
-    args, _ = H.example_inputs("gpt2")
-    new = attnres_fx.attnresify(zoo.model("gpt2"), args, tracer="export", dynamic_shapes=({0: Dim.AUTO},))
-    assert run("gpt2", new, batch=3).logits.shape[:2] == (3, 16)
+    args, _ = H.hf_example_inputs("gpt2")
+    graph = attnres_fx.rewrite(zoo.converted("gpt2"), args, tracer="export", dynamic_shapes=({0: Dim.AUTO},))
+    assert run("gpt2", graph, batch=3).logits.shape[:2] == (3, 16)
     with pytest.raises((AssertionError, RuntimeError), match="16"):   # the sequence length stayed static
-        run("gpt2", new, seq=11)
+        run("gpt2", graph, seq=11)
 
 
 # -- CLI ------------------------------------------------------------------------------------------------
 
 @needs_hf
 @pytest.mark.slow
-def test_cli_demo_model_rewrites_a_zoo_model_and_refuses_bert(tmp_path, capsys):
+def test_cli_demo_model_converts_a_hugging_face_model_and_refuses_bert(tmp_path, capsys):
     assert cli_main(["demo", "--model", "llama", "--out", str(tmp_path), "--no-backends"]) == 0
     out = capsys.readouterr().out
     assert "LlamaForCausalLM" in out and "model.layers.1.mlp_res" in out and "model.final_res" in out
+    assert "PASS equivalence" in out
     assert cli_main(["demo", "--model", "bert", "--out", str(tmp_path), "--no-backends"]) == 1
     assert "post-norm" in capsys.readouterr().err
 
 
-def test_build_model_knows_tiny_and_every_zoo_name():
-    from attnres_fx.cli import MODELS, build_parser
+def test_build_model_knows_tiny_and_every_hugging_face_name():
+    from attnres_fx.cli import MODELS, UsageError
 
-    assert MODELS == ("tiny", *H.ARCH_NAMES)
+    assert MODELS == ("tiny", *H.HF_NAMES)
     model, args, kwargs = build_model("tiny", build_parser().parse_args(["demo", "--layers", "2"]))
     assert len(model.blocks) == 2 and args[0].shape == (2, 16) and kwargs == {}
-    with pytest.raises(ValueError, match="known: tiny, gpt2"):
+    with pytest.raises(UsageError, match="known: tiny, gpt2"):
         build_model("gpt3", None)
 
 
 # -- optional packages ----------------------------------------------------------------------------------
 
 def test_import_needs_neither_transformers_nor_a_working_torchvision(tmp_path):
-    """``import attnres_fx`` (zoo and CLI included) imports neither transformers nor timm, so a broken
+    """``import attnres_fx`` (models and CLI included) imports neither transformers nor timm, so a broken
     torchvision, as on this machine's CPU torch (README, Limits), cannot break it."""
     for package in ("torchvision", "timm"):
         (tmp_path / package).mkdir()
         (tmp_path / package / "__init__.py").write_text(f"raise RuntimeError('broken {package}')\n")
-    code = ("import sys, attnres_fx, attnres_fx.zoo, attnres_fx.cli; "
+    code = ("import sys, attnres_fx, attnres_fx.models, attnres_fx.cli; "
             "loaded = {'transformers', 'torchvision', 'timm'} & set(sys.modules); assert not loaded, loaded")
     path = [str(tmp_path), os.environ.get("PYTHONPATH")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
@@ -377,9 +364,8 @@ def test_timm_vision_transformer():
                               embed_dim=32, depth=2, num_heads=2, num_classes=10).eval()
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     other = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(1))
-    for tracer in ("auto", "export"):
-        new = attnres_fx.attnresify(model, (x,), preserve_scale=True, tracer=tracer)
-        assert [s.name for s in attnres_fx.sites(new)] == [
-            "blocks.0.attn_res", "blocks.0.mlp_res", "blocks.1.attn_res", "blocks.1.mlp_res", "final_res"]
-        with torch.no_grad():
-            assert H.relative_error(new(other), model(other)) < EXACT
+    new = attnres_fx.attnresify(copy.deepcopy(model), (x,), preserve_scale=True)
+    assert [s.name for s in attnres_fx.sites(new)] == [
+        "blocks.0.attn_res", "blocks.0.mlp_res", "blocks.1.attn_res", "blocks.1.mlp_res", "final_res"]
+    with torch.no_grad():
+        assert H.relative_error(new(other), model(other)) < EXACT

@@ -1,8 +1,11 @@
-"""The Block AttnRes rewrite on the built-in model: equivalence, reference semantics, structure,
-training, serialisation."""
+"""The Block AttnRes rewrite on the built-in model: equivalence, reference semantics, structure, the pass
+contracts, training.
+
+Every check runs on the live converted model (the route its calls take) and, where the graph itself is
+the subject, on the explicit graph of :func:`attnres_fx.rewrite`.
+"""
 
 import copy
-import io
 import math
 import operator
 
@@ -11,12 +14,18 @@ import torch
 from torch import nn
 
 import attnres_fx
+from attnres_fx.capture import trace
 from attnres_fx.models import NORM_STYLES, TinyConfig, TinyTransformer, example_ids
-from attnres_fx.passes import BlockAttnResRewrite, block_sizes, detect_residual_streams
-from attnres_fx.reference import AttnResTransformer
+from attnres_fx.passes import BlockAttnResRewrite, detect_residual_streams, make_plan
+from attnres_fx.testing import randomise_pseudo_queries
+from attnres_fx.testing.reference import AttnResTransformer, block_attn_res
+from conftest import converted
 
 PRE_NORMS = [n for n in NORM_STYLES if n != "none"]
 LAYERS = 3                       # 6 sequential sites: block sizes 1, 2, 3, 4 and 6 all differ
+# preserve_scale=True multiplies each zero-init aggregate (the mean of its sources) back to their sum,
+# the original stream: exact in real arithmetic; fp32 reassociation of the sums costs ~1e-7.
+EXACT = 1e-5
 
 
 def tiny(norm="layernorm", parallel=False, layers=LAYERS, seed=0, eps=1e-5):
@@ -29,16 +38,13 @@ def ids(batch=2, seq=12, seed=0):
     return example_ids(TinyConfig(), batch=batch, seq=seq, seed=seed)
 
 
-def randomise_pseudo_queries(module, seed=1):
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for site in attnres_fx.sites(module):
-            site.module.proj.weight.copy_(torch.randn(site.module.proj.weight.shape, generator=generator))
-            site.module.norm.weight.uniform_(0.5, 1.5, generator=generator)
-
-
 def relative(a, b):
     return float((a - b).abs().max() / b.abs().max())
+
+
+def run(model, x):
+    with torch.no_grad():
+        return model(x)
 
 
 # -- 1. zero-init equivalence -------------------------------------------------------------------------
@@ -48,10 +54,8 @@ def relative(a, b):
 def test_preserve_scale_reproduces_the_original_exactly(norm, parallel):
     model = tiny(norm, parallel)
     x = ids()
-    new = attnres_fx.attnresify(model, (x,), block_size=2, preserve_scale=True)
-    with torch.no_grad():
-        # Exact in real arithmetic (mean * count == sum); fp32 reassociation of the sums costs ~1e-7.
-        assert relative(new(x), model(x)) < 1e-5
+    new = converted(model, x, block_size=2, preserve_scale=True)
+    assert relative(run(new, x), run(model, x)) < EXACT
 
 
 @pytest.mark.parametrize("parallel", [False, True])
@@ -63,25 +67,24 @@ def test_zero_init_convex_form_matches_up_to_norm_eps(norm, parallel):
     amplify it through a few layers, hence the factor 10. With eps -> 0 the difference must vanish."""
     x = ids()
     model = tiny(norm, parallel)
-    new = attnres_fx.attnresify(model, (x,), block_size=2)
+    new = converted(model, x, block_size=2)
     largest_c = max(s.num_sources for s in attnres_fx.sites(new))
     with torch.no_grad():
         stream_var = model.embed(x).var(-1, unbiased=False).min()
-        bound = 10 * (largest_c ** 2 - 1) * model.config.eps / (2 * stream_var)
-        assert relative(new(x), model(x)) < bound
-        no_eps = tiny(norm, parallel, eps=1e-12)
-        assert relative(attnres_fx.attnresify(no_eps, (x,), block_size=2)(x), no_eps(x)) < 1e-5
+    bound = 10 * (largest_c ** 2 - 1) * model.config.eps / (2 * stream_var)
+    assert relative(run(new, x), run(model, x)) < bound
+    no_eps = tiny(norm, parallel, eps=1e-12)
+    assert relative(run(converted(no_eps, x, block_size=2), x), run(no_eps, x)) < EXACT
 
 
 def test_raw_reads_warn_and_only_preserve_scale_is_exact():
     model = tiny("none")
     x = ids()
     with pytest.warns(attnres_fx.AttnResWarning, match=r"6 residual site\(s\) read the stream without a norm"):
-        convex = attnres_fx.attnresify(model, (x,), block_size=2)
-    exact = attnres_fx.attnresify(model, (x,), block_size=2, preserve_scale=True)
-    with torch.no_grad():
-        assert relative(convex(x), model(x)) > 1e-2
-        assert relative(exact(x), model(x)) < 1e-5
+        convex = converted(model, x, block_size=2)
+    exact = converted(model, x, block_size=2, preserve_scale=True)
+    assert relative(run(convex, x), run(model, x)) > 1e-2
+    assert relative(run(exact, x), run(model, x)) < EXACT
 
 
 # -- 2. against the reference implementation ----------------------------------------------------------
@@ -91,16 +94,16 @@ def test_raw_reads_warn_and_only_preserve_scale_is_exact():
 def test_matches_reference_with_random_pseudo_queries(block_size, parallel):
     model = tiny("rmsnorm", parallel)
     x = ids()
-    new = attnres_fx.attnresify(model, (x,), block_size=block_size)
-    randomise_pseudo_queries(new)
+    new = randomise_pseudo_queries(converted(model, x, block_size=block_size))
     native = AttnResTransformer.from_standard(model, block_size)
     native.load_state_dict({_reference_key(k): v for k, v in new.state_dict().items() if "_res." in k},
                            strict=False)
-    with torch.no_grad():
-        # Same fp32 math in a different order (folded norm weight, no stack): 1e-5 relative.
-        torch.testing.assert_close(new(x), native(x), rtol=1e-5, atol=1e-5)
-        # The check has teeth: the random pseudo-queries move the output away from plain residuals.
-        assert relative(new(x), model(x)) > 1e-3
+    explicit = attnres_fx.rewrite(new, (x,))
+    # Same fp32 math in a different order (folded norm weight, no stack): 1e-5 relative.
+    torch.testing.assert_close(run(new, x), run(native, x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(run(explicit, x), run(new, x), rtol=1e-5, atol=1e-5)
+    # The check has teeth: the random pseudo-queries move the output away from plain residuals.
+    assert relative(run(new, x), run(model, x)) > 1e-3
 
 
 def _reference_key(key):
@@ -111,7 +114,6 @@ def _reference_key(key):
 def test_reference_follows_the_seed_layer_loop():
     """The reference generalises the seed's per-layer test ``layer % (block_size // 2) == 0`` to
     sublayers; for even block sizes both must agree."""
-    from attnres_fx.reference import block_attn_res
     model = tiny("rmsnorm", layers=4)
     x = ids()
     for block_size in (2, 4):
@@ -140,8 +142,7 @@ def test_reference_follows_the_seed_layer_loop():
 @pytest.mark.parametrize("block_size,expected_blocks", [(1, [1, 2, 3, 4, 5, 6]), (2, [1, 1, 2, 2, 3, 3]),
                                                         (4, [1, 1, 1, 1, 2, 2]), (6, [1] * 6)])
 def test_sites_blocks_and_source_counts(block_size, expected_blocks):
-    model = tiny()
-    new = attnres_fx.attnresify(model, (ids(),), block_size=block_size)
+    new = converted(tiny(), ids(), block_size=block_size)
     found = attnres_fx.sites(new)
     assert [s.kind for s in found] == ["attn", "mlp"] * LAYERS + ["final"]
     assert [s.block for s in found[:-1]] == expected_blocks and found[-1].block is None
@@ -150,47 +151,36 @@ def test_sites_blocks_and_source_counts(block_size, expected_blocks):
     final_sources = (2 * LAYERS - 1) // block_size + 2
     assert [s.num_sources for s in found] == expected_sources + [final_sources]
     assert [s.index for s in found] == list(range(2 * LAYERS + 1))
-    assert all(isinstance(s.module, attnres_fx.BlockAttnRes) and s.stream == 0 for s in found)
+    assert all(isinstance(new.get_submodule(s.name), attnres_fx.BlockAttnRes) and s.stream == 0 for s in found)
 
 
 def test_parameter_names_shapes_and_graph_nodes():
     model = tiny()
     x = ids()
-    new = attnres_fx.attnresify(model, (x,), num_blocks=3)
+    new = converted(model, x, num_blocks=3)
     names = [s.name for s in attnres_fx.sites(new)]
     assert names == [f"blocks.{i}.{k}_res" for i in range(LAYERS) for k in ("attn", "mlp")] + ["final_res"]
     added = {k: tuple(v.shape) for k, v in new.named_parameters() if "_res." in k}
     assert added == {f"{n}.{p}": shape for n in names for p, shape in (("proj.weight", (1, 32)),
                                                                          ("norm.weight", (32,)))}
     assert set(new.state_dict()) == set(model.state_dict()) | set(added)
-    calls = [n for n in new.graph.nodes if n.op == "call_module"
-             and isinstance(new.get_submodule(n.target), attnres_fx.BlockAttnRes)]
+    gm = attnres_fx.rewrite(new, (x,))
+    calls = [n for n in gm.graph.nodes if n.op == "call_module"
+             and isinstance(gm.get_submodule(n.target), attnres_fx.BlockAttnRes)]
     assert [c.target for c in calls] == names, "one call per branch plus one final, in execution order"
-    adds = [n for n in new.graph.nodes if n.op == "call_function" and n.target is operator.add]
+    assert all(gm.get_submodule(name) is new.get_submodule(name) for name in names), "the model's own modules"
+    adds = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is operator.add]
     # Only the embedding sum (tok + pos) and the partial sums inside blocks remain; the original
     # stream adds are gone. 3 blocks of 2 sites -> 1 partial add per block.
     assert len(adds) == 1 + 3
     assert all(n.meta["attnres"]["role"] in ("aggregate", "final") for n in calls)
     assert calls[2].meta["nn_module_stack"]["blocks.1.attn_res"][0] == "blocks.1.attn_res"
     assert "blocks.1" in calls[2].meta["nn_module_stack"], "provenance: the owning layer"
-    new.graph.lint()
-
-
-def test_no_original_stream_add_is_left():
-    model = tiny()
-    gm = attnres_fx.frontends.trace(model, None, None, "fx").graph_module
-    detection = detect_residual_streams(gm)
-    original_adds = {a.name for s in detection.streams for site in s.sites for a in site.adds}
-    rewrite = BlockAttnResRewrite(detection, block_sizes(detection, 8, None))
-    result = rewrite(gm)
-    assert result.modified
-    assert original_adds.isdisjoint(n.name for n in gm.graph.nodes)
+    gm.graph.lint()
 
 
 def test_parallel_layers_are_one_site_with_two_branches():
-    model = tiny(parallel=True)
-    new = attnres_fx.attnresify(model, (ids(),), block_size=1)
-    found = attnres_fx.sites(new)
+    found = attnres_fx.sites(converted(tiny(parallel=True), ids(), block_size=1))
     assert [(s.name, s.kind, s.block) for s in found[:4]] == [
         ("blocks.0.attn_res", "attn", 1), ("blocks.0.mlp_res", "mlp", 1),
         ("blocks.1.attn_res", "attn", 2), ("blocks.1.mlp_res", "mlp", 2)]
@@ -199,42 +189,71 @@ def test_parallel_layers_are_one_site_with_two_branches():
 
 # -- pass contracts -----------------------------------------------------------------------------------
 
-def test_detection_pass_is_read_only():
-    gm = attnres_fx.frontends.trace(tiny(), None, None, "fx").graph_module
+def _fx_graph(model):
+    return trace(model, None, None, "fx").graph_module
+
+
+def _plan(gm, **options):
+    return make_plan(detect_residual_streams(gm), dict(gm.named_modules()), eps=1e-6, **options)
+
+
+def test_detection_is_read_only_and_immutable():
+    gm = _fx_graph(tiny())
     before = str(gm.graph)
-    detect = attnres_fx.passes.DetectResidualStreams()
-    assert detect(gm).modified is False and detect.preserves_computation
-    assert str(gm.graph) == before and detect.result.num_sites == 2 * LAYERS
+    detection = detect_residual_streams(gm)
+    assert str(gm.graph) == before and detection.num_sites == 2 * LAYERS
+    with pytest.raises(AttributeError):
+        detection.streams[0].sites[0].owner = "elsewhere"
+    assert isinstance(detection.streams[0].sites[0].branches[0].region, frozenset)
+
+
+def test_rewrite_replaces_every_original_add_and_records_what_it_did():
+    gm = _fx_graph(tiny())
+    detection = detect_residual_streams(gm)
+    plan = _plan(gm, block_size=2)
+    original_adds = {a.name for s in detection.streams for site in s.sites for a in site.adds}
+    rewrite = BlockAttnResRewrite(plan, detection)
+    assert rewrite(gm).modified
+    assert original_adds.isdisjoint(n.name for n in gm.graph.nodes)
+    assert [r.site.name for r in rewrite.records] == [s.name for s in plan.sites]
+    assert {a for r in rewrite.records for a in r.replaced} == original_adds
 
 
 @pytest.mark.parametrize("preserve_scale", [False, True])
 def test_rewrite_preserves_computation_exactly_when_it_says_so(preserve_scale):
     model = tiny()
     x = ids()
-    gm = attnres_fx.frontends.trace(model, None, None, "fx").graph_module
+    gm = _fx_graph(model)
     detection = detect_residual_streams(gm)
-    rewrite = BlockAttnResRewrite(detection, [2], preserve_scale=preserve_scale)
+    rewrite = BlockAttnResRewrite(_plan(gm, block_size=2, preserve_scale=preserve_scale), detection)
     rewrite(gm)
-    with torch.no_grad():
-        same = relative(gm(x), model(x)) < 1e-5
+    same = relative(run(gm, x), run(model, x)) < EXACT
     assert rewrite.preserves_computation == preserve_scale == same
 
 
 def test_rewrite_requires_detection_of_the_same_graph():
-    gm_a = attnres_fx.frontends.trace(tiny(), None, None, "fx").graph_module
-    gm_b = attnres_fx.frontends.trace(tiny(), None, None, "fx").graph_module
+    gm_a, gm_b = _fx_graph(tiny()), _fx_graph(tiny())
     detection = detect_residual_streams(gm_a)
-    with pytest.raises(ValueError, match="do not belong to this graph"):
-        BlockAttnResRewrite(detection, [2])(gm_b)
+    with pytest.raises(attnres_fx.AttnResError, match="do not belong to this graph"):
+        BlockAttnResRewrite(_plan(gm_a), detection)(gm_b)
+
+
+def test_plan_owns_block_sizes_and_refuses_disagreeing_ones():
+    gm = _fx_graph(tiny())
+    for num_blocks in (1, 2, 4, 8):
+        plan = _plan(gm, num_blocks=num_blocks)
+        assert plan.block_sizes == (math.ceil(2 * LAYERS / num_blocks),)
+    assert _plan(gm, block_size=2, num_blocks=3).block_sizes == (2,)
+    with pytest.raises(ValueError, match=r"block_size=1 and num_blocks=1 disagree: stream 0 has 6 residual"):
+        _plan(gm, block_size=1, num_blocks=1)
 
 
 # -- 5. training --------------------------------------------------------------------------------------
 
 def test_training_moves_every_multi_source_query_and_reduces_the_loss():
-    model = tiny()
-    new = attnres_fx.attnresify(copy.deepcopy(model), (ids(),), block_size=2)
+    new = converted(tiny(), ids(), block_size=2)
     x, target = ids(batch=4, seq=16, seed=3), ids(batch=4, seq=16, seed=4)
-    before = {s.name: s.module.proj.weight.detach().clone() for s in attnres_fx.sites(new)}
+    before = {s.name: new.get_submodule(s.name).proj.weight.detach().clone() for s in attnres_fx.sites(new)}
     optimizer = torch.optim.AdamW(new.parameters(), lr=1e-2)
     losses = []
     new.train()
@@ -244,43 +263,21 @@ def test_training_moves_every_multi_source_query_and_reduces_the_loss():
         loss.backward()
         if not losses:
             first = attnres_fx.sites(new)[0]
-            assert first.num_sources == 1 and torch.count_nonzero(first.module.proj.weight.grad) == 0, \
+            assert first.num_sources == 1 and torch.count_nonzero(new.get_submodule(first.name).proj.weight.grad) == 0, \
                 "the first site's softmax has one source: its query gets no gradient"
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0]
     for site in attnres_fx.sites(new):
-        moved = not torch.equal(site.module.proj.weight, before[site.name])
+        moved = not torch.equal(new.get_submodule(site.name).proj.weight, before[site.name])
         assert moved == (site.num_sources > 1), site.name
 
 
-# -- serialisation ------------------------------------------------------------------------------------
-
-def test_state_dict_round_trip_deepcopy_and_pickle():
-    model = tiny()
-    x = ids()
-    new = attnres_fx.attnresify(model, (x,), block_size=2)
-    randomise_pseudo_queries(new)
-    with torch.no_grad():
-        expected = new(x)
-    other = attnres_fx.attnresify(tiny(seed=5), (x,), block_size=2)
-    other.load_state_dict(new.state_dict())
-    clone = copy.deepcopy(new)
-    buffer = io.BytesIO()
-    torch.save(new, buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=False)
-    with torch.no_grad():
-        for module in (other, clone, loaded):
-            torch.testing.assert_close(module(x), expected)
-    assert [s.name for s in attnres_fx.sites(loaded)] == [s.name for s in attnres_fx.sites(new)]
-    assert [s.kind for s in attnres_fx.sites(clone)] == [s.kind for s in attnres_fx.sites(new)]
-
-
-def test_default_block_size_is_ceil_of_sites_over_num_blocks():
-    model = tiny()
-    for num_blocks in (1, 2, 4, 8):
-        new = attnres_fx.attnresify(model, (ids(),), num_blocks=num_blocks)
-        size = math.ceil(2 * LAYERS / num_blocks)
-        assert new.meta["attnres"]["block_sizes"] == [size]
-        assert max(s.block for s in attnres_fx.sites(new)[:-1]) == math.ceil(2 * LAYERS / size)
+def test_an_explicit_graph_follows_the_model_it_was_made_from():
+    new = converted(tiny(), ids(), block_size=2)
+    gm = attnres_fx.rewrite(new, (ids(),))
+    randomise_pseudo_queries(new, seed=3)
+    torch.testing.assert_close(run(gm, ids()), run(new, ids()), rtol=1e-5, atol=1e-5)
+    assert gm.get_parameter("blocks.0.attn.qkv.weight") is new.blocks[0].attn.qkv.weight
+    assert not any(n.op == "call_module" and "Router" in str(n.target) for n in gm.graph.nodes)
+    assert copy.deepcopy(gm)(ids()).shape == run(new, ids()).shape

@@ -2,7 +2,11 @@
 
 import pytest
 
-from attnres_fx import traffic as tm
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import traffic as tm  # noqa: E402
 
 
 def _rows(**kwargs):

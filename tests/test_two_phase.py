@@ -11,22 +11,22 @@ from torch import fx, nn
 import attnres_fx
 from attnres_fx.block_attnres import BlockAttnRes
 from attnres_fx.models import TinyConfig, TinyTransformer, example_ids
+from attnres_fx.testing import randomise_pseudo_queries
 from attnres_fx.passes.two_phase import TwoPhaseSchedule, apply_two_phase, can_apply_two_phase
 
 ALL_SITES = 100          # a block size larger than any model here: one block covers every site
 
 
 def _rewritten(parallel=False, block_size=2, preserve_scale=False, num_layers=3, seed=0):
-    """A rewritten TinyTransformer with random non-zero pseudo-queries and key-norm weights."""
+    """The explicit graph of a converted TinyTransformer with random non-zero pseudo-queries and key-norm
+    weights."""
     torch.manual_seed(seed)
     cfg = TinyConfig(dim=32, num_layers=num_layers, num_heads=2, parallel=parallel)
     ids = example_ids(cfg, batch=2, seq=12)
-    gm = attnres_fx.attnresify(TinyTransformer(cfg), (ids,), block_size=block_size,
-                               preserve_scale=preserve_scale)
-    for site in attnres_fx.sites(gm):
-        nn.init.normal_(site.module.proj.weight, std=0.5)
-        nn.init.uniform_(site.module.norm.weight, 0.5, 1.5)
-    return gm, ids
+    model = attnres_fx.attnresify(TinyTransformer(cfg), (ids,), block_size=block_size,
+                                  preserve_scale=preserve_scale)
+    randomise_pseudo_queries(model, seed=seed, std=0.5)
+    return attnres_fx.rewrite(model, (ids,)), ids
 
 
 def _grads(module):
@@ -110,7 +110,7 @@ def test_rejects_a_model_that_was_not_rewritten(untouched):
     check = untouched(traced)
     code = traced.code
     assert not can_apply_two_phase(traced) and not can_apply_two_phase(TinyTransformer(cfg))
-    with pytest.raises(ValueError, match="attnresify"):
+    with pytest.raises(ValueError, match="attnres_fx.rewrite"):
         apply_two_phase(traced)
     assert traced.code == code
     check()

@@ -1,13 +1,16 @@
-"""What a node *is*, independent of the IR that produced it.
+"""Node predicates: what a node *is*, independent of the IR that produced it.
 
-torch.fx symbolic tracing yields ``call_module`` / ``call_method`` / Python-operator nodes; torch.export
-yields ``aten`` overloads. Everything here reduces a node to a canonical op name (``"add"``,
-``"layer_norm"``, ``"rsqrt"``) so that detection is written once, on data flow, for both.
+Three IRs reach the passes: torch.fx symbolic tracing (``call_module`` leaves, ``call_method``, Python
+operators), torch.export (``aten`` overloads, parameters as ``get_attr``) and TorchDynamo (torch-level
+functions, modules inlined, parameters as ``placeholder`` inputs). Everything here reduces a node to a
+canonical op name (``"add"``, ``"layer_norm"``, ``"rsqrt"``) and a module path (``model.layers.3``) so
+that detection is written once, on data flow, for all three.
 """
 
 from __future__ import annotations
 
 import operator
+import re
 from collections.abc import Iterable
 
 import torch
@@ -57,11 +60,16 @@ def op_name(node: fx.Node) -> str:
     return getattr(target, "__name__", str(target))
 
 
-def submodule(gm: fx.GraphModule, node: fx.Node) -> nn.Module | None:
+def submodule(gm: nn.Module, node: fx.Node) -> nn.Module | None:
+    """The module a ``call_module`` node calls, or None."""
     if node.op != "call_module":
         return None
+    return get_submodule_or_none(gm, str(node.target))
+
+
+def get_submodule_or_none(root: nn.Module, path: str) -> nn.Module | None:
     try:
-        return gm.get_submodule(str(node.target))
+        return root.get_submodule(path)
     except AttributeError:
         return None
 
@@ -142,11 +150,18 @@ def is_norm_op(node: fx.Node, gm: fx.GraphModule) -> bool:
     return op_name(node) in NORM_OPS
 
 
+def is_parameter(node: fx.Node) -> bool:
+    """A learned weight: ``get_attr`` (fx, export) or a Dynamo ``placeholder`` holding an ``nn.Parameter``."""
+    if node.op == "get_attr":
+        return True
+    return node.op == "placeholder" and isinstance(node.meta.get("example_value"), nn.Parameter)
+
+
 def parameter_derived_nodes(graph: fx.Graph) -> set[fx.Node]:
-    """Nodes computed from parameters/buffers alone (``get_attr`` and ops such as ``t(weight)``)."""
+    """Nodes computed from parameters/buffers alone (weights, and ops such as ``t(weight)``)."""
     derived: set[fx.Node] = set()
     for node in graph.nodes:
-        if node.op == "get_attr":
+        if is_parameter(node):
             derived.add(node)
         elif node.op in ("call_function", "call_method"):
             inputs = node.all_input_nodes
@@ -191,11 +206,22 @@ def module_stack(node: fx.Node) -> list[tuple[str, str]]:
     return out
 
 
+_SOURCE_ROOT = re.compile(r"^[LG]\[[^\]]*\](\[\d+\])*")          # L['self'], G['m'], L['args'][0]
+_MODULES_ITEM = re.compile(r"\._modules\['([^']*)'\]")             # ._modules['layers'] -> .layers
+# An instance attribute ``forward`` (the wrapper attnres_fx.live installs on a module it routes) is no
+# submodule: nn.Module forbids a submodule named ``forward``, so the segment can be dropped safely.
+_FORWARD_WRAPPER = re.compile(r"\.forward\.[A-Za-z_]\w*(\.__self__)?")
+_INDEX = re.compile(r"\[(\d+)\]")
+
+
 def _clean_path(path: str) -> str:
-    """Normalise dynamo-style paths (``L['self'].layers[0]``) to dotted module names."""
-    if path.startswith("L['self']"):
-        path = path[len("L['self']"):].lstrip(".")
-    return path.replace("[", ".").replace("]", "").replace("'", "").strip(".")
+    """Dotted module path (``decoder.block.0``) from an fx/export path or a Dynamo source expression
+    (``L['self'].decoder.forward.module.block[0]``)."""
+    path = _SOURCE_ROOT.sub("", path)
+    path = _MODULES_ITEM.sub(r".\1", path)
+    path = _FORWARD_WRAPPER.sub("", path)
+    path = _INDEX.sub(r".\1", path)
+    return path.replace("['", ".").replace("']", "").strip(".")
 
 
 def owner_path(node: fx.Node) -> str:
@@ -220,32 +246,51 @@ def _through_casts(node: fx.Node, gm: fx.GraphModule) -> fx.Node:
     return node
 
 
+def _cast_aliases(x: fx.Node, gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
+    """``x`` and the dtype casts / copies of it (``x.to(float32)``), each mapped to the user of ``x`` its
+    chain starts with (``x`` to itself)."""
+    aliases = {x: x}
+    todo = [(x, None)]
+    while todo:
+        node, root = todo.pop()
+        for user in node.users:
+            if user not in aliases and is_transparent(user, gm):
+                aliases[user] = root or user
+                todo.append((user, root or user))
+    return aliases
+
+
 def _decomposed_rms_users(x: fx.Node, gm: fx.GraphModule) -> set[fx.Node]:
     """Users of ``x`` that belong to a written-out ``x * rsqrt(mean(x**2) + eps)``; empty if none.
 
-    Accepts ``pow(x, 2)``, ``square(x)`` or ``x * x``, an optional ``+ eps``, dtype casts anywhere,
-    and the multiplication by ``x`` in either operand order.
+    Accepts ``pow(x, 2)``, ``square(x)`` or ``x * x``, an optional ``+ eps``, dtype casts anywhere (the
+    square of ``x.to(float32)`` multiplying ``x`` itself, as T5 writes it), and the multiplication by
+    ``x`` in either operand order.
     """
-    for square in x.users:
-        name = op_name(square)
-        is_square = (name in SQUARE_OPS and (name == "square" or square.args[1:2] == (2,))) or (
-            name in MUL_OPS and len(square.args) == 2 and square.args[0] is x and square.args[1] is x)
-        if not is_square:
-            continue
-        mean = _through_casts(square, gm)
-        mean = next((u for u in mean.users if op_name(u) in MEAN_OPS), None)
-        if mean is None:
-            continue
-        scale = _through_casts(mean, gm)
-        eps_add = next((u for u in scale.users if is_add(u) and add_operands(u) is None), None)
-        scale = _through_casts(eps_add, gm) if eps_add is not None else scale
-        rsqrt = next((u for u in scale.users if op_name(u) in RSQRT_OPS), None)
-        if rsqrt is None:
-            continue
-        rsqrt = _through_casts(rsqrt, gm)
-        normalise = next((u for u in rsqrt.users if op_name(u) in MUL_OPS and x in u.args), None)
-        if normalise is not None:
-            return {square, normalise}
+    aliases = _cast_aliases(x, gm)
+    for alias in aliases:
+        for square in alias.users:
+            name = op_name(square)
+            is_square = (name in SQUARE_OPS and (name == "square" or square.args[1:2] == (2,))) or (
+                name in MUL_OPS and len(square.args) == 2 and square.args[0] is alias and square.args[1] is alias)
+            if not is_square:
+                continue
+            mean = _through_casts(square, gm)
+            mean = next((u for u in mean.users if op_name(u) in MEAN_OPS), None)
+            if mean is None:
+                continue
+            scale = _through_casts(mean, gm)
+            eps_add = next((u for u in scale.users if is_add(u) and add_operands(u) is None), None)
+            scale = _through_casts(eps_add, gm) if eps_add is not None else scale
+            rsqrt = next((u for u in scale.users if op_name(u) in RSQRT_OPS), None)
+            if rsqrt is None:
+                continue
+            rsqrt = _through_casts(rsqrt, gm)
+            normalise = next((u for u in rsqrt.users if op_name(u) in MUL_OPS
+                              and any(a in aliases for a in u.args if isinstance(a, fx.Node))), None)
+            if normalise is not None:
+                scaled = next(a for a in normalise.args if isinstance(a, fx.Node) and a in aliases)
+                return {square, normalise, aliases[alias], aliases[scaled]}
     return set()
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .models import TinyConfig, TinyTransformer
+from attnres_fx.models import TinyConfig, TinyTransformer
 
 
 def block_attn_res(blocks: list[torch.Tensor], partial_block: torch.Tensor, proj: nn.Linear,

@@ -1,4 +1,4 @@
-"""torch.compile (Inductor) of a rewritten module, with compile failures reported as ExportError."""
+"""torch.compile (Inductor) of an explicit AttnRes graph, with compile failures reported as ExportError."""
 
 from __future__ import annotations
 
@@ -7,13 +7,19 @@ import functools
 import torch
 from torch import nn
 
-from .errors import export_error
+from attnres_fx.api import compile as compile_converted
+from attnres_fx.api import is_converted
+
+from .failures import export_error
 from .schedule import inference_form
 
 
 def compile(module: nn.Module, *, two_phase: bool | None = None,  # noqa: A001 - mirrors torch.compile
             **torch_compile_kwargs) -> nn.Module:
-    """``torch.compile(module, backend="inductor", fullgraph=True, **torch_compile_kwargs)``.
+    """``torch.compile(module, backend="inductor", fullgraph=True, **torch_compile_kwargs)`` for an
+    explicit graph (:func:`attnres_fx.rewrite`); a model converted in place is handed to
+    :func:`attnres_fx.compile` instead (its routes then use Inductor; ``torch_compile_kwargs`` are
+    Inductor options there).
 
     ``two_phase``: compile the two-phase inference schedule (:mod:`attnres_fx.passes.two_phase`), built
     on a twin of ``module`` that shares its parameters (``module`` itself is not changed). ``None`` (the
@@ -28,6 +34,9 @@ def compile(module: nn.Module, *, two_phase: bool | None = None,  # noqa: A001 -
     Dynamo traceback (the original exception is its ``__cause__``). The result is torch's
     ``OptimizedModule``: ``attnres_fx.sites()`` and ``state_dict()`` see the original module through it.
     """
+    if is_converted(module):
+        # A live converted model compiles through its own routing (in place).
+        return compile_converted(module, **torch_compile_kwargs)
     options = {"backend": "inductor", "fullgraph": True, **torch_compile_kwargs}
     module = inference_form(module, not module.training if two_phase is None else two_phase)
     compiled = torch.compile(module, **options)

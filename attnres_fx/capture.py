@@ -1,0 +1,286 @@
+"""Capture: turn a user's ``nn.Module`` into a ``torch.fx.GraphModule`` the passes can work on.
+
+Detection and rewrite only ever see a GraphModule; they do not care which capture produced it.
+
+- ``"dynamo"``: TorchDynamo, the route a converted model's calls take (:mod:`attnres_fx.live`):
+  torch-level ops, modules inlined, parameters as graph inputs. Here the graph is only captured, with
+  fake tensors: nothing of the model runs for real (no buffer, RNG or BatchNorm statistic changes).
+- ``"fx"``: ``torch.fx`` symbolic tracing, keeping normalisation modules as leaves; needs no inputs.
+- ``"export"``: ``torch.export.export(..., strict=False)`` then ``.module()``; needs example inputs.
+  Hugging Face models are traced with ``config.use_cache`` off: that graph has no KV cache.
+- ``"auto"``: fx first, export if fx cannot trace the model.
+
+A converted model's routed modules run their own code while any of these captures is active
+(:data:`STATE`): a capture sees the model as written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import fx, nn
+
+from attnres_fx.passes.node_kinds import is_norm_module
+
+from .errors import TraceError
+
+TRACERS = ("auto", "fx", "export")
+
+
+class _CaptureState:
+    """How many attnres_fx captures are running (Dynamo guards on this global at trace time)."""
+
+    depth = 0
+
+
+STATE = _CaptureState()
+
+
+@contextlib.contextmanager
+def capturing():
+    """Within: routed modules of converted models run their own forward (see the module docstring)."""
+    STATE.depth += 1
+    try:
+        yield
+    finally:
+        STATE.depth -= 1
+
+
+@contextlib.contextmanager
+def routers_set_aside(model: nn.Module):
+    """Within: the modules of a converted model have no routing ``forward`` attribute (torch.fx and
+    torch.export read the code and signature of ``forward`` itself); restored on the way out."""
+    aside = [(module, module.__dict__.pop("forward")) for module in model.modules()
+             if getattr(module.__dict__.get("forward"), "is_attnres_router", False)]
+    try:
+        yield
+    finally:
+        for module, router in aside:
+            module.__dict__["forward"] = router
+
+
+class NormLeafTracer(fx.Tracer):
+    """``torch.fx.Tracer`` that keeps normalisation modules as single ``call_module`` nodes."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return is_norm_module(m) or super().is_leaf_module(m, module_qualified_name)
+
+
+@dataclass(frozen=True)
+class Traced:
+    graph_module: fx.GraphModule
+    frontend: str
+
+
+def entry_function(forward: Callable) -> Callable:
+    """``entry(module, *args, **kwargs) -> forward(module, *args, **kwargs)`` with a code object of its
+    own: Dynamo keeps its compiled graphs per code object, so every converted module gets its own cache
+    (and its own recompilation budget) instead of sharing its class's ``forward``."""
+    def entry(module, *args, **kwargs):
+        return forward(module, *args, **kwargs)
+    entry.__code__ = entry.__code__.replace()
+    return entry
+
+
+class _Captured(Exception):
+    """Raised by the capture backend to stop Dynamo once it has the graph: nothing runs."""
+
+
+def capture_dynamo(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, list]:
+    """The graph Dynamo captures for ``model(*args, **kwargs)`` (its own forward, ``fullgraph``) and the
+    fake tensors it traced with; the model is not run."""
+    graphs: list = []
+
+    def stop(gm, example_inputs):
+        graphs.append((gm, list(example_inputs)))
+        raise _Captured
+
+    entry = torch.compile(entry_function(type(model).forward), backend=stop, fullgraph=True, dynamic=False)
+    with capturing():
+        try:
+            entry(model, *args, **kwargs)
+        except Exception as err:  # noqa: BLE001 - Dynamo wraps the stop signal; anything else is a failure
+            if not graphs:
+                raise TraceError(_dynamo_message(model, err), {"dynamo": err}) from err
+    gm, example_inputs = graphs[0]
+    return fx.GraphModule(gm, copy.deepcopy(gm.graph), type(model).__name__), example_inputs
+
+
+def dummy_inputs(model: nn.Module) -> tuple[tuple, dict] | None:
+    """Inputs a Hugging Face model can be captured with when the caller gives none (from its config)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    name = getattr(model, "main_input_name", "input_ids")
+    if name == "pixel_values" and hasattr(config, "image_size"):
+        size = config.image_size if isinstance(config.image_size, int) else tuple(config.image_size)[0]
+        return (), {name: torch.zeros(2, getattr(config, "num_channels", 3), size, size)}
+    dummy = getattr(model, "dummy_inputs", None)
+    if isinstance(dummy, dict) and dummy:
+        return (), dict(dummy)
+    return None
+
+
+def capture_for_plan(model: nn.Module, example_inputs: tuple | None, example_kwargs: dict | None) -> Traced:
+    """The graph a conversion is planned on: Dynamo's (the IR of the routed calls, captured with fake
+    tensors) with the given inputs, or a Hugging Face model's dummy inputs; else fx symbolic tracing.
+    Nothing of the model runs."""
+    inputs = (example_inputs or (), dict(example_kwargs or {})) if example_inputs is not None or example_kwargs \
+        else dummy_inputs(model)
+    if inputs is not None:
+        gm, _ = capture_dynamo(model, *inputs)
+        return Traced(gm, "dynamo")
+    try:
+        with capturing(), routers_set_aside(model):
+            return Traced(_trace_fx(model), "fx")
+    except Exception as err:  # noqa: BLE001 - any tracing failure is reported the same way
+        raise TraceError(
+            f"{_fx_message(model, err)}\nWithout example inputs, torch.fx symbolic tracing is the only "
+            f"capture that needs none; pass example_inputs (and example_kwargs) as the model is called, "
+            "e.g. attnresify(model, (input_ids,)), so that TorchDynamo can capture it.", {"fx": err}) from err
+
+
+def trace(model: nn.Module, example_inputs: tuple | None, example_kwargs: dict | None, tracer: str,
+          dynamic_shapes: Any = None) -> Traced:
+    """An explicit, standalone graph of ``model`` (fx or torch.export; see the module docstring)."""
+    if tracer not in TRACERS:
+        raise ValueError(f"tracer must be one of {TRACERS}, got {tracer!r}")
+    if (example_kwargs or {}).get("use_cache"):
+        raise TraceError("use_cache=True is not supported by an explicit graph: it has no KV cache (it "
+                         "neither returns nor takes past keys and values); pass use_cache=False, or call the "
+                         "converted model itself, which keeps its cache")
+    with capturing(), routers_set_aside(model):
+        return _trace(model, example_inputs, example_kwargs, tracer, dynamic_shapes)
+
+
+def _trace(model, example_inputs, example_kwargs, tracer, dynamic_shapes) -> Traced:
+    if tracer == "fx":
+        try:
+            return Traced(_trace_fx(model), "fx")
+        except Exception as err:  # noqa: BLE001 - any tracing failure is reported the same way
+            raise TraceError(_fx_message(model, err), {"fx": err}) from err
+    if tracer == "export":
+        try:
+            return Traced(_trace_export(model, example_inputs, example_kwargs, dynamic_shapes), "export")
+        except TraceError:
+            raise
+        except Exception as err:  # noqa: BLE001
+            raise TraceError(_export_message(model, err), {"export": err}) from err
+    try:
+        return Traced(_trace_fx(model), "fx")
+    except Exception as fx_err:  # noqa: BLE001
+        if example_inputs is None and not example_kwargs:
+            raise TraceError(
+                _fx_message(model, fx_err) + "\ntorch.export was not tried: it needs example inputs; "
+                "pass example_inputs to let tracer='auto' fall back to it.",
+                {"fx": fx_err}) from fx_err
+        try:
+            return Traced(_trace_export(model, example_inputs, example_kwargs, dynamic_shapes), "export")
+        except Exception as export_err:  # noqa: BLE001
+            raise TraceError(
+                f"neither tracer could trace {type(model).__name__}.\n"
+                f"- fx: {type(fx_err).__name__}: {_first_line(fx_err)}\n"
+                f"- export: {type(export_err).__name__}: {_first_line(export_err)}\n"
+                "Try: make the forward free of data-dependent Python control flow, or pass example "
+                "inputs that match how the model is called (positional and keyword).",
+                {"fx": fx_err, "export": export_err}) from export_err
+
+
+def _trace_fx(model: nn.Module) -> fx.GraphModule:
+    tracer = NormLeafTracer()
+    graph = tracer.trace(model)
+    name = type(model).__name__
+    return fx.GraphModule(tracer.root, graph, name)
+
+
+def _trace_export(model, example_inputs, example_kwargs, dynamic_shapes) -> fx.GraphModule:
+    if example_inputs is None and not example_kwargs:
+        raise TraceError("tracer='export' needs example inputs: attnresify(model, (x,), ...)")
+    args = tuple(example_inputs or ())
+    kwargs = dict(example_kwargs or {})
+    if dynamic_shapes is None:
+        dynamic_shapes = default_dynamic_shapes(model, args, kwargs)
+    with _config_cache_off(model, kwargs):
+        program = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
+    gm = program.module()
+    # The graph was traced in the model's mode (dropout, batch-norm statistics are baked in), and
+    # export's module refuses .train()/.eval(): record that mode on the flags directly.
+    for module in gm.modules():
+        module.training = model.training
+    return gm
+
+
+@contextlib.contextmanager
+def _config_cache_off(model: nn.Module, kwargs: dict):
+    """Trace with every ``config.use_cache`` of the model off when the call leaves ``use_cache`` unset.
+
+    Hugging Face models then read the config, and with ``use_cache=True`` (the default of most
+    configs) return a KV cache, which torch.export cannot output and the rewritten graph could not take
+    back. Turning it off for the trace, rather than tracing with a ``use_cache=False`` input, keeps the
+    rewritten module's call signature the user's. The configs are restored; the rewritten module
+    returns no cache.
+    """
+    configs = [] if "use_cache" in kwargs else list({
+        id(config): config for module in model.modules()
+        if getattr(config := getattr(module, "config", None), "use_cache", None) is True}.values())
+    for config in configs:
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        for config in configs:
+            config.use_cache = True
+
+
+def default_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict):
+    """Batch and sequence dimensions (the first two) of every tensor input are dynamic.
+
+    The spec is keyed by ``forward``'s parameter names, as ``torch.export`` expects when keyword
+    inputs are present (a ``**kwargs`` parameter gets a nested dict).
+    """
+    def spec(value):
+        if isinstance(value, torch.Tensor):
+            return {i: torch.export.Dim.AUTO for i in range(min(2, value.dim()))}
+        if isinstance(value, (list, tuple)):
+            return type(value)(spec(v) for v in value)
+        if isinstance(value, dict):
+            return {k: spec(v) for k, v in value.items()}
+        return None
+    if not kwargs:
+        return spec(args)
+    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    return {name: spec(value) for name, value in bound.arguments.items()}
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else repr(err)
+
+
+def _fx_message(model, err) -> str:
+    return (f"torch.fx symbolic tracing could not trace {type(model).__name__}: "
+            f"{type(err).__name__}: {_first_line(err)}\n"
+            "Try tracer='export' with example inputs (handles Python control flow on shapes and "
+            "keyword-only forwards), or remove data-dependent control flow from forward().")
+
+
+def _dynamo_message(model, err) -> str:
+    return (f"TorchDynamo could not capture {type(model).__name__}.forward as one graph: {type(err).__name__}: "
+            f"{_first_line(err)}\n"
+            "attnres_fx routes every call of a converted model through one Dynamo graph (fullgraph), so "
+            "each residual stream is seen whole. Remove the construct named above from forward() (a graph "
+            "break: data-dependent Python control flow, print, an unsupported library call), or check the "
+            "example inputs match how the model is called.")
+
+
+def _export_message(model, err) -> str:
+    return (f"torch.export could not trace {type(model).__name__}: {type(err).__name__}: "
+            f"{_first_line(err)}\n"
+            "Try: check the example inputs match the forward signature; pass dynamic_shapes=... to "
+            "override the default (batch and sequence dynamic); for Hugging Face models pass "
+            "use_cache=False.")

@@ -1,0 +1,321 @@
+"""Rewrite: replace each planned residual stream by Block Attention Residuals.
+
+Contract
+    requires  the :class:`~attnres_fx.passes.detect.Detection` of this very graph, and for each of its
+              streams the :class:`~attnres_fx.passes.plan.StreamPlan` to apply (by default the plan's
+              streams, in order).
+    ensures   every site's branches read ``aggregate(b_0, ..., b_{n-1}, partial)`` instead of the stream;
+              block starts commit the partial sum; what the last site's output fed now reads the
+              stream's final aggregation; no add of the original stream is left; the graph lints.
+    modifies  the graph only, plus whatever the :class:`Emitter` adds to emit aggregations (submodules,
+              or graph inputs). ``preserves_computation`` is True only with ``preserve_scale=True`` (at
+              zero init, where every pseudo-query is zero).
+
+Semantics (docs/method.md, section 3, at sublayer granularity), for one stream with block size ``S``::
+
+    blocks, partial = [], b_0
+    for j, site in enumerate(sites):
+        for each branch k: input_k = aggregate_jk(*blocks, partial)     # read before the boundary
+        if j % S == 0: blocks.append(partial); partial = sum_k f_k(input_k)
+        else:          partial = partial + sum_k f_k(input_k)
+    final = aggregate_final(*blocks, partial)
+
+Worked example, two sequential sites and ``S = 1`` (Full AttnRes)::
+
+    before:  add = emb + attn(ln1(emb));  add_1 = add + mlp(ln2(add));  out = ln_f(add_1)
+    after:   a0 = attn_res(emb);   p0 = attn(ln1(a0))
+             a1 = mlp_res(emb, p0);   p1 = mlp(ln2(a1))
+             fin = final_res(emb, p0, p1);   out = ln_f(fin)
+
+How an aggregation becomes a node is the emitter's business: :class:`ModuleCalls` calls a
+``BlockAttnRes`` submodule (explicit graphs, ONNX export); :class:`ParameterInputs` calls the
+functional :func:`attnres_fx.block_attnres.aggregate` with the weights as new graph inputs (the Dynamo
+route, where parameters must be inputs).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import fx, nn
+from torch.fx.passes.infra.pass_base import PassBase, PassResult
+
+from attnres_fx.block_attnres import BlockAttnRes, aggregate
+from attnres_fx.errors import AttnResError
+
+from .detect import Detection, ResidualSite, ResidualStream
+from .plan import Plan, Site, StreamPlan
+
+ATTNRES_META = "attnres"
+_ATTNRES_CLASS = f"{BlockAttnRes.__module__}.{BlockAttnRes.__qualname__}"
+
+
+@dataclass(frozen=True)
+class Replacement:
+    """What the rewrite did for one aggregation: the node it inserted and the adds it replaced."""
+
+    site: Site
+    node: str
+    replaced: tuple[str, ...]
+
+
+class Emitter:
+    """Turns one planned aggregation into a graph node."""
+
+    def emit(self, graph: fx.Graph, site: Site, sources: list[fx.Node]) -> fx.Node:
+        raise NotImplementedError
+
+
+class ModuleCalls(Emitter):
+    """``call_module`` of the ``BlockAttnRes`` named after the site, registered on the GraphModule.
+
+    ``modules`` maps every site name to its module: a converted model's own (the explicit graph then
+    shares its weights), or :func:`new_modules`.
+    """
+
+    def __init__(self, gm: fx.GraphModule, modules: Mapping[str, BlockAttnRes]):
+        self.gm = gm
+        self.modules = modules
+
+    def emit(self, graph, site, sources):
+        self.gm.add_submodule(site.name, self.modules[site.name])
+        return graph.call_module(site.name, tuple(sources))
+
+
+class ParameterInputs(Emitter):
+    """``aggregate(proj_weight, norm_weight, sources)`` with both weights as new graph inputs.
+
+    ``names`` lists the parameter names of the new inputs in graph order (``model.layers.0.attn_res.
+    proj.weight``, then its ``norm.weight``, ...): the caller passes those tensors after the graph's
+    own inputs.
+    """
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self.names: list[str] = []
+
+    def emit(self, graph, site, sources):
+        weights = []
+        last_input = list(graph.find_nodes(op="placeholder"))[-1]
+        for parameter in ("proj.weight", "norm.weight"):
+            with graph.inserting_after(last_input):
+                last_input = graph.placeholder(f"{site.name}.{parameter}".replace(".", "_"))
+            self.names.append(f"{site.name}.{parameter}")
+            weights.append(last_input)
+        return graph.call_function(aggregate, (weights[0], weights[1], list(sources)),
+                                   {"eps": self.plan.eps, "preserve_scale": self.plan.preserve_scale})
+
+
+class BlockAttnResRewrite(PassBase):
+    """Rewrite the detected streams of a GraphModule in place, as planned; ``records`` says what was done."""
+
+    def __init__(self, plan: Plan, detection: Detection, emitter: Emitter | None = None, *,
+                 streams: Sequence[StreamPlan] | None = None):
+        super().__init__()
+        streams = plan.streams if streams is None else tuple(streams)
+        if len(streams) != len(detection.streams):
+            raise AttnResError(f"the plan has {len(streams)} stream(s), detection found "
+                               f"{len(detection.streams)}")
+        for planned, found in zip(streams, detection.streams):
+            if len(planned.sites) != sum(len(s.branches) for s in found.sites) + 1:
+                raise AttnResError(f"stream {planned.index} of the plan does not fit the stream detected "
+                                   f"at {found.start.name}")
+        self.plan = plan
+        self.detection = detection
+        self.streams = streams
+        self.emitter = emitter
+        self.records: list[Replacement] = []
+
+    @property
+    def preserves_computation(self) -> bool:
+        return self.plan.preserve_scale
+
+    def requires(self, graph_module: fx.GraphModule) -> None:
+        nodes = set(graph_module.graph.nodes)
+        for stream in self.detection.streams:
+            if stream.start not in nodes or any(s.add not in nodes for s in stream.sites):
+                raise AttnResError("the detected streams do not belong to this graph")
+
+    def ensures(self, graph_module: fx.GraphModule) -> None:
+        graph_module.graph.lint()
+        nodes = set(graph_module.graph.nodes)
+        left = [a.name for s in self.detection.streams for site in s.sites for a in site.adds if a in nodes]
+        if left:
+            raise AttnResError(f"original residual adds left on the stream: {left}")
+
+    def call(self, graph_module: fx.GraphModule) -> PassResult:
+        emitter = self.emitter or ModuleCalls(graph_module, new_modules(self.plan, graph_module))
+        for stream, planned in zip(self.detection.streams, self.streams):
+            _StreamSurgery(graph_module.graph, emitter, stream, planned, self.records).run()
+        graph_module.recompile()
+        return PassResult(graph_module, True)
+
+
+class _StreamSurgery:
+    """The rewrite of one stream, in named steps; state: the completed blocks and the partial sum."""
+
+    def __init__(self, graph: fx.Graph, emitter: Emitter, stream: ResidualStream, planned: StreamPlan,
+                 records: list[Replacement]):
+        self.graph = graph
+        self.emitter = emitter
+        self.stream = stream
+        self.planned = planned
+        self.records = records
+        self.partial_add = torch.ops.aten.add.Tensor if isinstance(stream.end.target, torch._ops.OpOverload) \
+            else operator.add
+        self.blocks: list[fx.Node] = []
+        self.partial: fx.Node | None = stream.start
+        self.dead: list[fx.Node] = []
+
+    def run(self) -> None:
+        value_nodes = [self.stream.start]      # nodes carrying the stream value the next site reads
+        sites = self.stream.sites
+        for position, site in enumerate(sites):
+            regions = _separate_shared_reads(self.graph, site)
+            self.insert_aggregates(position, site, regions, value_nodes)
+            if position % self.planned.block_size == 0:
+                self.blocks.append(self.partial)
+                self.partial = None
+            self.rebuild_partial_sum(site)
+            self.dead.extend(value_nodes[1:])
+            self.dead.extend(site.adds)
+            value_nodes = [site.add, *(sites[position + 1].inbound if position + 1 < len(sites) else ())]
+        self.insert_final(value_nodes)
+        self.erase_dead()
+
+    def insert_aggregates(self, position: int, site: ResidualSite, regions: list[frozenset[fx.Node]],
+                          value_nodes: list[fx.Node]) -> None:
+        """Each branch reads its own aggregate of the committed blocks and the partial sum."""
+        sources = self.blocks + [self.partial]
+        readers = _external_users(value_nodes, set(site.adds))
+        aggregates = []
+        with self.graph.inserting_before(_first(self.graph, readers)):
+            for planned in self.planned.branch_sites(position):
+                aggregates.append(self._emit(planned, sources, site.add, "aggregate"))
+        for reader, value in readers:
+            reader.replace_input_with(value, aggregates[_branch_of(reader, regions)])
+        self.records.append(Replacement(self.planned.branch_sites(position)[0],
+                                        aggregates[0].name, tuple(a.name for a in site.adds)))
+        for planned, node in zip(self.planned.branch_sites(position)[1:], aggregates[1:]):
+            self.records.append(Replacement(planned, node.name, ()))
+
+    def rebuild_partial_sum(self, site: ResidualSite) -> None:
+        """``partial = partial + f_k`` for each branch output (a block start begins with the output)."""
+        anchor = site.add
+        for branch in site.branches:
+            if self.partial is None:
+                self.partial = branch.output
+                continue
+            with self.graph.inserting_after(anchor):
+                self.partial = self.graph.create_node(
+                    "call_function", self.partial_add, (self.partial, branch.output),
+                    name=f"{site.owner.replace('.', '_') or 'root'}_partial")
+            _annotate(self.partial, site.add, site.owner, "partial", with_module=False)
+            anchor = self.partial
+
+    def insert_final(self, value_nodes: list[fx.Node]) -> None:
+        """What read the stream after its last site reads the final aggregation."""
+        readers = _external_users(value_nodes, set())
+        final = self.planned.final
+        with self.graph.inserting_before(_first(self.graph, readers)):
+            node = self._emit(final, self.blocks + [self.partial], self.stream.end, "final")
+        for reader, value in readers:
+            reader.replace_input_with(value, node)
+        self.records.append(Replacement(final, node.name, ()))
+        self.dead.extend(value_nodes[1:])
+
+    def erase_dead(self) -> None:
+        position = {node: i for i, node in enumerate(self.graph.nodes)}
+        for node in sorted(set(self.dead), key=position.__getitem__, reverse=True):
+            if not node.users:
+                self.graph.erase_node(node)
+
+    def _emit(self, site: Site, sources: list[fx.Node], origin: fx.Node, role: str) -> fx.Node:
+        node = self.emitter.emit(self.graph, site, sources)
+        _annotate(node, origin, site.name, role, with_module=True)
+        return node
+
+
+def _branch_of(reader: fx.Node, regions: list[frozenset[fx.Node]]) -> int:
+    """Which branch's aggregate a reader gets: the branch containing it (or, for a shape query such as
+    ``x.dtype``, its users); readers outside every branch get the first branch's aggregate."""
+    for candidates in ([reader], list(reader.users)):
+        for k, region in enumerate(regions):
+            if any(c in region for c in candidates):
+                return k
+    return 0
+
+
+def _first(graph: fx.Graph, readers: list[tuple[fx.Node, fx.Node]]) -> fx.Node:
+    users = {reader for reader, _ in readers}
+    return next(node for node in graph.nodes if node in users)
+
+
+def _external_users(value_nodes: list[fx.Node], skip: set[fx.Node]) -> list[tuple[fx.Node, fx.Node]]:
+    """(user, value) pairs that read the stream value, except ``skip`` (the site's adds) and the chain."""
+    skip = skip | set(value_nodes)
+    return [(user, value) for value in value_nodes for user in list(value.users) if user not in skip]
+
+
+def _separate_shared_reads(graph: fx.Graph, site: ResidualSite) -> list[frozenset[fx.Node]]:
+    """Give each branch of a parallel site its own copy of reads they share (Phi: one LayerNorm for
+    attention and MLP), so that each branch can read its own aggregate. Returns the branches' regions
+    as they are afterwards."""
+    regions = [branch.region for branch in site.branches]
+    first = regions[0]
+    for k in range(1, len(regions)):
+        shared = first & regions[k]
+        if not shared:
+            continue
+        order = {node: i for i, node in enumerate(graph.nodes)}
+        copies: dict[fx.Node, fx.Node] = {}
+        for node in sorted(shared, key=order.__getitem__):
+            with graph.inserting_after(node):
+                copies[node] = graph.node_copy(node, lambda n: copies.get(n, n))
+        for node in regions[k] - shared:
+            for original, copy in copies.items():
+                node.replace_input_with(original, copy)
+        regions[k] = (regions[k] - shared) | frozenset(copies.values())
+    return regions
+
+
+def _annotate(node: fx.Node, origin: fx.Node, name: str, role: str, *, with_module: bool) -> None:
+    """Provenance: the new node inherits its site's module stack and stack trace; an aggregation adds
+    its own ``BlockAttnRes`` to the stack, so reports and errors name ``model.layers.3.attn_res``."""
+    stack = dict(origin.meta.get("nn_module_stack") or {})
+    if with_module:
+        stack[name] = (name, _ATTNRES_CLASS if _stack_uses_strings(stack) else BlockAttnRes)
+    if stack:
+        node.meta["nn_module_stack"] = stack
+    if origin.meta.get("stack_trace"):
+        node.meta["stack_trace"] = origin.meta["stack_trace"]
+    node.meta[ATTNRES_META] = {"name": name, "role": role, "replaces": origin.name}
+
+
+def _stack_uses_strings(stack: dict) -> bool:
+    """torch.export records module classes as qualified names, fx and Dynamo as classes."""
+    for value in stack.values():
+        return len(value) > 1 and isinstance(value[1], str)
+    return False
+
+
+def new_modules(plan: Plan, like: nn.Module) -> dict[str, BlockAttnRes]:
+    """One zero-initialised ``BlockAttnRes`` per planned site, on ``like``'s device and float dtype, in
+    ``like``'s training mode, each carrying its :class:`Site`."""
+    reference = next(like.parameters(), None)
+    kwargs = {}
+    if reference is not None:
+        kwargs["device"] = reference.device
+        if reference.dtype.is_floating_point:
+            kwargs["dtype"] = reference.dtype
+    modules = {}
+    for stream in plan.streams:
+        for site in stream.sites:
+            module = BlockAttnRes(stream.dim, plan.eps, preserve_scale=plan.preserve_scale, **kwargs)
+            module.site = site
+            module.train(like.training)
+            modules[site.name] = module
+    return modules
