@@ -112,7 +112,9 @@ class BlockAttnRes(nn.Module):
         self.preserve_scale = preserve_scale
         # Where this module sits in a converted model (attnres_fx.sites reads it); None for a free module.
         self.site: Site | None = None
-        self.proj = nn.Linear(dim, 1, bias=False, device=device, dtype=dtype)
+        # Built on the meta device and materialised empty: zero init needs no random numbers, so creating
+        # the module leaves the global RNG where it was (nn.Linear's own init would draw from it).
+        self.proj = nn.Linear(dim, 1, bias=False, device="meta", dtype=dtype).to_empty(device=device or "cpu")
         self.norm = nn.RMSNorm(dim, eps=eps, device=device, dtype=dtype)
         self.reset_parameters()
 

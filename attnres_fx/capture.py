@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 from torch import fx, nn
 
+from attnres_fx.passes.checkpoints import open_checkpoints
 from attnres_fx.passes.node_kinds import is_norm_module
 
 from .errors import TraceError
@@ -108,7 +109,10 @@ def capture_dynamo(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.Grap
             if not graphs:
                 raise TraceError(_dynamo_message(model, err), {"dynamo": err}) from err
     gm, example_inputs = graphs[0]
-    return fx.GraphModule(gm, copy.deepcopy(gm.graph), type(model).__name__), example_inputs
+    graph_module = fx.GraphModule(gm, copy.deepcopy(gm.graph), type(model).__name__)
+    # Checkpointed layers are subgraphs in Dynamo's IR: open them, as the routed calls do.
+    open_checkpoints(graph_module)
+    return graph_module, example_inputs
 
 
 def dummy_inputs(model: nn.Module) -> tuple[tuple, dict] | None:

@@ -34,7 +34,8 @@ import torch
 from torch import fx, nn
 
 from attnres_fx.block_attnres import BlockAttnRes
-from attnres_fx.errors import AttnResError
+from attnres_fx.errors import AttnResError, TraceError
+from attnres_fx.passes.checkpoints import close_checkpoints, open_checkpoints
 from attnres_fx.passes.detect import detect_residual_streams
 from attnres_fx.passes.plan import Plan, match_streams
 from attnres_fx.passes.rewrite import BlockAttnResRewrite, ModuleCalls, ParameterInputs
@@ -82,6 +83,11 @@ class Router:
     def __wrapped__(self):
         return type(self.module).forward.__get__(self.module)
 
+    @property
+    def __code__(self):
+        # torch.export reads the code of forward before calling it.
+        return type(self.module).forward.__code__
+
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_entry": None}
 
@@ -97,6 +103,12 @@ class Router:
         with capturing():
             try:
                 return self.entry(self.module, *args, **kwargs)
+            except torch._dynamo.exc.BackendCompilerFailed as err:
+                if isinstance(err.inner_exception, AttnResError):
+                    raise err.inner_exception.with_traceback(None) from err
+                raise
+            except torch._dynamo.exc.Unsupported as err:
+                raise TraceError(_graph_break_message(self, err), {"dynamo": err}) from err
             finally:
                 _HookGuards.restore()
 
@@ -157,6 +169,7 @@ class AttnResBackend:
         conversion = router.conversion
         # Dynamo's own graph must stay as it is (its bookkeeping refers to it): rewrite a copy.
         graph_module = fx.GraphModule(gm, _copy_graph(gm.graph), class_name=type(router.module).__name__)
+        regions = open_checkpoints(graph_module)
         detection = detect_residual_streams(graph_module)
         streams = match_streams(detection, conversion.plan, prefix=router.path, where=_where(router))
         if conversion.compiler == "eager":
@@ -164,10 +177,12 @@ class AttnResBackend:
             modules = {site.name: router.root.get_submodule(site.name) for s in streams for site in s.sites}
             BlockAttnResRewrite(conversion.plan, detection, ModuleCalls(graph_module, modules),
                                 streams=streams)(graph_module)
+            close_checkpoints(graph_module, regions)
             return graph_module.forward
         # Inductor takes parameters as graph inputs only (they then get gradients through AOTAutograd).
         emitter = ParameterInputs(conversion.plan)
         BlockAttnResRewrite(conversion.plan, detection, emitter, streams=streams)(graph_module)
+        close_checkpoints(graph_module, regions)
         weights = _WeightReader(router.root, emitter.names)
         from torch._inductor.compile_fx import compile_fx
 
@@ -202,6 +217,29 @@ class _RoutedGraph:
 
     def __call__(self, *args):
         return self.compiled(*args, *self.weights.read())
+
+
+def _graph_break_message(router: Router, err: Exception) -> str:
+    lines = [f"TorchDynamo could not capture this call of {_where(router)} as one graph: "
+             f"{type(err).__name__}: {str(err).strip().splitlines()[0]}",
+             "A converted model runs each call as one Dynamo graph (fullgraph), so that every residual "
+             "stream is rewritten whole; a graph break would leave part of a stream unconverted."]
+    if _has_sharded_submodules(router.module):
+        lines.append("Here: FSDP2's fully_shard was applied to submodules (per layer); its hooks are kept out "
+                     "of Dynamo graphs, which splits the stream at every layer. Shard the root module only "
+                     "(fully_shard(model)), or use DistributedDataParallel.")
+    else:
+        lines.append("Remove the construct named above from forward() (data-dependent Python control flow, "
+                     "print, an unsupported library call); the full report is this error's __cause__.")
+    return "\n".join(lines)
+
+
+def _has_sharded_submodules(module: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return any(isinstance(m, FSDPModule) for m in module.modules() if m is not module)
 
 
 def _copy_graph(graph: fx.Graph) -> fx.Graph:

@@ -46,6 +46,7 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 from attnres_fx.block_attnres import BlockAttnRes, aggregate
 from attnres_fx.errors import AttnResError
 
+from .checkpoints import REGION
 from .detect import Detection, ResidualSite, ResidualStream
 from .plan import Plan, Site, StreamPlan
 
@@ -213,7 +214,7 @@ class _StreamSurgery:
                 self.partial = self.graph.create_node(
                     "call_function", self.partial_add, (self.partial, branch.output),
                     name=f"{site.owner.replace('.', '_') or 'root'}_partial")
-            _annotate(self.partial, site.add, site.owner, "partial", with_module=False)
+            _annotate(self.partial, site.add, site.owner, "partial", with_module=False, inside=True)
             anchor = self.partial
 
     def insert_final(self, value_nodes: list[fx.Node]) -> None:
@@ -235,7 +236,9 @@ class _StreamSurgery:
 
     def _emit(self, site: Site, sources: list[fx.Node], origin: fx.Node, role: str) -> fx.Node:
         node = self.emitter.emit(self.graph, site, sources)
-        _annotate(node, origin, site.name, role, with_module=True)
+        # A site's aggregate belongs where its residual add was (a checkpointed layer recomputes it);
+        # the final one is read after the last layer, outside it.
+        _annotate(node, origin, site.name, role, with_module=True, inside=role != "final")
         return node
 
 
@@ -282,9 +285,10 @@ def _separate_shared_reads(graph: fx.Graph, site: ResidualSite) -> list[frozense
     return regions
 
 
-def _annotate(node: fx.Node, origin: fx.Node, name: str, role: str, *, with_module: bool) -> None:
+def _annotate(node: fx.Node, origin: fx.Node, name: str, role: str, *, with_module: bool, inside: bool) -> None:
     """Provenance: the new node inherits its site's module stack and stack trace; an aggregation adds
-    its own ``BlockAttnRes`` to the stack, so reports and errors name ``model.layers.3.attn_res``."""
+    its own ``BlockAttnRes`` to the stack, so reports and errors name ``model.layers.3.attn_res``.
+    ``inside``: the node belongs to the checkpointed region of ``origin``, if any."""
     stack = dict(origin.meta.get("nn_module_stack") or {})
     if with_module:
         stack[name] = (name, _ATTNRES_CLASS if _stack_uses_strings(stack) else BlockAttnRes)
@@ -292,6 +296,8 @@ def _annotate(node: fx.Node, origin: fx.Node, name: str, role: str, *, with_modu
         node.meta["nn_module_stack"] = stack
     if origin.meta.get("stack_trace"):
         node.meta["stack_trace"] = origin.meta["stack_trace"]
+    if inside and REGION in origin.meta:
+        node.meta[REGION] = origin.meta[REGION]
     node.meta[ATTNRES_META] = {"name": name, "role": role, "replaces": origin.name}
 
 

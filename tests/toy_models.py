@@ -240,3 +240,58 @@ def make_inputs(vocab=64, batch=2, seq=8, seed=0):
 
 __all__ = ["EncoderDecoder", "NestedModel", "RopeModel", "PostNormModel", "NoResidualModel",
            "DataDependentModel", "RawBranchModel", "make_inputs", "F"]
+
+
+class NanoBlock(nn.Module):
+    def __init__(self, dim, heads, dropout, checkpoint):
+        super().__init__()
+        cfg = TinyConfig(dim=dim, num_heads=heads)
+        self.ln_1, self.attn, self.ln_2, self.mlp = nn.LayerNorm(dim), CausalSelfAttention(cfg), nn.LayerNorm(dim), MLP(cfg)
+        self.drop = nn.Dropout(dropout)
+        self.checkpoint = checkpoint
+
+    def forward(self, x):
+        x = x + self.drop(self.attn(self.ln_1(x)))
+        return x + self.drop(self.mlp(self.ln_2(x)))
+
+
+class NanoGPT(nn.Module):
+    """A nanoGPT-style model as people write them: ``forward(idx, targets=None)`` returning ``(logits,
+    loss)``, dropout, a frozen positional table computed under ``no_grad``, the head under autocast
+    (bf16 on CPU), optional activation checkpointing of every block, and a method of its own."""
+
+    def __init__(self, vocab=64, dim=32, layers=2, heads=4, block_size=32, dropout=0.1, checkpoint=False,
+                 autocast_head=False):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, dim)
+        self.wpe = nn.Embedding(block_size, dim)
+        self.drop = nn.Dropout(dropout)
+        self.h = nn.ModuleList(NanoBlock(dim, heads, dropout, checkpoint) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        self.checkpoint = checkpoint
+        self.autocast_head = autocast_head
+        self.note = "a plain attribute"
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, idx, targets=None):
+        t = idx.shape[1]
+        with torch.no_grad():                      # positions are frozen: no gradient reaches wpe
+            pos = self.wpe(torch.arange(t, device=idx.device))
+        x = self.drop(self.wte(idx) + pos)
+        for block in self.h:
+            if self.checkpoint:
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        x = self.ln_f(x)
+        if self.autocast_head:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = self.lm_head(x)
+        else:
+            logits = self.lm_head(x)
+        if targets is None:
+            return logits, None
+        return logits, F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
