@@ -7,23 +7,26 @@
     attnres_fx.remove(model)                     # back to the original
 """
 
-from .api import attnresify, compile, detect, is_converted, plan_of, remove, rewrite, sites
+from .api import attnresify, compile, conversion_options, detect, is_converted, plan_of, remove, rewrite, sites
 from .block_attnres import BlockAttnRes
 from .errors import (
     AttnResError,
     AttnResWarning,
+    CheckpointMismatchError,
     ExportError,
     NoResidualStreamError,
     StreamMismatchError,
     TraceError,
     UnsupportedArchitectureError,
 )
+from .hf import from_pretrained
 from .passes.plan import Site
 
 __version__ = "0.2.0"
 
 __all__ = [
-    "AttnResError", "AttnResWarning", "BlockAttnRes", "ExportError", "NoResidualStreamError", "Site",
-    "StreamMismatchError", "TraceError", "UnsupportedArchitectureError", "attnresify", "compile", "detect",
-    "is_converted", "plan_of", "remove", "rewrite", "sites",
+    "AttnResError", "AttnResWarning", "BlockAttnRes", "CheckpointMismatchError", "ExportError",
+    "NoResidualStreamError", "Site", "StreamMismatchError", "TraceError", "UnsupportedArchitectureError",
+    "attnresify", "compile", "conversion_options", "detect", "from_pretrained", "is_converted", "plan_of",
+    "remove", "rewrite", "sites",
 ]

@@ -19,7 +19,7 @@ from attnres_fx.passes.detect import Detection, detect_residual_streams
 from attnres_fx.passes.plan import Plan, Site, make_plan, match_streams
 from attnres_fx.passes.rewrite import BlockAttnResRewrite, ModuleCalls, ParameterInputs, new_modules
 
-from . import live
+from . import hf, live
 from .block_attnres import DEFAULT_EPS, BlockAttnRes
 from .capture import capture_dynamo, capture_for_plan, trace
 from .errors import AttnResError, AttnResWarning, NoResidualStreamError, UnsupportedArchitectureError
@@ -69,7 +69,9 @@ def attnresify(model: nn.Module, example_inputs: Any = None, *, example_kwargs: 
     # The rewrite runs on a copy of the captured graph before the model is touched: a plan that cannot be
     # applied fails here, not at the model's first call.
     BlockAttnResRewrite(plan, detection, ParameterInputs(plan))(traced.graph_module)
-    live.install(model, plan, new_modules(plan, like=model))
+    options = {"num_blocks": num_blocks, "block_size": block_size, "preserve_scale": preserve_scale, "eps": eps}
+    live.install(model, plan, new_modules(plan, like=model), options)
+    hf.attach(model)
     return model
 
 
@@ -78,6 +80,7 @@ def remove(model: nn.Module) -> nn.Module:
     keys and outputs are the original's again. Returns ``model``."""
     conversion = _conversion(model, "remove")
     live.uninstall(model, conversion)
+    hf.detach(model)
     return model
 
 
@@ -106,15 +109,23 @@ def rewrite(model: nn.Module, example_inputs: Any = None, *, example_kwargs: dic
     follows later training. A graph made by ``torch.export`` is fixed to the model's train/eval mode at
     the time of the call. The model is not modified.
     """
-    conversion = _conversion(model, "rewrite")
-    example_inputs = _as_tuple(example_inputs)
-    traced = trace(model, example_inputs, example_kwargs, tracer, dynamic_shapes)
+    _conversion(model, "rewrite")
+    return explicit_graph(model, model, "", example_inputs, example_kwargs, tracer, dynamic_shapes)
+
+
+def explicit_graph(root: nn.Module, model: nn.Module, within: str, example_inputs: Any, example_kwargs: dict | None,
+                   tracer: str, dynamic_shapes: Any = None) -> fx.GraphModule:
+    """The explicit graph of ``root``, a module that holds the converted ``model`` at path ``within``
+    (``root`` itself when ``within`` is ``""``; a wrapper such as the ONNX decoder with a KV cache
+    otherwise), its streams rewritten as ``model`` was converted."""
+    conversion = live.conversion_of(model)
+    traced = trace(root, _as_tuple(example_inputs), example_kwargs, tracer, dynamic_shapes)
     gm = traced.graph_module
     detection = detect_residual_streams(gm)
-    streams = match_streams(detection, conversion.plan, where=type(model).__name__)
-    modules = {site.name: model.get_submodule(site.name)
-               for stream in streams for site in stream.sites}
-    BlockAttnResRewrite(conversion.plan, detection, ModuleCalls(gm, modules), streams=streams)(gm)
+    streams = match_streams(detection, conversion.plan, within=within, where=type(model).__name__)
+    modules = {site.name: model.get_submodule(site.name) for stream in streams for site in stream.sites}
+    BlockAttnResRewrite(conversion.plan, detection, ModuleCalls(gm, modules, prefix=within),
+                        streams=streams)(gm)
     gm.meta["attnres"] = {"frontend": traced.frontend, "block_sizes": [s.block_size for s in streams],
                           "preserve_scale": conversion.plan.preserve_scale}
     return gm
@@ -127,6 +138,11 @@ def sites(module: nn.Module) -> list[Site]:
     module = getattr(module, "_orig_mod", module)
     found = [m.site for m in module.modules() if isinstance(m, BlockAttnRes) and m.site is not None]
     return sorted(found, key=lambda site: site.index)
+
+
+def conversion_options(model: nn.Module) -> dict[str, Any]:
+    """The ``attnresify`` arguments a converted model was converted with."""
+    return dict(_conversion(model, "conversion_options").options)
 
 
 def plan_of(model: nn.Module) -> Plan:

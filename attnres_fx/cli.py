@@ -1,15 +1,19 @@
 """attnres-fx: convert a Transformer's residual stream to Block Attention Residuals, check it, export it.
 
     attnres-fx demo [--model NAME] [--num-blocks N | --block-size S] [--preserve-scale] [--no-backends]
-    attnres-fx export MODEL --onnx OUT.onnx [--num-blocks N | --block-size S] [--preserve-scale]
+    attnres-fx convert PATH_OR_NAME --out DIR [--num-blocks N | --block-size S] [--preserve-scale]
+    attnres-fx export MODEL_OR_DIR --onnx OUT.onnx [--with-cache] [--num-blocks N | --block-size S]
 
-MODEL is ``tiny`` (the built-in model) or a tiny random-weight Hugging Face model (``llama``, ``t5``...).
+NAME is ``tiny`` (the built-in model) or a tiny random-weight Hugging Face model (``llama``, ``t5``...);
+PATH / DIR is a local Hugging Face model directory (``config.json`` and safetensors weights; one
+written by ``convert`` holds a converted model).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import logging
 import statistics
 import sys
@@ -54,6 +58,31 @@ def build_model(name: str, args: argparse.Namespace) -> tuple[torch.nn.Module, t
         raise UsageError(str(err)) from err
     inputs, kwargs = hf_example_inputs(name)
     return model, inputs, kwargs
+
+
+def load_directory(path: Path) -> tuple[torch.nn.Module, tuple, dict]:
+    """A Hugging Face model saved in ``path`` (converted if it holds ``attnres_config.json``), with
+    example inputs made from its config."""
+    from .capture import dummy_inputs
+    from .hf import CONFIG_NAME, from_pretrained
+
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise UsageError(f"{path} is not a Hugging Face model directory (no config.json)")
+    try:
+        import transformers
+    except ImportError as err:
+        raise UsageError("loading a model directory needs transformers: pip install 'attnres-fx[hf]'") from err
+    architectures = json.loads(config_file.read_text()).get("architectures") or []
+    cls = next((getattr(transformers, name) for name in architectures if hasattr(transformers, name)), None)
+    if cls is None:
+        raise UsageError(f"{config_file} names no architecture this transformers knows: {architectures}")
+    model = from_pretrained(cls, path) if (path / CONFIG_NAME).is_file() else cls.from_pretrained(path)
+    model.eval()
+    inputs = dummy_inputs(model)
+    if inputs is None:
+        raise UsageError(f"cannot make example inputs for {cls.__name__} from its config")
+    return model, *inputs
 
 
 def describe(name: str, args: argparse.Namespace) -> str:
@@ -157,20 +186,62 @@ def _norm_eps(model: torch.nn.Module, args: argparse.Namespace) -> float:
     return getattr(model.config, hf_model(args.model).eps_field)
 
 
+def model_or_directory(name: str, args: argparse.Namespace) -> tuple[torch.nn.Module, tuple, dict]:
+    """``name`` as a built-in model name, else as a model directory; converted with the command's block
+    options unless the directory holds a converted model already."""
+    path = Path(name)
+    if name not in MODELS and path.is_dir():
+        with step(f"Loading {path}"):
+            model, inputs, kwargs = load_directory(path)
+    else:
+        if name not in MODELS:
+            raise UsageError(f"{name!r} is neither a model directory nor a built-in model ({', '.join(MODELS)})")
+        model, inputs, kwargs = build_model(name, args)
+    if not api.is_converted(model):
+        options, why = block_options(args)
+        with step(f"Converting {type(model).__name__} ({why})"):
+            api.attnresify(model, inputs, example_kwargs=kwargs, preserve_scale=args.preserve_scale, **options)
+    return model, inputs, kwargs
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    if args.source == "tiny":
+        raise UsageError("convert writes a Hugging Face directory (save_pretrained); the built-in TinyTransformer "
+                         "is no Hugging Face model: pick one of " + ", ".join(HF_NAMES) + " or a model directory")
+    model, _, _ = model_or_directory(args.source, args)
+    with step(f"Saving to {args.out}"):
+        model.save_pretrained(args.out)
+    plan = api.plan_of(model)
+    print(f"{type(model).__name__}: {len(plan.sites)} BlockAttnRes sites, block sizes "
+          f"{', '.join(map(str, plan.block_sizes))}; written to {args.out} (weights, config.json, attnres_config.json)")
+    print(plan.table(indent="  "))
+    print(f"Reload with attnres_fx.from_pretrained({type(model).__name__}, {str(args.out)!r}).")
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     # Imported here: the ONNX packages are an optional extra that only this command needs.
-    from .export import attnres_node_groups, session, to_onnx, verify
+    from .export import attnres_node_groups, generate_onnx, session, to_onnx, verify
 
-    model, inputs, kwargs = build_model(args.model, args)
-    options, _ = block_options(args)
-    api.attnresify(model, inputs, example_kwargs=kwargs, preserve_scale=args.preserve_scale, **options)
-    with step(f"Exporting {args.model} to {args.onnx}"):
-        path = to_onnx(model, inputs, args.onnx, example_kwargs=kwargs, opset=args.opset)
-    runtime = path if args.device is None else session(path, device=args.device)
-    report = verify(model, runtime, inputs, example_kwargs=kwargs)
+    model, inputs, kwargs = model_or_directory(args.model, args)
+    with step(f"Exporting to {args.onnx}{' with the KV cache' if args.with_cache else ''}"):
+        path = to_onnx(model, inputs, args.onnx, example_kwargs=kwargs, opset=args.opset, with_cache=args.with_cache)
+    runtime = session(path, device=args.device or "cpu")
     groups = attnres_node_groups(path)
-    print(f"model: {args.model}, {len(api.sites(model))} BlockAttnRes sites; ONNX written to {path}")
+    print(f"{type(model).__name__}: {len(api.sites(model))} BlockAttnRes sites; ONNX written to {path}")
     print("ONNX nodes per BlockAttnRes: " + ", ".join(f"{name} {len(nodes)}" for name, nodes in groups.items()))
+    if args.with_cache:
+        ids = inputs[0] if inputs else kwargs["input_ids"]
+        pad = getattr(model.generation_config, "pad_token_id", None)
+        got = generate_onnx(runtime, ids, max_new_tokens=8)
+        with torch.no_grad():
+            want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
+                                  do_sample=False, pad_token_id=0 if pad is None else pad).numpy()
+        same = got.shape == want.shape and (got == want).all()
+        print(f"{'PASS' if same else 'FAIL'} greedy decoding, 8 new tokens: onnxruntime with the cache "
+              f"{'equals' if same else 'differs from'} model.generate (providers: {', '.join(runtime.get_providers())})")
+        return 0 if same else 1
+    report = verify(model, runtime, inputs, example_kwargs=kwargs)
     print(report)
     print(f"providers used: {', '.join(report.providers)}; max |onnxruntime - torch| = {report.max_abs:.3e}")
     return 0 if report.ok else 1
@@ -223,11 +294,26 @@ def build_parser() -> argparse.ArgumentParser:
                       help="skip compiling with Inductor and exporting to ONNX / onnxruntime")
     demo.set_defaults(func=cmd_demo)
 
-    export = sub.add_parser("export", help="convert a model, export it to ONNX and check it with onnxruntime",
-                            description="Convert MODEL, export it to ONNX (dynamic batch and sequence) and "
-                                        "compare onnxruntime's outputs with PyTorch's.")
-    export.add_argument("model", choices=MODELS, metavar="MODEL", help=f"one of: {', '.join(MODELS)}")
+    convert = sub.add_parser("convert", help="convert a Hugging Face model and save it (save_pretrained)",
+                             description="Convert a local Hugging Face model directory (or a built-in tiny "
+                                         "Hugging Face model) and save it as a directory that "
+                                         "attnres_fx.from_pretrained reloads.")
+    convert.add_argument("source", metavar="PATH_OR_NAME",
+                         help=f"a model directory, or one of: {', '.join(HF_NAMES)}")
+    convert.add_argument("--out", required=True, metavar="DIR", help="directory to write")
+    _add_model_options(convert)
+    convert.set_defaults(func=cmd_convert)
+
+    export = sub.add_parser("export", help="export a converted model to ONNX and check it with onnxruntime",
+                            description="Convert MODEL (or load a directory written by convert), export it to "
+                                        "ONNX (dynamic batch and sequence) and compare onnxruntime's outputs "
+                                        "with PyTorch's.")
+    export.add_argument("model", metavar="MODEL_OR_DIR",
+                        help=f"a model directory, or one of: {', '.join(MODELS)}")
     export.add_argument("--onnx", required=True, metavar="OUT", help="path of the ONNX file to write")
+    export.add_argument("--with-cache", action="store_true",
+                        help="decoder LMs: past keys and values as inputs and outputs, checked by greedy "
+                             "decoding in onnxruntime against model.generate")
     _add_model_options(export)
     export.add_argument("--opset", type=_positive_int, default=None, help="ONNX opset (default: the exporter's)")
     export.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,

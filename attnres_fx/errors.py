@@ -38,6 +38,11 @@ class StreamMismatchError(AttnResError):
     model was converted with (or none at all): the message names the sites that differ."""
 
 
+class CheckpointMismatchError(AttnResError):
+    """A saved converted model does not fit: no or another ``attnres_config.json``, other sites, or
+    missing AttnRes weights; the message names what differs."""
+
+
 class ExportError(AttnResError):
     """Compiling or exporting a rewritten module failed; carries the exporter's root cause."""
 

@@ -54,6 +54,7 @@ class Conversion:
 
     plan: Plan
     routed: tuple[str, ...]
+    options: dict[str, Any] = field(default_factory=dict)     # the attnresify arguments that made the plan
     compiler: str = "eager"
     compile_options: dict[str, Any] = field(default_factory=dict)
 
@@ -117,8 +118,12 @@ class Router:
         """The Dynamo-compiled entry of this module: built at the first call, again after a pickle or a
         change of compiler."""
         if self._entry is None:
+            # Eager runs gain nothing from static shapes: capture with dynamic ones from the start, so
+            # that a new length or batch reuses the graph (generate: prefill, then every decode step).
+            # Inductor specialises first and makes a dimension dynamic once it changes.
+            dynamic = True if self.conversion.compiler == "eager" else None
             self._entry = torch.compile(entry_function(type(self.module).forward), backend=AttnResBackend(self),
-                                        fullgraph=True, recompile_limit=RECOMPILE_LIMIT)
+                                        fullgraph=True, dynamic=dynamic, recompile_limit=RECOMPILE_LIMIT)
         return self._entry
 
     def reset(self) -> None:
@@ -263,7 +268,7 @@ def conversion_of(model: nn.Module) -> Conversion | None:
     return router.conversion if isinstance(router, Router) and router.root is model else None
 
 
-def install(model: nn.Module, plan: Plan, modules: dict[str, BlockAttnRes]) -> Conversion:
+def install(model: nn.Module, plan: Plan, modules: dict[str, BlockAttnRes], options: dict[str, Any]) -> Conversion:
     """Register the AttnRes modules and the routers on ``model``; all or nothing."""
     routed = tuple(dict.fromkeys(["", *(s.owner for s in plan.streams)]))
     targets = [(path, model.get_submodule(path)) for path in routed]
@@ -274,7 +279,7 @@ def install(model: nn.Module, plan: Plan, modules: dict[str, BlockAttnRes]) -> C
                 f"wrapper installed by another library, e.g. accelerate's device-map hooks: "
                 f"{module.__dict__['forward']!r}); attnres_fx routes calls through forward itself. Convert "
                 "the model before adding such wrappers.")
-    conversion = Conversion(plan, routed)
+    conversion = Conversion(plan, routed, dict(options))
     registered: list[tuple[nn.Module, str]] = []
     try:
         for name, module in modules.items():

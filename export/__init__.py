@@ -5,6 +5,8 @@
     print(export.verify(model, path, (ids,)))                    # torch vs onnxruntime, per output
     export.attnres_node_groups(path)                             # {"model.layers.0.attn_res": [...], ...}
     fast = export.compile(graph)                                 # an explicit graph, Inductor fullgraph
+    path = export.to_onnx(lm, (ids,), "decoder.onnx", with_cache=True)    # past keys/values in and out
+    tokens = export.generate_onnx(export.session(path), ids, max_new_tokens=20)
 
 Every failure raises :class:`attnres_fx.ExportError` with the root cause and a hint. The ONNX packages
 are an optional extra (``pip install 'attnres-fx[onnx]'``): they are imported by the functions that
@@ -19,6 +21,7 @@ _WHERE = {
     "compile": "inductor",
     "to_onnx": "onnx", "attnres_node_groups": "onnx",
     "three_way_report": "report",
+    "generate_onnx": "decoding",
     "OutputDiff": "runtime", "VerifyReport": "runtime", "session": "runtime", "verify": "runtime",
 }
 

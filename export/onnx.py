@@ -23,11 +23,12 @@ import onnx
 import torch
 from torch import nn
 
-from attnres_fx.api import is_converted, rewrite
+from attnres_fx.api import explicit_graph, is_converted, rewrite
 from attnres_fx.block_attnres import BlockAttnRes
-from attnres_fx.errors import AttnResWarning
+from attnres_fx.errors import AttnResWarning, ExportError
 from attnres_fx.capture import default_dynamic_shapes
 
+from . import decoding
 from .failures import reraise_as_export_error
 from .schedule import inference_form
 from .signature import bind, output_names
@@ -39,7 +40,7 @@ _ATTNRES_CLASS = f"{BlockAttnRes.__module__}.{BlockAttnRes.__qualname__}"
 
 def to_onnx(module: nn.Module, example_inputs: Any, path: str | Path, *, example_kwargs: dict | None = None,
             dynamic: bool = True, opset: int | None = None, external_data: bool | None = None,
-            two_phase: bool = True) -> Path:
+            two_phase: bool = True, with_cache: bool = False) -> Path:
     """Export ``module`` to an ONNX file at ``path`` and check it with ``onnx.checker``; return the path.
 
     Args:
@@ -59,6 +60,10 @@ def to_onnx(module: nn.Module, example_inputs: Any, path: str | Path, *, example
         two_phase: export the two-phase inference schedule (:mod:`attnres_fx.passes.two_phase`):
             each completed block is read once per block instead of once per site. Exact; ``False``
             exports the per-site form, one node group per BlockAttnRes.
+        with_cache: export a Hugging Face decoder LM for decoding: the KV cache as inputs and outputs
+            (:mod:`attnres_fx.export.decoding`, ``optimum``'s layout; the example ``input_ids``, first
+            positional input or keyword, are all it reads). Batch, sequence and past length are dynamic;
+            :func:`attnres_fx.export.generate_onnx` decodes with it.
 
     Graph inputs are named after ``forward()``'s parameters (``ids``, ``input_ids``); outputs after
     the output's keys (``logits``, ``last_hidden_state``), ``output_<i>`` for a tuple, and ``logits``
@@ -66,21 +71,25 @@ def to_onnx(module: nn.Module, example_inputs: Any, path: str | Path, *, example
     exporter's root cause and a hint.
     """
     module = getattr(module, "_orig_mod", module)
-    if is_converted(module):
-        module = rewrite(module, example_inputs, example_kwargs=example_kwargs)
+    if with_cache:
+        module, args, kwargs, dynamic_shapes, names_in, names_out = _decoder_with_cache(module, example_inputs,
+                                                                                        example_kwargs)
+    else:
+        if is_converted(module):
+            module = rewrite(module, example_inputs, example_kwargs=example_kwargs)
+        call = bind(module, example_inputs, example_kwargs)
+        args, kwargs, names_in = call.args, call.kwargs, call.names
+        dynamic_shapes = default_dynamic_shapes(module, args, kwargs) if dynamic else None
+        if dynamic:
+            _warn_size_one(call.names, call.tensors)
+        with reraise_as_export_error("running the module on the example inputs"), torch.no_grad():
+            names_out = output_names(module, module(*args, **kwargs))
     module = inference_form(module, two_phase)
     path = Path(path)
-    call = bind(module, example_inputs, example_kwargs)
-    dynamic_shapes = default_dynamic_shapes(module, call.args, call.kwargs) if dynamic else None
-    if dynamic:
-        _warn_size_one(call.names, call.tensors)
-    with reraise_as_export_error("running the module on the example inputs"), torch.no_grad():
-        names_out = output_names(module, module(*call.args, **call.kwargs))
     with reraise_as_export_error("torch.export"):
-        program = torch.export.export(module, call.args, call.kwargs, dynamic_shapes=dynamic_shapes,
-                                      strict=False)
+        program = torch.export.export(module, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
     with reraise_as_export_error("ONNX conversion"):
-        onnx_program = torch.onnx.export(program, dynamo=True, input_names=call.names,
+        onnx_program = torch.onnx.export(program, dynamo=True, input_names=names_in,
                                          output_names=names_out, opset_version=opset, verbose=False)
     path.parent.mkdir(parents=True, exist_ok=True)
     with reraise_as_export_error(f"saving {path}"):
@@ -89,6 +98,25 @@ def to_onnx(module: nn.Module, example_inputs: Any, path: str | Path, *, example
         # The path, not a loaded proto: the checker then reads external data itself, past 2 GB.
         onnx.checker.check_model(str(path))
     return path
+
+
+def _decoder_with_cache(model: nn.Module, example_inputs: Any, example_kwargs: dict | None):
+    """The cache-carrying decoder graph of ``model`` (its AttnRes rewrite when it is converted) and how
+    to export it; the example ``input_ids`` are the first positional input or the keyword one."""
+    if isinstance(example_inputs, torch.Tensor):
+        ids = example_inputs
+    elif example_inputs:
+        ids = example_inputs[0]
+    elif example_kwargs and "input_ids" in example_kwargs:
+        ids = example_kwargs["input_ids"]
+    else:
+        raise ExportError("with_cache=True needs example input_ids (positional or keyword)")
+    layers = decoding.cache_shape(model)[0]
+    wrapper = decoding.DecoderWithCache(model).train(model.training)
+    args, dynamic_shapes = decoding.example_call(model, ids)
+    if is_converted(model):
+        wrapper = explicit_graph(wrapper, model, "model", args, None, "export", dynamic_shapes)
+    return wrapper, args, {}, dynamic_shapes, decoding.input_names(layers), decoding.output_names(layers)
 
 
 def attnres_node_groups(model: onnx.ModelProto | str | Path) -> dict[str, list[str]]:

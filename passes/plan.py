@@ -121,25 +121,34 @@ class Plan:
         return format_table(("site", "name", "layer", "kind", "block", "sources", "normalised"), rows, indent)
 
 
-def signature(stream: ResidualStream, prefix: str = "") -> StreamSignature:
+def signature(stream: ResidualStream, prefix: str = "", within: str = "") -> StreamSignature:
     """What identifies a stream across captures of one model: (layer, branch kinds) per residual site,
-    layers as paths from the model's root (``prefix``: the captured module's path)."""
-    return tuple((_join(prefix, site.owner), site.kind) for site in stream.sites)
+    layers as paths from the converted model's root. ``prefix``: the captured module's path in that
+    model (a routed submodule); ``within``: the converted model's path in the captured module (a wrapper
+    around it)."""
+    return tuple((_relocate(site.owner, prefix, within), site.kind) for site in stream.sites)
 
 
-def match_streams(detection: Detection, plan: Plan, *, prefix: str = "", where: str = "the model"
-                  ) -> tuple[StreamPlan, ...]:
+def _relocate(path: str, prefix: str, within: str) -> str:
+    if within:
+        path = path[len(within) + 1:] if path.startswith(within + ".") else ("" if path == within else path)
+    return _join(prefix, path)
+
+
+def match_streams(detection: Detection, plan: Plan, *, prefix: str = "", within: str = "",
+                  where: str = "the model") -> tuple[StreamPlan, ...]:
     """The planned stream of each stream detected in another capture of the same model (a decode step, a
     train-mode call, the encoder called alone). ``prefix``: the captured module's path in the model.
 
     Raises :class:`~attnres_fx.StreamMismatchError`, naming the difference, when a detected stream is
     not one of the plan's, or when the capture holds no stream at all: rewriting part of a stream, or
-    running the original computation, would be silently wrong.
+    running the original computation, would be silently wrong. ``prefix`` and ``within``: see
+    :func:`signature`.
     """
     planned = {stream.signature: stream for stream in plan.streams}
     matched = []
     for stream in detection.streams:
-        found = signature(stream, prefix)
+        found = signature(stream, prefix, within)
         if found not in planned:
             raise StreamMismatchError(_mismatch(found, plan, where))
         matched.append(planned[found])

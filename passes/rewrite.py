@@ -74,16 +74,19 @@ class ModuleCalls(Emitter):
     """``call_module`` of the ``BlockAttnRes`` named after the site, registered on the GraphModule.
 
     ``modules`` maps every site name to its module: a converted model's own (the explicit graph then
-    shares its weights), or :func:`new_modules`.
+    shares its weights), or :func:`new_modules`. ``prefix``: where the converted model sits in the
+    graph's root (a wrapper around it), ``""`` when it is the root.
     """
 
-    def __init__(self, gm: fx.GraphModule, modules: Mapping[str, BlockAttnRes]):
+    def __init__(self, gm: fx.GraphModule, modules: Mapping[str, BlockAttnRes], prefix: str = ""):
         self.gm = gm
         self.modules = modules
+        self.prefix = prefix
 
     def emit(self, graph, site, sources):
-        self.gm.add_submodule(site.name, self.modules[site.name])
-        return graph.call_module(site.name, tuple(sources))
+        target = f"{self.prefix}.{site.name}" if self.prefix else site.name
+        self.gm.add_submodule(target, self.modules[site.name])
+        return graph.call_module(target, tuple(sources))
 
 
 class ParameterInputs(Emitter):
@@ -238,7 +241,8 @@ class _StreamSurgery:
         node = self.emitter.emit(self.graph, site, sources)
         # A site's aggregate belongs where its residual add was (a checkpointed layer recomputes it);
         # the final one is read after the last layer, outside it.
-        _annotate(node, origin, site.name, role, with_module=True, inside=role != "final")
+        path = node.target if node.op == "call_module" else site.name
+        _annotate(node, origin, path, role, with_module=True, inside=role != "final")
         return node
 
 

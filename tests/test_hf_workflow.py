@@ -1,0 +1,206 @@
+"""A Hugging Face user's loop on a converted model: the Trainer (with gradient checkpointing), save and
+reload, the CLI's convert and export, ONNX decoding with the KV cache."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+import attnres_fx
+import hf_models as H
+from attnres_fx.cli import main as cli_main
+from attnres_fx.testing import randomise_pseudo_queries
+from hf_models import needs_hf
+
+pytestmark = [needs_hf, pytest.mark.slow]
+
+TRAIN_STEPS = 6
+
+
+def _dataset(batch=4, seq=16, examples=24):
+    ids = torch.randint(1, 128, (examples, seq), generator=torch.Generator().manual_seed(0))
+    return [{"input_ids": row, "labels": row} for row in ids]
+
+
+class _LossLog:
+    def __init__(self):
+        self.losses = []
+
+    def callback(self):
+        from transformers import TrainerCallback
+
+        log = self
+
+        class Recorder(TrainerCallback):
+            def on_log(self, args, state, control, logs=None, **kwargs):
+                if logs and "loss" in logs:
+                    log.losses.append(logs["loss"])
+        return Recorder()
+
+
+def _train(model, tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    log = _LossLog()
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=TRAIN_STEPS, per_device_train_batch_size=4,
+                             learning_rate=3e-3, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+                             dataloader_num_workers=0, seed=0, data_seed=0)
+    trainer = Trainer(model=model, args=args, train_dataset=_dataset(), callbacks=[log.callback()])
+    trainer.train()
+    return log.losses
+
+
+@pytest.mark.parametrize("checkpointing", ["off", "before", "after"])
+def test_trainer_trains_a_converted_model(tmp_path, checkpointing):
+    model = H.build_hf("llama")
+    if checkpointing == "before":
+        model.gradient_checkpointing_enable()
+    attnres_fx.attnresify(model, num_blocks=2)
+    if checkpointing == "after":
+        model.gradient_checkpointing_enable()
+    before = {s.name: model.get_submodule(s.name).proj.weight.detach().clone() for s in attnres_fx.sites(model)}
+    losses = _train(model, tmp_path)
+    assert len(losses) == TRAIN_STEPS and losses[-1] < losses[0], losses
+    for site in attnres_fx.sites(model):
+        moved = not torch.equal(model.get_submodule(site.name).proj.weight, before[site.name])
+        assert moved == (site.num_sources > 1), site.name
+    model.eval()
+    ids = H.hf_example_inputs("llama")[0][0]
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, model(ids).logits)
+
+
+def test_gradient_checkpointing_recomputes_and_keeps_the_gradients():
+    """The same step with and without Hugging Face's gradient checkpointing: equal gradients, and the
+    checkpointed model runs each layer's aggregations again in the backward pass."""
+    ids = H.hf_example_inputs("llama", 2, 12)[0][0]
+    runs = {}
+    grads = {}
+    for checkpointing in (False, True):
+        model = randomise_pseudo_queries(attnres_fx.attnresify(H.build_hf("llama"), num_blocks=2)).train()
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        calls = []
+        model.model.layers[1].mlp_res.register_forward_hook(lambda *args: calls.append(1))
+        model(ids, labels=ids).loss.backward()
+        runs[checkpointing] = len(calls)
+        grads[checkpointing] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert runs == {False: 1, True: 2}
+    assert grads[True].keys() == grads[False].keys()
+    for name, grad in grads[False].items():
+        torch.testing.assert_close(grads[True][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+# -- save and reload --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A converted Llama with random pseudo-queries, saved with save_pretrained."""
+    model = randomise_pseudo_queries(attnres_fx.attnresify(H.build_hf("llama"), num_blocks=2), seed=3, std=0.5)
+    directory = tmp_path_factory.mktemp("saved")
+    model.save_pretrained(directory)
+    return model, directory
+
+
+def test_save_pretrained_writes_the_attnres_weights_and_config(saved):
+    from safetensors.torch import load_file
+
+    model, directory = saved
+    weights = load_file(str(directory / "model.safetensors"))
+    for site in attnres_fx.sites(model):
+        torch.testing.assert_close(weights[f"{site.name}.proj.weight"], model.get_submodule(site.name).proj.weight)
+    config = json.loads((directory / "attnres_config.json").read_text())
+    assert config["options"] == {"num_blocks": 2, "block_size": None, "preserve_scale": False, "eps": 1e-6}
+    assert config["block_sizes"] == [2] and config["attnres_fx_version"] == attnres_fx.__version__
+    assert [s["name"] for s in config["sites"]] == [s.name for s in attnres_fx.sites(model)]
+
+
+@pytest.mark.parametrize("load", ["class", "auto_class", "instance"])
+def test_from_pretrained_rebuilds_the_same_model(saved, load, caplog, capfd):
+    import transformers
+
+    model, directory = saved
+    if load == "instance":
+        again = attnres_fx.from_pretrained(H.build_hf("llama"), directory)
+    else:
+        cls = transformers.LlamaForCausalLM if load == "class" else transformers.AutoModelForCausalLM
+        again = attnres_fx.from_pretrained(cls, directory, attn_implementation="eager")
+        assert "UNEXPECTED" not in _load_report(caplog, capfd), "AttnRes weights are expected by from_pretrained"
+    ids = H.hf_example_inputs("llama")[0][0]
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, model(ids).logits)
+    generated = [m.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0) for m in (again, model)]
+    assert torch.equal(*generated)
+
+
+def test_a_checkpoint_for_another_model_raises_naming_the_difference(saved, untouched):
+    _, directory = saved
+    other = H.build_hf("llama", num_hidden_layers=3)
+    check = untouched(other)
+    with pytest.raises(attnres_fx.CheckpointMismatchError, match="found now but not saved: .*model.layers.2"):
+        attnres_fx.from_pretrained(other, directory)
+    check()
+    assert not attnres_fx.is_converted(other)
+    with pytest.raises(attnres_fx.CheckpointMismatchError, match="no attnres_config.json"):
+        attnres_fx.from_pretrained(H.build_hf("llama"), directory / "nowhere")
+
+
+def _load_report(caplog, capfd) -> str:
+    """What transformers reported while loading: its logger, or stderr when its handler printed it."""
+    printed = capfd.readouterr()
+    return caplog.text + printed.out + printed.err
+
+
+def test_plain_from_pretrained_gives_the_original_architecture_and_reports_the_attnres_weights(saved, caplog, capfd):
+    import transformers
+
+    model, directory = saved
+    plain = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    assert not attnres_fx.is_converted(plain)
+    text = _load_report(caplog, capfd)
+    assert "UNEXPECTED" in text and "attn_res.proj.weight" in text and "final_res" in text
+
+
+# -- CLI --------------------------------------------------------------------------------------------------
+
+def test_cli_convert_then_export_the_directory(tmp_path, capsys):
+    out = tmp_path / "converted"
+    assert cli_main(["convert", "llama", "--out", str(out), "--block-size", "1"]) == 0
+    assert (out / "attnres_config.json").is_file() and (out / "model.safetensors").is_file()
+    assert "model.final_res" in capsys.readouterr().out
+    again = attnres_fx.from_pretrained(H.build_hf("llama"), out)
+    assert attnres_fx.plan_of(again).block_sizes == (1,)
+    onnx_path = tmp_path / "decoder.onnx"
+    assert cli_main(["export", str(out), "--onnx", str(onnx_path), "--with-cache"]) == 0
+    assert "PASS greedy decoding" in capsys.readouterr().out and onnx_path.is_file()
+    with pytest.raises(SystemExit):
+        cli_main(["convert", "llama"])                       # --out is required
+    assert cli_main(["convert", "tiny", "--out", str(tmp_path / "x")]) == 2
+    assert "no Hugging Face model" in capsys.readouterr().err
+    assert cli_main(["export", str(tmp_path / "missing"), "--onnx", str(onnx_path)]) == 2
+
+
+# -- ONNX for decoding ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_onnx_decoding_with_the_cache_generates_the_same_tokens(tmp_path, name):
+    from attnres_fx import export
+
+    model = randomise_pseudo_queries(attnres_fx.attnresify(H.build_hf(name), block_size=2), seed=5, std=0.5)
+    ids = H.hf_example_inputs(name, 2, 5)[0][0]
+    path = export.to_onnx(model, (ids,), tmp_path / "decoder.onnx", with_cache=True)
+    session = export.session(path, device="cpu")
+    inputs = {i.name: i.shape for i in session.get_inputs()}
+    layers = model.config.num_hidden_layers if name == "llama" else model.config.n_layer
+    assert list(inputs)[:2] == ["input_ids", "attention_mask"]
+    assert list(inputs)[2:] == [f"past_key_values.{i}.{k}" for i in range(layers) for k in ("key", "value")]
+    assert [o.name for o in session.get_outputs()][:3] == ["logits", "present.0.key", "present.0.value"]
+    batch, _, past, _ = inputs["past_key_values.0.key"]
+    assert all(isinstance(axis, str) for axis in (*inputs["input_ids"], batch, past)), "dynamic axes"
+    for prompt in (ids, H.hf_example_inputs(name, 3, 9)[0][0]):
+        got = export.generate_onnx(session, prompt, max_new_tokens=10)
+        want = model.generate(prompt, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
+        assert (got == want.numpy()).all()
