@@ -15,6 +15,8 @@ from .errors import (
     CheckpointMismatchError,
     ExportError,
     NoResidualStreamError,
+    PassContractError,
+    RoutingError,
     StreamMismatchError,
     TraceError,
     UnsupportedArchitectureError,
@@ -26,7 +28,7 @@ __version__ = "0.2.0"
 
 __all__ = [
     "AttnResError", "AttnResWarning", "BlockAttnRes", "CheckpointMismatchError", "ExportError",
-    "NoResidualStreamError", "Site", "StreamMismatchError", "TraceError", "UnsupportedArchitectureError",
+    "NoResidualStreamError", "PassContractError", "RoutingError", "Site", "StreamMismatchError", "TraceError", "UnsupportedArchitectureError",
     "attnresify", "compile", "conversion_options", "detect", "from_pretrained", "is_converted", "plan_of",
     "remove", "rewrite", "sites",
 ]

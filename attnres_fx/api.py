@@ -21,8 +21,8 @@ from attnres_fx.passes.rewrite import BlockAttnResRewrite, ModuleCalls, Paramete
 
 from . import hf, live
 from .block_attnres import DEFAULT_EPS, BlockAttnRes
-from .capture import capture_dynamo, capture_for_plan, trace
-from .errors import AttnResError, AttnResWarning, NoResidualStreamError, UnsupportedArchitectureError
+from .capture import as_args, capture_dynamo, capture_for_plan, trace, unwrap_compiled
+from .errors import AttnResWarning, NoResidualStreamError, RoutingError, UnsupportedArchitectureError
 
 DETECT_TRACERS = ("auto", "dynamo", "fx", "export")
 
@@ -58,9 +58,9 @@ def attnresify(model: nn.Module, example_inputs: Any = None, *, example_kwargs: 
     """
     _check_arguments(model, example_inputs, example_kwargs, num_blocks, block_size, preserve_scale, eps)
     if live.conversion_of(model) is not None:
-        raise AttnResError(f"{type(model).__name__} is already converted (attnres_fx.sites(model) lists its "
+        raise RoutingError(f"{type(model).__name__} is already converted (attnres_fx.sites(model) lists its "
                            "sites); call attnres_fx.remove(model) first to convert it again")
-    traced = capture_for_plan(model, _as_tuple(example_inputs), example_kwargs)
+    traced = capture_for_plan(model, as_args(example_inputs), example_kwargs)
     detection = detect_residual_streams(traced.graph_module)
     _check_detection(model, detection)
     _warn_raw_reads(detection, preserve_scale)
@@ -119,7 +119,7 @@ def explicit_graph(root: nn.Module, model: nn.Module, within: str, example_input
     (``root`` itself when ``within`` is ``""``; a wrapper such as the ONNX decoder with a KV cache
     otherwise), its streams rewritten as ``model`` was converted."""
     conversion = live.conversion_of(model)
-    traced = trace(root, _as_tuple(example_inputs), example_kwargs, tracer, dynamic_shapes)
+    traced = trace(root, as_args(example_inputs), example_kwargs, tracer, dynamic_shapes)
     gm = traced.graph_module
     detection = detect_residual_streams(gm)
     streams = match_streams(detection, conversion.plan, within=within, where=type(model).__name__)
@@ -135,7 +135,7 @@ def sites(module: nn.Module) -> list[Site]:
     """Every injected aggregation of a converted model (or of a :func:`rewrite` graph), in execution
     order, each stream's final one after its sites. ``module.get_submodule(site.name)`` is its
     ``BlockAttnRes``."""
-    module = getattr(module, "_orig_mod", module)
+    module = unwrap_compiled(module)
     found = [m.site for m in module.modules() if isinstance(m, BlockAttnRes) and m.site is not None]
     return sorted(found, key=lambda site: site.index)
 
@@ -151,7 +151,7 @@ def plan_of(model: nn.Module) -> Plan:
 
 
 def is_converted(model: nn.Module) -> bool:
-    return live.conversion_of(getattr(model, "_orig_mod", model)) is not None
+    return live.conversion_of(unwrap_compiled(model)) is not None
 
 
 def detect(model: nn.Module, example_inputs: Any = None, *, example_kwargs: dict | None = None,
@@ -165,7 +165,7 @@ def detect(model: nn.Module, example_inputs: Any = None, *, example_kwargs: dict
     """
     if tracer not in DETECT_TRACERS:
         raise ValueError(f"tracer must be one of {DETECT_TRACERS}, got {tracer!r}")
-    example_inputs = _as_tuple(example_inputs)
+    example_inputs = as_args(example_inputs)
     if tracer == "auto":
         gm = capture_for_plan(model, example_inputs, example_kwargs).graph_module
     elif tracer == "dynamo":
@@ -176,19 +176,11 @@ def detect(model: nn.Module, example_inputs: Any = None, *, example_kwargs: dict
 
 
 def _conversion(model: nn.Module, caller: str) -> live.Conversion:
-    conversion = live.conversion_of(getattr(model, "_orig_mod", model))
+    conversion = live.conversion_of(unwrap_compiled(model))
     if conversion is None:
         raise ValueError(f"model: attnres_fx.{caller} needs a model converted by attnres_fx.attnresify "
                          f"(got a {type(model).__name__} that is not converted)")
     return conversion
-
-
-def _as_tuple(example_inputs) -> tuple | None:
-    if example_inputs is None or isinstance(example_inputs, tuple):
-        return example_inputs
-    if isinstance(example_inputs, list):
-        return tuple(example_inputs)
-    return (example_inputs,)
 
 
 def _check_arguments(model, example_inputs, example_kwargs, num_blocks, block_size, preserve_scale, eps) -> None:

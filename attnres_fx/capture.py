@@ -65,6 +65,29 @@ def routers_set_aside(model: nn.Module):
             module.__dict__["forward"] = router
 
 
+def as_args(example_inputs: Any) -> tuple | None:
+    """Positional example inputs as a tuple: a tensor is one input, a list or tuple several; None stays."""
+    if example_inputs is None or isinstance(example_inputs, tuple):
+        return example_inputs
+    if isinstance(example_inputs, list):
+        return tuple(example_inputs)
+    return (example_inputs,)
+
+
+def unwrap_compiled(module: nn.Module) -> nn.Module:
+    """The module inside a ``torch.compile`` wrapper (``OptimizedModule``), or ``module`` itself."""
+    return getattr(module, "_orig_mod", module)
+
+
+def copy_training_flags(source: nn.Module, target: nn.Module) -> None:
+    """Give ``target``'s modules the train/eval flags of ``source``'s modules at the same paths (the
+    root's flag where ``source`` has no such path). Sets the flags directly: modules made by
+    torch.export refuse ``.train()`` / ``.eval()``."""
+    flags = {name: module.training for name, module in source.named_modules()}
+    for name, module in target.named_modules():
+        module.training = flags.get(name, source.training)
+
+
 class NormLeafTracer(fx.Tracer):
     """``torch.fx.Tracer`` that keeps normalisation modules as single ``call_module`` nodes."""
 
@@ -212,10 +235,8 @@ def _trace_export(model, example_inputs, example_kwargs, dynamic_shapes) -> fx.G
     with _config_cache_off(model, kwargs):
         program = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
     gm = program.module()
-    # The graph was traced in the model's mode (dropout, batch-norm statistics are baked in), and
-    # export's module refuses .train()/.eval(): record that mode on the flags directly.
-    for module in gm.modules():
-        module.training = model.training
+    # The graph was traced in the model's mode (dropout, batch-norm statistics are baked in): record it.
+    copy_training_flags(model, gm)
     return gm
 
 

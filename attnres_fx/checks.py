@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .api import sites
-from .errors import AttnResError
+from .errors import RoutingError
 
 
 def max_abs_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -64,7 +64,7 @@ def eps_bound(exact: nn.Module, args: tuple, kwargs: dict, eps: float) -> float:
             handle.remove()
     missing = [s.name for s in found if s.name not in variances]
     if missing:
-        raise AttnResError(f"eps_bound: the aggregations {missing} did not run as modules; call it on a model "
+        raise RoutingError(f"eps_bound: the aggregations {missing} did not run as modules; call it on a model "
                            "converted with the eager route (not attnres_fx.compile)")
     return sum(1.0 - math.sqrt((variances[s.name] + eps) / (variances[s.name] + s.num_sources ** 2 * eps))
                for s in found)

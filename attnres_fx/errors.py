@@ -33,6 +33,17 @@ class UnsupportedArchitectureError(AttnResError):
     """The graph has residual connections, but of a form Block AttnRes does not apply to."""
 
 
+class RoutingError(AttnResError):
+    """A converted model was asked for something its routing cannot do: converting it again, converting
+    a model whose ``forward`` another library replaced, ``torch.export`` of it (use
+    :func:`attnres_fx.rewrite`), or module hooks on its aggregations under the Inductor route."""
+
+
+class PassContractError(AttnResError):
+    """A pass was given inputs that do not belong together (a detection of another graph, a plan for
+    other streams), or left a graph that breaks what it ensures."""
+
+
 class StreamMismatchError(AttnResError):
     """A graph captured for a call of a converted model holds a residual stream that is not the one the
     model was converted with (or none at all): the message names the sites that differ."""

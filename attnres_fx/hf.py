@@ -28,7 +28,7 @@ from typing import Any
 
 from torch import nn
 
-from .errors import AttnResError, CheckpointMismatchError
+from .errors import CheckpointMismatchError
 
 CONFIG_NAME = "attnres_config.json"
 FORMAT_VERSION = 1
@@ -160,7 +160,7 @@ def _read_safetensors(directory: Path) -> dict:
     tensors = {}
     for name in files:
         if not (directory / name).is_file():
-            raise AttnResError(f"{directory / name} not found: save the model with save_pretrained "
+            raise CheckpointMismatchError(f"{directory / name} not found: save the model with save_pretrained "
                                "(safetensors, the default)")
         tensors.update(load_file(str(directory / name)))
     return tensors

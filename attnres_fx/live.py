@@ -34,7 +34,7 @@ import torch
 from torch import fx, nn
 
 from attnres_fx.block_attnres import BlockAttnRes
-from attnres_fx.errors import AttnResError, TraceError
+from attnres_fx.errors import AttnResError, RoutingError, TraceError
 from attnres_fx.passes.checkpoints import close_checkpoints, open_checkpoints
 from attnres_fx.passes.detect import detect_residual_streams
 from attnres_fx.passes.plan import Plan, match_streams
@@ -135,7 +135,7 @@ class Router:
         "(without fullgraph=True, torch.compile(model) works too: this call then runs the AttnRes route)"))
     def _under_foreign_compiler(self, *args, **kwargs):
         if torch.compiler.is_exporting():
-            raise AttnResError(
+            raise RoutingError(
                 f"torch.export of a model converted by attnres_fx ({type(self.root).__name__}): the AttnRes "
                 "rewrite is applied to the graphs attnres_fx captures itself. Use attnres_fx.rewrite(model, "
                 "example_inputs) for an explicit graph, or attnres_fx.export.to_onnx(model, ...).")
@@ -274,7 +274,7 @@ def install(model: nn.Module, plan: Plan, modules: dict[str, BlockAttnRes], opti
     targets = [(path, model.get_submodule(path)) for path in routed]
     for path, module in targets:
         if "forward" in module.__dict__:
-            raise AttnResError(
+            raise RoutingError(
                 f"{type(module).__name__} at '{path or '<root>'}' has an instance attribute 'forward' (a "
                 f"wrapper installed by another library, e.g. accelerate's device-map hooks: "
                 f"{module.__dict__['forward']!r}); attnres_fx routes calls through forward itself. Convert "

@@ -26,7 +26,7 @@ from torch import nn
 from attnres_fx.api import explicit_graph, is_converted, rewrite
 from attnres_fx.block_attnres import BlockAttnRes
 from attnres_fx.errors import AttnResWarning, ExportError
-from attnres_fx.capture import default_dynamic_shapes
+from attnres_fx.capture import default_dynamic_shapes, unwrap_compiled
 
 from . import decoding
 from .failures import reraise_as_export_error
@@ -70,7 +70,7 @@ def to_onnx(module: nn.Module, example_inputs: Any, path: str | Path, *, example
     / ``output`` for a single tensor. Every failure raises :class:`attnres_fx.ExportError` with the
     exporter's root cause and a hint.
     """
-    module = getattr(module, "_orig_mod", module)
+    module = unwrap_compiled(module)
     if with_cache:
         module, args, kwargs, dynamic_shapes, names_in, names_out = _decoder_with_cache(module, example_inputs,
                                                                                         example_kwargs)

@@ -12,6 +12,8 @@ import torch
 from torch import nn
 
 from attnres_fx.api import is_converted, rewrite
+from attnres_fx.checks import max_abs_diff, relative_error
+from attnres_fx.text import format_table
 
 from .inductor import compile
 from .onnx import to_onnx
@@ -49,16 +51,12 @@ def three_way_report(model_rewritten: nn.Module, inputs: Any, tmpdir: str | Path
                              runs, device)
 
     shapes = ", ".join(f"{name} {list(t.shape)}" for name, t in zip(call.names, call.tensors))
-    rows = [("eager", None, eager_ms, ""),
-            ("compiled", _max_diff(compiled_out, reference), compiled_ms, f"compile {compile_s:.1f} s"),
-            ("onnxruntime", _max_diff(ort_out, reference), ort_ms,
+    rows = [("eager", "-", "-", f"{eager_ms:.2f}", ""),
+            ("compiled", *_difference(compiled_out, reference), f"{compiled_ms:.2f}", f"compile {compile_s:.1f} s"),
+            ("onnxruntime", *_difference(ort_out, reference), f"{ort_ms:.2f}",
              f"export {export_s:.1f} s, {sess.get_providers()[0]}")]
-    lines = [f"eager vs compiled vs onnxruntime ({shapes}; {device}; median of {runs} runs)",
-             f"  {'backend':<12} {'max |diff|':>11} {'relative':>10} {'median ms':>10}  one-off"]
-    for name, diff, ms, note in rows:
-        abs_text, rel_text = ("-", "-") if diff is None else (f"{diff[0]:.3e}", f"{diff[1]:.3e}")
-        lines.append(f"  {name:<12} {abs_text:>11} {rel_text:>10} {ms:>10.2f}  {note}")
-    return "\n".join(lines)
+    return (f"eager vs compiled vs onnxruntime ({shapes}; {device}; median of {runs} runs)\n"
+            + format_table(("backend", "max |diff|", "relative", "median ms", "one-off"), rows, indent="  "))
 
 
 def _timed(fn: Callable[[], list[torch.Tensor]], runs: int, device: torch.device):
@@ -80,8 +78,7 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _max_diff(outputs: list[torch.Tensor], reference: list[torch.Tensor]) -> tuple[float, float]:
-    """Largest |output - reference| over all outputs, and that over the largest |reference|."""
-    diff = max(float((o.float().cpu() - r.float().cpu()).abs().max()) for o, r in zip(outputs, reference))
-    scale = max(float(r.float().abs().max()) for r in reference)
-    return diff, diff / scale if scale else (float("inf") if diff else 0.0)
+def _difference(outputs: list[torch.Tensor], reference: list[torch.Tensor]) -> tuple[str, str]:
+    """Largest max-abs and relative difference over all outputs (:mod:`attnres_fx.checks`)."""
+    pairs = [(o.float().cpu(), r.float().cpu()) for o, r in zip(outputs, reference)]
+    return (f"{max(max_abs_diff(o, r) for o, r in pairs):.3e}", f"{max(relative_error(o, r) for o, r in pairs):.3e}")

@@ -11,7 +11,9 @@ import onnxruntime as ort
 import torch
 from torch import nn
 
+from attnres_fx.checks import max_abs_diff, relative_error
 from attnres_fx.errors import ExportError
+from attnres_fx.text import format_table
 
 from .failures import reraise_as_export_error
 from .signature import Call, bind, module_device, tensor_outputs
@@ -54,8 +56,8 @@ def _create(path: str | Path, providers: list) -> ort.InferenceSession:
 
 @dataclass(frozen=True)
 class OutputDiff:
-    """Agreement of one output. ``max_rel`` is ``max_abs`` over the largest reference magnitude (an
-    element-wise ratio is meaningless where the reference is near zero)."""
+    """Agreement of one output: ``max_abs`` and ``max_rel`` as :mod:`attnres_fx.checks` defines them
+    (``max_rel`` per row of the last dimension, e.g. per token)."""
 
     name: str
     shape: tuple[int, ...]
@@ -91,14 +93,10 @@ class VerifyReport:
         return self
 
     def __str__(self) -> str:
-        width = max(len("output"), *(len(out.name) for out in self.outputs))
-        lines = [f"onnxruntime vs torch (providers: {', '.join(self.providers)}; "
-                 f"atol={self.atol:g}, rtol={self.rtol:g})",
-                 f"  {'output':<{width}}  {'shape':<16} {'max |diff|':>11} {'relative':>10}  ok"]
-        for out in self.outputs:
-            lines.append(f"  {out.name:<{width}}  {str(list(out.shape)):<16} {out.max_abs:>11.3e} "
-                         f"{out.max_rel:>10.3e}  {'yes' if out.ok else 'NO'}")
-        return "\n".join(lines)
+        rows = [(out.name, str(list(out.shape)), f"{out.max_abs:.3e}", f"{out.max_rel:.3e}", "yes" if out.ok else "NO")
+                for out in self.outputs]
+        return (f"onnxruntime vs torch (providers: {', '.join(self.providers)}; atol={self.atol:g}, rtol={self.rtol:g})\n"
+                + format_table(("output", "shape", "max |diff|", "relative", "ok"), rows, indent="  "))
 
 
 def verify(module: nn.Module, path_or_session: str | Path | ort.InferenceSession, example_inputs: Any, *,
@@ -142,8 +140,5 @@ def _compare(name: str, actual: torch.Tensor, reference: torch.Tensor, atol: flo
     shape = tuple(reference.shape)
     if actual.shape != reference.shape:
         return OutputDiff(name, shape, float("inf"), float("inf"), False)
-    diff = (actual - reference).abs()
-    max_abs = float(diff.max()) if diff.numel() else 0.0
-    scale = float(reference.abs().max()) if reference.numel() else 0.0
-    max_rel = max_abs / scale if scale else (float("inf") if max_abs else 0.0)
-    return OutputDiff(name, shape, max_abs, max_rel, bool(torch.allclose(actual, reference, atol=atol, rtol=rtol)))
+    return OutputDiff(name, shape, max_abs_diff(actual, reference), relative_error(actual, reference),
+                      bool(torch.allclose(actual, reference, atol=atol, rtol=rtol)))

@@ -6,6 +6,7 @@ import copy
 
 from torch import fx, nn
 
+from attnres_fx.capture import copy_training_flags
 from attnres_fx.passes.two_phase import apply_two_phase, can_apply_two_phase
 
 
@@ -20,7 +21,5 @@ def inference_form(module: nn.Module, two_phase: bool) -> nn.Module:
         return module
     twin = fx.GraphModule(module, copy.deepcopy(module.graph), class_name=type(module).__name__)
     twin.meta = copy.deepcopy(module.meta)
-    # Export-produced modules refuse .train()/.eval(); copy the mode flags as they are.
-    for name, sub in twin.named_modules():
-        sub.training = module.get_submodule(name).training if name else module.training
+    copy_training_flags(module, twin)
     return apply_two_phase(twin)

@@ -21,6 +21,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from attnres_fx.capture import as_args
 from attnres_fx.errors import ExportError
 
 
@@ -43,12 +44,7 @@ def module_device(module: nn.Module) -> torch.device:
 
 def bind(module: nn.Module, example_inputs: Any, example_kwargs: dict | None) -> Call:
     """Bind the example inputs to ``module.forward`` and move them to the module's device."""
-    if example_inputs is None:
-        args = ()
-    elif isinstance(example_inputs, (tuple, list)):
-        args = tuple(example_inputs)
-    else:
-        args = (example_inputs,)
+    args = as_args(example_inputs) or ()
     device = module_device(module)
     args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to(device),
                                         (args, dict(example_kwargs or {})))

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from attnres_fx.errors import AttnResError
+from attnres_fx.errors import UnsupportedArchitectureError
 
 REGION = "attnres_checkpoint"
 _HOP = torch.ops.higher_order.tag_activation_checkpoint
@@ -61,7 +61,7 @@ def open_checkpoints(gm: fx.GraphModule) -> tuple[CheckpointRegion, ...]:
                 if inner.op in ("placeholder", "output"):
                     continue
                 if inner.op == "call_function" and inner.target is _HOP:
-                    raise AttnResError(f"nested activation checkpointing (a checkpointed call inside the "
+                    raise UnsupportedArchitectureError(f"nested activation checkpointing (a checkpointed call inside the "
                                        f"checkpointed region {region.name}) is not supported")
                 copy = graph.node_copy(inner, lambda n: env[n])
                 if inner.op == "get_attr":
@@ -72,7 +72,7 @@ def open_checkpoints(gm: fx.GraphModule) -> tuple[CheckpointRegion, ...]:
         results = results if isinstance(results, (tuple, list)) else (results,)
         for user in list(node.users):
             if user.target is not operator.getitem:
-                raise AttnResError(f"unexpected use of a checkpointed region's result: {user.format_node()}")
+                raise UnsupportedArchitectureError(f"unexpected use of a checkpointed region's result: {user.format_node()}")
             result = results[user.args[1]]
             user.replace_all_uses_with(env.get(result, result))
             graph.erase_node(user)
@@ -104,7 +104,7 @@ def _outline(gm: fx.GraphModule, nodes: list[fx.Node], region: CheckpointRegion)
     last = max(order[n] for n in nodes)
     early = [u for n in outputs for u in n.users if u not in inside and order[u] < last]
     if early:
-        raise AttnResError(
+        raise UnsupportedArchitectureError(
             f"cannot checkpoint the rewritten region {region.name} again: {early[0].format_node()} reads "
             "it before it ends. Convert without activation checkpointing, or checkpoint whole layers.")
     body = fx.Graph()

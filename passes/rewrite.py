@@ -44,7 +44,7 @@ from torch import fx, nn
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from attnres_fx.block_attnres import BlockAttnRes, aggregate
-from attnres_fx.errors import AttnResError
+from attnres_fx.errors import PassContractError
 
 from .checkpoints import REGION
 from .detect import Detection, ResidualSite, ResidualStream
@@ -121,11 +121,11 @@ class BlockAttnResRewrite(PassBase):
         super().__init__()
         streams = plan.streams if streams is None else tuple(streams)
         if len(streams) != len(detection.streams):
-            raise AttnResError(f"the plan has {len(streams)} stream(s), detection found "
+            raise PassContractError(f"the plan has {len(streams)} stream(s), detection found "
                                f"{len(detection.streams)}")
         for planned, found in zip(streams, detection.streams):
             if len(planned.sites) != sum(len(s.branches) for s in found.sites) + 1:
-                raise AttnResError(f"stream {planned.index} of the plan does not fit the stream detected "
+                raise PassContractError(f"stream {planned.index} of the plan does not fit the stream detected "
                                    f"at {found.start.name}")
         self.plan = plan
         self.detection = detection
@@ -141,14 +141,14 @@ class BlockAttnResRewrite(PassBase):
         nodes = set(graph_module.graph.nodes)
         for stream in self.detection.streams:
             if stream.start not in nodes or any(s.add not in nodes for s in stream.sites):
-                raise AttnResError("the detected streams do not belong to this graph")
+                raise PassContractError("the detected streams do not belong to this graph")
 
     def ensures(self, graph_module: fx.GraphModule) -> None:
         graph_module.graph.lint()
         nodes = set(graph_module.graph.nodes)
         left = [a.name for s in self.detection.streams for site in s.sites for a in site.adds if a in nodes]
         if left:
-            raise AttnResError(f"original residual adds left on the stream: {left}")
+            raise PassContractError(f"original residual adds left on the stream: {left}")
 
     def call(self, graph_module: fx.GraphModule) -> PassResult:
         emitter = self.emitter or ModuleCalls(graph_module, new_modules(self.plan, graph_module))

@@ -64,7 +64,7 @@ import torch
 from torch import fx
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from attnres_fx.errors import AttnResError
+from attnres_fx.errors import PassContractError
 from attnres_fx.block_attnres import (BlockAttnRes, depth_logit, folded_query, key_scale, softmax_parts,
                                       weighted_sum)
 
@@ -146,7 +146,7 @@ class TwoPhaseSchedule(PassBase):
         graph_module.graph.lint()
         left = [site.node.name for site in _sites(graph_module)]
         if left:
-            raise AttnResError(f"per-site aggregations left after the two-phase rewrite: {left}")
+            raise PassContractError(f"per-site aggregations left after the two-phase rewrite: {left}")
 
     def call(self, graph_module: fx.GraphModule) -> PassResult:
         graph = graph_module.graph

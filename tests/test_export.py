@@ -261,9 +261,9 @@ def test_three_way_report(tmp_path):
     model = tiny()
     text = export.three_way_report(model.model, model.ids, tmp_path, runs=2)
     lines = text.splitlines()
-    assert [line.split()[0] for line in lines[2:]] == ["eager", "compiled", "onnxruntime"]
+    assert [line.split()[0] for line in lines[3:]] == ["eager", "compiled", "onnxruntime"]
     assert "CPUExecutionProvider" in text and "compile" in text and "export" in text
-    assert all(float(line.split()[1]) <= 1e-4 for line in lines[3:])
+    assert all(float(line.split()[1]) <= 1e-4 for line in lines[4:])
 
 
 @pytest.mark.slow
@@ -288,8 +288,8 @@ def test_cli_demo_reports_eager_compiled_and_onnxruntime(tmp_path, capsys):
     assert cli_main(["demo", "--layers", "2", "--dim", "32", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     table = out[out.index("eager vs compiled vs onnxruntime"):].splitlines()
-    assert [line.split()[0] for line in table[2:5]] == ["eager", "compiled", "onnxruntime"]
-    assert all(float(line.split()[1]) <= 1e-4 for line in table[3:5]), "three-way agreement"
+    assert [line.split()[0] for line in table[3:6]] == ["eager", "compiled", "onnxruntime"]
+    assert all(float(line.split()[1]) <= 1e-4 for line in table[4:6]), "three-way agreement"
     assert (tmp_path / "model.onnx").exists() and (tmp_path / "rewritten_graph.py").exists()
 
 
