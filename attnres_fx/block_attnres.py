@@ -6,6 +6,10 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx._symbolic_trace import is_fx_tracing as fx_tracing
+
+from . import aggregation
 
 if TYPE_CHECKING:
     from attnres_fx.passes.plan import Site
@@ -13,64 +17,27 @@ if TYPE_CHECKING:
 DEFAULT_EPS = 1e-6
 
 
-def folded_query(proj_weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
-    """The pseudo-query with the key-norm weight folded in, in fp32: ``w . (g * k) == (w * g) . k``."""
-    return proj_weight[0].float() * norm_weight.float()
-
-
-def key_scale(value: torch.Tensor, eps: float) -> torch.Tensor:
-    """``rsqrt(mean(v**2) + eps)`` over the last dim of an fp32 ``value``, keepdim: the RMSNorm of a key.
-
-    ``vector_norm`` is one reduction kernel in eager mode (``pow`` then ``mean`` would write a full-size
-    temporary); under Inductor it fuses with the dot product that reads the same source.
-    """
-    norm = torch.linalg.vector_norm(value, dim=-1, keepdim=True)
-    return torch.rsqrt(norm.square() / value.shape[-1] + eps)
-
-
-def depth_logit(value: torch.Tensor, query: torch.Tensor, eps: float) -> torch.Tensor:
-    """``query . RMSNorm(value)`` per token (``[..., 1]``) for an fp32 ``value``: one pass over it."""
-    return torch.matmul(value, query).unsqueeze(-1) * key_scale(value, eps)
-
-
-def softmax_parts(logits: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
-    """Softmax over a few per-token logits without stacking them: ``(max, exp(logit - max), sum)``."""
-    top = logits[0]
-    for logit in logits[1:]:
-        top = torch.maximum(top, logit)
-    exps = [torch.exp(logit - top) for logit in logits]
-    total = exps[0]
-    for e in exps[1:]:
-        total = total + e
-    return top, exps, total
-
-
-def weighted_sum(weights: list[torch.Tensor], values: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> torch.Tensor:
-    """``sum_i weights[i] * values[i]`` in fp32 (weights are fp32 ``[..., 1]``).
-
-    Mixed-dtype products promote to fp32 inside the kernel: no fp32 copy of a bf16 value is made.
-    """
-    out = weights[0] * values[0]
-    for weight, value in zip(weights[1:], values[1:]):
-        out = torch.addcmul(out, weight, value)
-    return out
-
-
 def aggregate(proj_weight: torch.Tensor, norm_weight: torch.Tensor, sources, *, eps: float,
               preserve_scale: bool) -> torch.Tensor:
     """``sum_i softmax_i(w . RMSNorm(v_i)) * v_i`` over ``sources`` (``[..., D]`` each), fp32 inside.
 
-    The functional form of :class:`BlockAttnRes` (``proj_weight`` ``[1, D]``, ``norm_weight`` ``[D]``):
-    what the Dynamo route calls, with the weights as graph inputs. The result has the first source's
-    dtype; with ``preserve_scale`` it is multiplied by the number of sources.
+    The functional form of :class:`BlockAttnRes` (``proj_weight`` ``[1, D]``, ``norm_weight`` ``[D]``).
+    The result has the first source's dtype; with ``preserve_scale`` it is multiplied by the number of
+    sources. Under a graph capture (Dynamo, torch.export, fx) it is :func:`aggregation.fusable`, plain
+    ops Inductor fuses and exporters translate; run eagerly, :func:`aggregation.eager` picks the fastest
+    of three exact formulations.
     """
     if not sources:
         raise ValueError("BlockAttnRes needs at least one source")
-    query = folded_query(proj_weight, norm_weight)
-    logits = [depth_logit(value.float(), query, eps) for value in sources]
-    _, exps, total = softmax_parts(logits)
-    inverse = (len(sources) if preserve_scale else 1.0) / total
-    return weighted_sum([e * inverse for e in exps], sources).to(sources[0].dtype)
+    if _captured(sources[0]):
+        return aggregation.fusable(proj_weight, norm_weight, sources, eps=eps, preserve_scale=preserve_scale)
+    return aggregation.eager(proj_weight, norm_weight, sources, eps=eps, preserve_scale=preserve_scale)
+
+
+def _captured(value: torch.Tensor) -> bool:
+    """Whether a graph capture is tracing this call (its tensors are then fake or symbolic)."""
+    return (torch.compiler.is_compiling() or torch.compiler.is_exporting() or fx_tracing()
+            or isinstance(value, FakeTensor) or not isinstance(value.numel(), int))
 
 
 class BlockAttnRes(nn.Module):

@@ -29,7 +29,7 @@ Worked example, two sequential sites and ``S = 1`` (Full AttnRes)::
 
 How an aggregation becomes a node is the emitter's business: :class:`ModuleCalls` calls a
 ``BlockAttnRes`` submodule (explicit graphs, ONNX export); :class:`ParameterInputs` calls the
-functional :func:`attnres_fx.block_attnres.aggregate` with the weights as new graph inputs (the Dynamo
+functional :func:`attnres_fx.aggregation.fusable` with the weights as new graph inputs (the Inductor
 route, where parameters must be inputs).
 """
 
@@ -43,7 +43,8 @@ import torch
 from torch import fx, nn
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from attnres_fx.block_attnres import BlockAttnRes, aggregate
+from attnres_fx.aggregation import fusable
+from attnres_fx.block_attnres import BlockAttnRes
 from attnres_fx.errors import PassContractError
 
 from .checkpoints import REGION
@@ -90,7 +91,8 @@ class ModuleCalls(Emitter):
 
 
 class ParameterInputs(Emitter):
-    """``aggregate(proj_weight, norm_weight, sources)`` with both weights as new graph inputs.
+    """``fusable(proj_weight, norm_weight, sources)`` (:mod:`attnres_fx.aggregation`) with both weights
+    as new graph inputs.
 
     ``names`` lists the parameter names of the new inputs in graph order (``model.layers.0.attn_res.
     proj.weight``, then its ``norm.weight``, ...): the caller passes those tensors after the graph's
@@ -109,7 +111,7 @@ class ParameterInputs(Emitter):
                 last_input = graph.placeholder(f"{site.name}.{parameter}".replace(".", "_"))
             self.names.append(f"{site.name}.{parameter}")
             weights.append(last_input)
-        return graph.call_function(aggregate, (weights[0], weights[1], list(sources)),
+        return graph.call_function(fusable, (weights[0], weights[1], list(sources)),
                                    {"eps": self.plan.eps, "preserve_scale": self.plan.preserve_scale})
 
 

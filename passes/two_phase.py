@@ -65,8 +65,8 @@ from torch import fx
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from attnres_fx.errors import PassContractError
-from attnres_fx.block_attnres import (BlockAttnRes, depth_logit, folded_query, key_scale, softmax_parts,
-                                      weighted_sum)
+from attnres_fx.aggregation import depth_logit, folded_query, key_scale, softmax_parts, weighted_sum
+from attnres_fx.block_attnres import BlockAttnRes
 
 SCHEDULE_META = "two_phase"
 
