@@ -1,37 +1,38 @@
-"""Cost of the rewrite on TinyTransformer: latency, training step, peak memory, and the op's bandwidth.
+"""What conversion costs: latency, training step, decoding, first call, peak memory, the op's bandwidth.
 
-    python benchmarks/bench.py                 # d=512, 12 layers, 8 heads, batch 4, seq 256, fp32, N=8
-    python benchmarks/bench.py --quick         # tiny model, few runs: checks that every path works
-    python benchmarks/bench.py --out DIR --sections forward,op --backends eager,compiled
+    python benchmarks/bench.py                 # the full run (about half an hour on 2 CPU cores)
+    python benchmarks/bench.py --quick         # tiny models, few runs: checks that every path works
+    python benchmarks/bench.py --sections forward,decode --backends eager
 
-Variants: ``original`` (the model itself), ``block`` (``attnresify(num_blocks=8)``, per-site form),
-``block_two_phase`` (``block`` after ``apply_two_phase``), ``full`` (``block_size=1``, Full AttnRes)
-and ``full_two_phase``. Every model has its own weights (the rewrite of a deep copy of the original).
+Every figure is a ratio to the original model measured in the same process, the variants interleaved
+(the order reversed every other round) so that drift and neighbours hit all alike: medians, and minima.
 
-Sections (all timings: ``--runs`` timed runs after warm-up, variants interleaved in one process, the
-order reversed every other round, so that drift and neighbours hit all alike; medians, and minima):
+Models: the built-in pre-norm TinyTransformer at three shapes (``bench``: d=512, 12 layers, batch 4 x
+256, N=8; ``mid``: d=256, 8 layers, batch 4 x 128, N=4; ``deep``: d=128, 24 layers, batch 4 x 128, N=8)
+and, for decoding, a Llama-style Hugging Face model built from its config (8 layers, hidden 256).
+Variants: ``original``; ``converted`` (``attnresify(num_blocks=N)``, the live route: eager, or
+``attnres_fx.compile``); ``graph`` (the explicit GraphModule of ``attnres_fx.rewrite``, eager or
+``export.compile``, for comparison with the live route); ``full`` (``block_size=1``).
 
-1. ``forward``: inference latency of every variant, as a ratio to ``original``, for eager PyTorch,
-   Inductor (``attnres_fx.export.compile``, fullgraph) and onnxruntime on CPU (``export.to_onnx``).
-2. ``train``: one training step (forward, cross-entropy, backward, AdamW) of ``block`` against
-   ``original``, eager and compiled.
-3. ``memory``: peak resident memory of a forward (no grad) and of a training step, each variant in a
-   fresh subprocess: the high-water mark of the resident set during the work minus the resident set
-   before it, with glibc's default malloc and with a fixed mmap threshold (live tensors only). The
-   budget for the rewrite is the N + 1 stream tensors (completed blocks and partial) it keeps alive.
-4. ``op``: one compiled BlockAttnRes against the bandwidth bound, a compiled streaming sum of the same
-   sources (each read once, one output written): ``bound_ms / op_ms``. Also the sites of one block
-   (S queries over N completed blocks) per site against two-phase, and Full AttnRes's widest site.
+Sections:
+
+1. ``forward``: inference latency, eager, compiled (Inductor, fullgraph) and onnxruntime (CPU, its default
+   graph optimisations, the benchmark's thread count).
+2. ``train``: one step (forward, cross-entropy, backward, AdamW), eager and compiled.
+3. ``first_call``: seconds to convert, and of the first call (capture and rewrite), at the ``bench`` shape.
+4. ``decode``: tokens/s of ``generate`` with the KV cache (greedy), batch 1 and 8, eager and compiled.
+5. ``memory``: peak resident memory of a training step and of a forward, each in a fresh process.
+6. ``op``: one compiled aggregation against a compiled streaming sum of the same sources (the bandwidth
+   bound), and the two-phase schedule of one block against its per-site form.
 
 Writes ``bench.json`` and ``bench.md`` to ``--out`` (default ``benchmarks/results/``) and prints the
-latter; progress goes to stderr. The load average is recorded: other processes on the machine stretch
-timings (each parallel region waits for every thread), so compare ratios, not absolute times; the
-minima are the least disturbed runs.
+latter; progress goes to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import gc
 import json
@@ -43,7 +44,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -52,37 +53,25 @@ from torch import nn
 
 import attnres_fx
 from attnres_fx.models import TinyConfig, TinyTransformer, example_ids
-from attnres_fx.passes.two_phase import apply_two_phase, phase1, phase2
+from attnres_fx.passes.two_phase import phase1, phase2
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import traffic  # noqa: E402 - the memory-traffic model beside this script
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
-SECTIONS = ("forward", "train", "memory", "op")
+SECTIONS = ("forward", "train", "first_call", "decode", "memory", "op")
 BACKENDS = ("eager", "compiled", "onnx")
-VARIANTS = ("original", "block", "block_two_phase", "full", "full_two_phase")
-TRAIN_VARIANTS = ("original", "block")
-MEMORY_RUNS = (("original", "inference"), ("block", "inference"), ("block_two_phase", "inference"),
-               ("original", "train"), ("block", "train"))
-# glibc malloc raises its mmap threshold after freeing a large block, after which big tensors come from
-# the heap and their pages stay resident when freed: the resident set then also measures fragmentation.
-# A fixed 64 KiB threshold maps and unmaps every tensor, so the resident set follows the live tensors.
-ALLOCATORS = {"glibc_default": {}, "mmap_64k": {"MALLOC_MMAP_THRESHOLD_": "65536"}}
-TARGETS = {"compiled_forward_overhead": 0.03, "compiled_train_overhead": 0.08, "op_bandwidth_fraction": 0.70}
 
 
-@dataclass
-class Config:
+@dataclass(frozen=True)
+class Shape:
+    name: str
     dim: int
     layers: int
     heads: int
     batch: int
     seq: int
     num_blocks: int
-    runs: int
-    warmup: int
-    op_runs: int
-    op_sources: tuple[int, ...]
 
     @property
     def sites(self) -> int:
@@ -93,54 +82,102 @@ class Config:
         return -(-self.sites // self.num_blocks)
 
     @property
-    def blocks(self) -> int:
-        """Completed sources the widest site reads (the embedding included): N."""
-        return -(-self.sites // self.block_size)
-
-    @property
     def stream_bytes(self) -> int:
         return self.batch * self.seq * self.dim * 4
 
-    def model_config(self) -> TinyConfig:
+    def config(self) -> TinyConfig:
         return TinyConfig(dim=self.dim, num_layers=self.layers, num_heads=self.heads, max_seq_len=self.seq)
 
+    def describe(self) -> str:
+        return (f"{self.name}: d={self.dim}, {self.layers} layers, batch {self.batch} x {self.seq}, "
+                f"N={self.num_blocks} (block size {self.block_size})")
 
-FULL = Config(dim=512, layers=12, heads=8, batch=4, seq=256, num_blocks=8, runs=20, warmup=3, op_runs=200,
-              op_sources=(2, 5, 9))
-QUICK = Config(dim=64, layers=2, heads=2, batch=2, seq=16, num_blocks=8, runs=3, warmup=1, op_runs=5,
-               op_sources=(2, 3))
+
+@dataclass(frozen=True)
+class Settings:
+    shapes: dict[str, Shape]
+    forward_shapes: tuple[str, ...]
+    train_shapes: tuple[str, ...]
+    runs: int
+    warmup: int
+    op_runs: int
+    op_sources: tuple[int, ...]
+    decode: dict
+    decode_tokens: int
+
+
+FULL = Settings(
+    shapes={"bench": Shape("bench", 512, 12, 8, 4, 256, 8), "mid": Shape("mid", 256, 8, 4, 4, 128, 4),
+            "deep": Shape("deep", 128, 24, 2, 4, 128, 8)},
+    forward_shapes=("bench", "mid"), train_shapes=("bench", "mid", "deep"), runs=15, warmup=2, op_runs=100,
+    op_sources=(2, 5, 9),
+    decode=dict(num_hidden_layers=8, hidden_size=256, intermediate_size=1024, num_attention_heads=4,
+                num_key_value_heads=4, head_dim=64, vocab_size=1024),
+    decode_tokens=48)
+QUICK = Settings(
+    shapes={"bench": Shape("bench", 64, 2, 2, 2, 16, 8), "mid": Shape("mid", 32, 2, 2, 2, 16, 2),
+            "deep": Shape("deep", 32, 4, 2, 2, 16, 4)},
+    forward_shapes=("bench",), train_shapes=("bench",), runs=3, warmup=1, op_runs=5, op_sources=(2, 3),
+    decode=dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                num_key_value_heads=2, head_dim=16, vocab_size=128),
+    decode_tokens=4)
+TARGETS = {   # (section path, variant, bound, sense): the targets the README's performance section reports
+    "eager forward, bench": ("forward/bench/eager", "converted", 1.05, "<="),
+    "eager forward, mid": ("forward/mid/eager", "converted", 1.08, "<="),
+    "eager training step, bench": ("train/bench/eager", "converted", 1.06, "<="),
+    "eager training step, deep": ("train/deep/eager", "converted", 1.15, "<="),
+    "compiled forward, bench": ("forward/bench/compiled", "converted", 1.02, "<="),
+    "compiled training step, bench": ("train/bench/compiled", "converted", 1.02, "<="),
+    "onnxruntime forward, bench": ("forward/bench/onnx", "converted", 1.06, "<="),
+    "decode tokens/s, eager, batch 1": ("decode/eager/batch1", "converted", 0.93, ">="),
+    "decode tokens/s, eager, batch 8": ("decode/eager/batch8", "converted", 0.93, ">="),
+    "decode tokens/s, compiled, batch 1": ("decode/compiled/batch1", "converted", 0.98, ">="),
+    "decode tokens/s, compiled, batch 8": ("decode/compiled/batch8", "converted", 0.98, ">="),
+    "training peak memory, bench": ("memory/train", "converted", 1.08, "<="),
+}
 
 
 # --------------------------------------------------------------------------------------------- models
-def build(cfg: Config, variant: str) -> nn.Module:
-    """One variant, with its own copy of the (seeded) original weights, in eval mode."""
+def original(shape: Shape) -> nn.Module:
     torch.manual_seed(0)
-    original = TinyTransformer(cfg.model_config()).eval()
-    if variant == "original":
-        return original
-    example = example_ids(cfg.model_config(), batch=cfg.batch, seq=cfg.seq)
-    options = {"block_size": 1} if variant.startswith("full") else {"num_blocks": cfg.num_blocks}
-    converted = attnres_fx.attnresify(original, (example,), **options)
-    # The two-phase schedule applies to explicit graphs (the ONNX export and export.compile use it).
-    return apply_two_phase(attnres_fx.rewrite(converted, (example,))) if variant.endswith("two_phase") \
-        else converted
+    return TinyTransformer(shape.config()).eval()
 
 
-def inputs(cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
-    mcfg = cfg.model_config()
-    return example_ids(mcfg, cfg.batch, cfg.seq), example_ids(mcfg, cfg.batch, cfg.seq, seed=1)
+def inputs(shape: Shape) -> tuple[torch.Tensor, torch.Tensor]:
+    cfg = shape.config()
+    return example_ids(cfg, shape.batch, shape.seq), example_ids(cfg, shape.batch, shape.seq, seed=1)
 
 
-def compiler() -> Callable[[nn.Module], nn.Module]:
-    """Inductor, fullgraph: ``attnres_fx.compile`` for a converted model (its routes use Inductor), the
-    hand-off's ``export.compile`` for an explicit graph, ``torch.compile`` for the original."""
-    from attnres_fx.export import compile as export_compile
+def converted(shape: Shape, model: nn.Module, **options) -> nn.Module:
+    """A converted copy of ``model`` with random pseudo-queries (zero ones would let nothing but the
+    plain mean show)."""
+    from attnres_fx.testing import randomise_pseudo_queries
 
-    def compile_(model: nn.Module) -> nn.Module:
-        if attnres_fx.is_converted(model) or isinstance(model, torch.fx.GraphModule):
-            return export_compile(model)
-        return torch.compile(model, backend="inductor", fullgraph=True)
-    return compile_
+    options = options or {"num_blocks": shape.num_blocks}
+    return randomise_pseudo_queries(attnres_fx.attnresify(copy.deepcopy(model), (inputs(shape)[0],), **options))
+
+
+def variants(shape: Shape, names: tuple[str, ...]) -> dict[str, nn.Module]:
+    base = original(shape)
+    made = {"original": base}
+    if {"converted", "graph"} & set(names):
+        made["converted"] = converted(shape, base)
+    if "graph" in names:
+        made["graph"] = attnres_fx.rewrite(copy.deepcopy(made["converted"]), (inputs(shape)[0],))
+    if "full" in names:
+        made["full"] = converted(shape, base, block_size=1)
+    return {name: made[name] for name in names}
+
+
+def compiled(model: nn.Module) -> nn.Module:
+    """Inductor, fullgraph, for each kind of variant: the live route's own for a converted model."""
+    if attnres_fx.is_converted(model):
+        return attnres_fx.compile(model)
+    if isinstance(model, torch.fx.GraphModule):
+        from attnres_fx import export
+
+        return export.compile(model)
+    return torch.compile(model, backend="inductor", fullgraph=True)
 
 
 # --------------------------------------------------------------------------------------------- timing
@@ -159,35 +196,51 @@ def interleaved(fns: dict[str, Callable[[], object]], runs: int, warmup: int) ->
     return times
 
 
-def summarise(times: dict[str, list[float]], reference: str) -> dict[str, dict]:
-    """Median and minimum per function, and their ratios to ``reference``'s.
+def summarise(times: dict[str, list[float]], reference: str, per_call: float = 1.0) -> dict[str, dict]:
+    """Median and minimum ms per call of each entry, and their ratios to ``reference``'s.
 
-    The minimum is the least disturbed run: on a shared machine it tracks the code's own cost when
-    other processes stretch the median.
+    ``per_call`` > 1 turns the figures into a rate (e.g. tokens per call): ``rate``, and ratios of rates.
     """
     base, base_min = statistics.median(times[reference]), min(times[reference])
-    return {name: {"median_ms": 1e3 * statistics.median(t), "min_ms": 1e3 * min(t), "runs": len(t),
-                   "ratio": statistics.median(t) / base, "ratio_min": min(t) / base_min}
-            for name, t in times.items()}
+    out = {}
+    for name, t in times.items():
+        entry = {"median_ms": 1e3 * statistics.median(t), "min_ms": 1e3 * min(t), "runs": len(t)}
+        if per_call == 1.0:
+            entry.update(ratio=statistics.median(t) / base, ratio_min=min(t) / base_min)
+        else:
+            entry.update(rate=per_call / statistics.median(t), ratio=base / statistics.median(t),
+                         ratio_min=base_min / min(t))
+        out[name] = entry
+    return out
+
+
+def progress(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
 # ------------------------------------------------------------------------------------------- sections
-def forward_section(cfg: Config, backends: list[str]) -> dict:
-    ids, _ = inputs(cfg)
-    models = {variant: build(cfg, variant) for variant in VARIANTS}
-    result = {}
-    with torch.no_grad():
-        if "eager" in backends:
-            result["eager"] = summarise(interleaved(
-                {v: functools.partial(m, ids) for v, m in models.items()}, cfg.runs, cfg.warmup), "original")
-        if "compiled" in backends:
-            compile_ = compiler()
-            compiled = {v: compile_(m) for v, m in models.items()}
-            result["compiled"] = summarise(interleaved(
-                {v: functools.partial(m, ids) for v, m in compiled.items()}, cfg.runs, cfg.warmup), "original")
-            torch._dynamo.reset()
-    if "onnx" in backends:
-        result["onnx"] = summarise(interleaved(onnx_runners(models, ids), cfg.runs, cfg.warmup), "original")
+def forward_section(settings: Settings, backends: list[str]) -> dict:
+    result: dict = {}
+    for name in settings.forward_shapes:
+        shape = settings.shapes[name]
+        ids, _ = inputs(shape)
+        models = variants(shape, ("original", "converted", "graph", "full"))
+        result[name] = rows = {"shape": shape.describe()}
+        with torch.no_grad():
+            if "eager" in backends:
+                progress(f"forward {name} eager")
+                rows["eager"] = summarise(interleaved({v: functools.partial(m, ids) for v, m in models.items()},
+                                                      settings.runs, settings.warmup), "original")
+            if "compiled" in backends:
+                progress(f"forward {name} compiled (Inductor compiles each variant first)")
+                chosen = {v: compiled(models[v]) for v in ("original", "converted", "graph")}
+                rows["compiled"] = summarise(interleaved({v: functools.partial(m, ids) for v, m in chosen.items()},
+                                                         settings.runs, settings.warmup), "original")
+                torch._dynamo.reset()
+        if "onnx" in backends:
+            progress(f"forward {name} onnxruntime (export first)")
+            rows["onnx"] = summarise(interleaved(onnx_runners({v: models[v] for v in ("original", "converted")}, ids),
+                                                 settings.runs, settings.warmup), "original")
     return result
 
 
@@ -204,76 +257,127 @@ def onnx_runners(models: dict[str, nn.Module], ids: torch.Tensor) -> dict[str, C
     return runners
 
 
-def train_section(cfg: Config, backends: list[str]) -> dict:
-    ids, targets = inputs(cfg)
-    result = {}
-    for backend in (b for b in ("eager", "compiled") if b in backends):
-        steps = {variant: train_step(build(cfg, variant).train(), ids, targets, backend == "compiled")
-                 for variant in TRAIN_VARIANTS}
-        result[backend] = summarise(interleaved(steps, cfg.runs, cfg.warmup), "original")
-        torch._dynamo.reset()
+def train_section(settings: Settings, backends: list[str]) -> dict:
+    result: dict = {}
+    for name in settings.train_shapes:
+        shape = settings.shapes[name]
+        ids, targets = inputs(shape)
+        result[name] = rows = {"shape": shape.describe()}
+        for backend in (b for b in ("eager", "compiled") if b in backends):
+            progress(f"train {name} {backend}")
+            names = ("original", "converted", "full") if backend == "eager" else ("original", "converted")
+            steps = {v: train_step(m.train(), ids, targets, backend == "compiled")
+                     for v, m in variants(shape, names).items()}
+            rows[backend] = summarise(interleaved(steps, settings.runs, settings.warmup), "original")
+            torch._dynamo.reset()
     return result
 
 
-def train_step(model: nn.Module, ids: torch.Tensor, targets: torch.Tensor,
-               compiled: bool) -> Callable[[], None]:
+def train_step(model: nn.Module, ids: torch.Tensor, targets: torch.Tensor, compile_it: bool) -> Callable[[], None]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    forward = compiler()(model) if compiled else model
+    forward = compiled(model) if compile_it else model
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        logits = forward(ids)
-        F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+        F.cross_entropy(forward(ids).flatten(0, 1), targets.flatten()).backward()
         optimizer.step()
     return step
 
 
-def memory_section(cfg: Config, config_name: str) -> dict:
-    """Each (variant, mode) in a fresh process, under each allocator setting of ``ALLOCATORS``."""
-    result: dict = {"budget_mb": (cfg.blocks + 1) * cfg.stream_bytes / 1e6}
-    for allocator, env in ALLOCATORS.items():
-        runs: dict = {}
-        for variant, mode in MEMORY_RUNS:
-            command = [sys.executable, __file__, "--child-memory", variant, mode, "--config", config_name]
-            done = subprocess.run(command, capture_output=True, text=True, check=True,
-                                  env={**os.environ, **env})
-            runs.setdefault(mode, {})[variant] = json.loads(done.stdout.strip().splitlines()[-1])
-        for by_variant in runs.values():
-            base = by_variant["original"]["peak_delta_mb"]
-            for entry in by_variant.values():
-                entry["ratio"] = entry["peak_delta_mb"] / base if base > 0 else None
-                entry["extra_mb"] = entry["peak_delta_mb"] - base
-        result[allocator] = runs
+def first_call_section(settings: Settings) -> dict:
+    shape = settings.shapes["bench"]
+    ids, _ = inputs(shape)
+    model = original(shape)
+    start = time.perf_counter()
+    attnres_fx.attnresify(model, (ids,), num_blocks=shape.num_blocks)
+    convert_s = time.perf_counter() - start
+    with torch.no_grad():
+        start = time.perf_counter()
+        model(ids)
+        first_s = time.perf_counter() - start
+        start = time.perf_counter()
+        model(ids)
+        second_s = time.perf_counter() - start
+    torch._dynamo.reset()
+    return {"shape": shape.describe(), "convert_s": convert_s, "first_call_s": first_s, "second_call_s": second_s}
+
+
+def decode_section(settings: Settings, backends: list[str]) -> dict:
+    from attnres_fx.models import build_hf
+    from attnres_fx.testing import randomise_pseudo_queries
+
+    result: dict = {"model": f"LlamaForCausalLM {settings.decode}", "new_tokens": settings.decode_tokens}
+    for backend in (b for b in ("eager", "compiled") if b in backends):
+        base = build_hf("llama", use_cache=True, **settings.decode)
+        models = {"original": base,
+                  "converted": randomise_pseudo_queries(attnres_fx.attnresify(copy.deepcopy(base), num_blocks=4))}
+        if backend == "compiled":
+            base.forward = torch.compile(base.forward, backend="inductor", fullgraph=True)
+            attnres_fx.compile(models["converted"])
+        result[backend] = {}
+        for batch in (1, 8):
+            progress(f"decode {backend} batch {batch}")
+            prompt = torch.randint(1, settings.decode["vocab_size"], (batch, 32), generator=torch.Generator().manual_seed(0))
+
+            def generate(model, prompt=prompt):
+                with torch.no_grad():
+                    model.generate(prompt, max_new_tokens=settings.decode_tokens, min_new_tokens=settings.decode_tokens,
+                                   do_sample=False, pad_token_id=0)
+            tokens = batch * settings.decode_tokens
+            result[backend][f"batch{batch}"] = summarise(
+                interleaved({v: functools.partial(generate, m) for v, m in models.items()},
+                            max(3, settings.runs // 3), settings.warmup), "original", per_call=tokens)
+        torch._dynamo.reset()
     return result
 
 
-def child_memory(cfg: Config, variant: str, mode: str) -> dict:
+def memory_section(settings: Settings, config_name: str) -> dict:
+    """Each (variant, mode) in a fresh process; the budget is the N + 1 stream tensors AttnRes keeps."""
+    shape = settings.shapes["bench"]
+    result: dict = {"shape": shape.describe(),
+                    "budget_mb": (-(-shape.sites // shape.block_size) + 1) * shape.stream_bytes / 1e6}
+    for mode in ("inference", "train"):
+        result[mode] = {}
+        for variant in ("original", "converted"):
+            progress(f"memory {mode} {variant}")
+            command = [sys.executable, __file__, "--child-memory", variant, mode, "--config", config_name]
+            done = subprocess.run(command, capture_output=True, text=True, check=True,
+                                  env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
+            result[mode][variant] = json.loads(done.stdout.strip().splitlines()[-1])
+        base = result[mode]["original"]["peak_delta_mb"]
+        for entry in result[mode].values():
+            entry["ratio"] = entry["peak_delta_mb"] / base if base > 0 else None
+    return result
+
+
+def child_memory(settings: Settings, variant: str, mode: str) -> dict:
     """Runs in a fresh process: peak resident set of the work minus the resident set before it.
 
-    A warm-up on a tiny batch first initialises the libraries (thread pools, kernels) and, for
-    training, AdamW's state, so that the difference is the activations' memory. The peak is the
-    kernel's high-water mark (``VmHWM``), reset after the warm-up; ``ru_maxrss`` cannot serve, as a
-    child inherits its parent's value across fork and exec.
+    A warm-up call on a tiny batch first initialises the libraries and the route (and, for training,
+    AdamW's state), so that the difference is the activations'. With a 64 KiB mmap threshold every
+    tensor is mapped and unmapped, so the resident set follows the live tensors. The peak is the
+    kernel's high-water mark (``VmHWM``), reset after the warm-up.
     """
-    model = build(cfg, variant)
-    ids, targets = inputs(cfg)
-    tiny_ids, tiny_targets = ids[:1, :4], targets[:1, :4]
+    shape = settings.shapes["bench"]
+    model = original(shape)
+    if variant == "converted":
+        model = converted(shape, model)
+    ids, targets = inputs(shape)
     if mode == "train":
         model.train()
-        train_step(model, tiny_ids, tiny_targets, compiled=False)()
-        step = train_step(model, ids, targets, compiled=False)
+        step = train_step(model, ids, targets, compile_it=False)
+        train_step(model, ids[:1, :4], targets[:1, :4], compile_it=False)()
     else:
         with torch.no_grad():
-            model(tiny_ids)
+            model(ids[:1, :4])
     gc.collect()
     reset_peak()
     before = status_bytes("VmRSS")
-    if mode == "train":
-        for _ in range(2):
+    for _ in range(2):
+        if mode == "train":
             step()
-    else:
-        with torch.no_grad():
-            for _ in range(2):
+        else:
+            with torch.no_grad():
                 model(ids)
     peak = status_bytes("VmHWM")
     return {"resident_before_mb": before / 1e6, "peak_mb": peak / 1e6, "peak_delta_mb": (peak - before) / 1e6}
@@ -293,16 +397,16 @@ def status_bytes(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def op_section(cfg: Config) -> dict:
-    shape = (cfg.batch, cfg.seq, cfg.dim)
+def op_section(settings: Settings) -> dict:
+    shape = settings.shapes["bench"]
+    dims = (shape.batch, shape.seq, shape.dim)
     torch.manual_seed(0)
-    result: dict = {"block_op": {}}
+    result: dict = {"shape": shape.describe(), "block_op": {}}
     with torch.no_grad():
-        for count in cfg.op_sources:
-            result["block_op"][str(count)] = op_against_bound(cfg, shape, count)
-        # Full AttnRes's last site reads the embedding and every sublayer output.
-        result["full_widest_site"] = op_against_bound(cfg, shape, cfg.sites + 1)
-        result["block_group"] = group_against_bound(cfg, shape)
+        for count in settings.op_sources:
+            progress(f"op, {count} sources")
+            result["block_op"][str(count)] = op_against_bound(settings, dims, count, shape.stream_bytes)
+        result["block_group"] = group_against_bound(settings, dims, shape)
     torch._dynamo.reset()
     return result
 
@@ -314,25 +418,23 @@ def _random_site(dim: int) -> attnres_fx.BlockAttnRes:
     return module
 
 
-def op_against_bound(cfg: Config, shape: tuple[int, ...], count: int) -> dict:
-    sources = [torch.randn(shape) for _ in range(count)]
-    op = torch.compile(_random_site(shape[-1]), fullgraph=True)
+def op_against_bound(settings: Settings, dims: tuple[int, ...], count: int, stream_bytes: int) -> dict:
+    sources = [torch.randn(dims) for _ in range(count)]
+    op = torch.compile(_random_site(dims[-1]), fullgraph=True)
     bound = torch.compile(lambda *xs: functools.reduce(torch.add, xs), fullgraph=True)
     times = summarise(interleaved({"op": functools.partial(op, *sources),
-                                   "bound": functools.partial(bound, *sources)}, cfg.op_runs, cfg.warmup), "op")
+                                   "bound": functools.partial(bound, *sources)}, settings.op_runs, settings.warmup), "op")
     return {"sources": count, "op_ms": times["op"]["median_ms"], "bound_ms": times["bound"]["median_ms"],
-            "fraction": times["bound"]["ratio"], "op_min_ms": times["op"]["min_ms"],
-            "bound_min_ms": times["bound"]["min_ms"], "fraction_min": times["bound"]["ratio_min"],
-            "bytes_moved_mb": (count + 1) * cfg.stream_bytes / 1e6}
+            "fraction": times["bound"]["ratio"], "fraction_min": times["bound"]["ratio_min"],
+            "bytes_moved_mb": (count + 1) * stream_bytes / 1e6}
 
 
-def group_against_bound(cfg: Config, shape: tuple[int, ...]) -> dict:
+def group_against_bound(settings: Settings, dims: tuple[int, ...], shape: Shape) -> dict:
     """The S sites that share N completed blocks: per-site aggregations against phase 1 + S phase 2."""
-    blocks = tuple(torch.randn(shape) for _ in range(cfg.blocks))
-    partials = tuple(torch.randn(shape) for _ in range(cfg.block_size))
-    sites = [_random_site(shape[-1]) for _ in partials]
-    projs = tuple(s.proj.weight for s in sites)
-    norms = tuple(s.norm.weight for s in sites)
+    blocks = tuple(torch.randn(dims) for _ in range(shape.sites // shape.block_size))
+    partials = tuple(torch.randn(dims) for _ in range(shape.block_size))
+    sites = [_random_site(dims[-1]) for _ in partials]
+    projs, norms = tuple(s.proj.weight for s in sites), tuple(s.norm.weight for s in sites)
     eps = sites[0].eps
 
     def per_site(blocks, partials):
@@ -347,106 +449,96 @@ def group_against_bound(cfg: Config, shape: tuple[int, ...]) -> dict:
         total = functools.reduce(torch.add, blocks)
         return [total + partial for partial in partials]
 
+    progress("op, one block per site and two-phase")
     fns = {name: functools.partial(torch.compile(fn, fullgraph=True), blocks, partials)
            for name, fn in (("per_site", per_site), ("two_phase", two_phase), ("bound", bound))}
-    times = interleaved(fns, cfg.op_runs, cfg.warmup)
-    result = {"completed_blocks": len(blocks), "sites": len(partials)}
-    for name, stat in (("", statistics.median), ("_min", min)):
-        ms = {k: 1e3 * stat(v) for k, v in times.items()}
-        result.update({f"per_site{name}_ms": ms["per_site"], f"two_phase{name}_ms": ms["two_phase"],
-                       f"bound{name}_ms": ms["bound"], f"per_site_fraction{name}": ms["bound"] / ms["per_site"],
-                       f"two_phase_fraction{name}": ms["bound"] / ms["two_phase"]})
-    return result
+    ms = {k: 1e3 * statistics.median(v) for k, v in interleaved(fns, settings.op_runs, settings.warmup).items()}
+    return {"completed_blocks": len(blocks), "sites": len(partials), **{f"{k}_ms": v for k, v in ms.items()},
+            "per_site_fraction": ms["bound"] / ms["per_site"], "two_phase_fraction": ms["bound"] / ms["two_phase"]}
 
 
 # -------------------------------------------------------------------------------------------- report
-def targets(cfg: Config, results: dict) -> dict:
-    """Each target, judged on the medians (``met``) and on the minima (``met_min``)."""
-    checks = {}   # name -> (value from medians, value from minima, bound, "<=" or ">=")
-    for key, section, label in (("compiled_forward_overhead", "forward", "compiled forward overhead"),
-                                ("compiled_train_overhead", "train", "compiled training-step overhead")):
-        compiled = results.get(section, {}).get("compiled")
-        if compiled:
-            entry = compiled["block"]
-            checks[f"{label} (block / original - 1)"] = (entry["ratio"] - 1, entry["ratio_min"] - 1,
-                                                         TARGETS[key], "<=")
-    for count, entry in results.get("op", {}).get("block_op", {}).items():
-        checks[f"op at {count} sources: bound / op"] = (entry["fraction"], entry["fraction_min"],
-                                                        TARGETS["op_bandwidth_fraction"], ">=")
-    memory = results.get("memory")
-    if memory:
-        for allocator in ALLOCATORS:
-            extra = memory[allocator]["inference"]["block"]["extra_mb"]
-            checks[f"inference peak memory over original, MB ({allocator}; bound: N+1 streams)"] = (
-                extra, extra, memory["budget_mb"], "<=")
-
-    def met(value, bound, sense):
-        return value <= bound if sense == "<=" else value >= bound
-
-    return {name: {"value": value, "value_min": value_min, "target": f"{sense} {bound:.3g}",
-                   "met": met(value, bound, sense), "met_min": met(value_min, bound, sense)}
-            for name, (value, value_min, bound, sense) in checks.items()}
+def targets(results: dict) -> dict:
+    """Each target with the measured ratio (median, minimum) and whether it is met, where measured."""
+    judged = {}
+    for label, (path, variant, bound, sense) in TARGETS.items():
+        node = results
+        for key in path.split("/"):
+            node = node.get(key, {}) if isinstance(node, dict) else {}
+        entry = node.get(variant) if isinstance(node, dict) else None
+        if not entry or entry.get("ratio") is None:
+            continue
+        value, value_min = entry["ratio"], entry.get("ratio_min", entry["ratio"])
+        better = (lambda v: v <= bound) if sense == "<=" else (lambda v: v >= bound)
+        judged[label] = {"value": value, "value_min": value_min, "target": f"{sense} {bound:g}",
+                         "met": better(value), "met_min": better(value_min)}
+    return judged
 
 
-def markdown(cfg: Config, results: dict) -> str:
+def _ratio_table(rows: dict) -> list[str]:
+    backends = [b for b in ("eager", "compiled", "onnx") if b in rows]
+    if not backends:
+        return []
+    variants_ = list(dict.fromkeys(v for b in backends for v in rows[b]))
+    lines = ["| backend | " + " | ".join(variants_) + " |", "|---|" + "---|" * len(variants_)]
+    for backend in backends:
+        cells = []
+        for v in variants_:
+            e = rows[backend].get(v)
+            cells.append("-" if e is None else f"{e['median_ms']:.1f} ms ({e['ratio']:.3f} / {e['ratio_min']:.3f})")
+        lines.append(f"| {backend} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def markdown(settings: Settings, results: dict) -> str:
     env = results["environment"]
     lines = [f"# attnres_fx benchmark{' (--quick)' if results['quick'] else ''}", "",
-             f"TinyTransformer d={cfg.dim}, {cfg.layers} layers ({cfg.sites} sites), {cfg.heads} heads, "
-             f"batch {cfg.batch}, seq {cfg.seq}, fp32, num_blocks={cfg.num_blocks} (block size "
-             f"{cfg.block_size}). torch {env['torch']}, {env['threads']} threads, load average "
-             f"{env['load_before'][0]:.2f} before / {env['load_after'][0]:.2f} after. {cfg.runs} interleaved "
-             "runs per cell: median (ratio of medians to original) / min (ratio of minima).", ""]
+             f"torch {env['torch']}, {env['threads']} threads, load average {env['load_before'][0]:.2f} before / "
+             f"{env['load_after'][0]:.2f} after. Cells: median ms (ratio to original, median / minimum); "
+             f"{settings.runs} interleaved runs.", ""]
     for title, key in (("Forward latency", "forward"), ("Training step (forward, backward, AdamW)", "train")):
-        section = results.get(key)
-        if not section:
-            continue
-        variants = list(next(iter(section.values())))
-        lines += [f"## {title}", "", "| backend | " + " | ".join(variants) + " |",
-                  "|---|" + "---|" * len(variants)]
-        for backend, rows in section.items():
-            lines.append(f"| {backend} | " + " | ".join(
-                f"{r['median_ms']:.1f} ms ({r['ratio']:.3f}x) / {r['min_ms']:.1f} ms ({r['ratio_min']:.3f}x)"
-                for r in rows.values()) + " |")
+        for shape, rows in results.get(key, {}).items():
+            lines += [f"## {title}, {rows['shape']}", "", *_ratio_table(rows), ""]
+    first = results.get("first_call")
+    if first:
+        lines += ["## First call", "", f"{first['shape']}: conversion {first['convert_s']:.2f} s, first call "
+                  f"(capture and rewrite) {first['first_call_s']:.2f} s, second call {first['second_call_s']:.3f} s.", ""]
+    decode = results.get("decode")
+    if decode:
+        lines += [f"## Decoding with the KV cache ({decode['model']}, {decode['new_tokens']} new tokens, greedy)", "",
+                  "| backend | batch | original tokens/s | converted tokens/s | ratio (median / max) |", "|---|---|---|---|---|"]
+        for backend in ("eager", "compiled"):
+            for batch, rows in decode.get(backend, {}).items():
+                lines.append(f"| {backend} | {batch[5:]} | {rows['original']['rate']:.1f} | {rows['converted']['rate']:.1f} | "
+                             f"{rows['converted']['ratio']:.3f} / {rows['converted']['ratio_min']:.3f} |")
         lines.append("")
     memory = results.get("memory")
     if memory:
-        lines += ["## Peak memory (fresh process each; high-water resident set minus resident set before)", "",
-                  "| mode | variant | " + " | ".join(f"{a}: peak delta, MB (ratio, extra)" for a in ALLOCATORS)
-                  + " |", "|---|---|" + "---|" * len(ALLOCATORS)]
-        for variant, mode in MEMORY_RUNS:
-            cells = []
-            for allocator in ALLOCATORS:
-                entry = memory[allocator][mode][variant]
-                ratio = "-" if entry["ratio"] is None else f"{entry['ratio']:.3f}x"
-                cells.append(f"{entry['peak_delta_mb']:.1f} ({ratio}, {entry['extra_mb']:+.1f})")
-            lines.append(f"| {mode} | {variant} | " + " | ".join(cells) + " |")
-        lines += ["", f"Budget for the rewrite: N+1 = {cfg.blocks + 1} stream tensors = "
-                  f"{memory['budget_mb']:.1f} MB. ``mmap_64k``: MALLOC_MMAP_THRESHOLD_=65536, so that the "
-                  "resident set follows the live tensors; ``glibc_default`` adds heap fragmentation.", ""]
+        lines += [f"## Peak memory ({memory['shape']}; fresh process each, 64 KiB mmap threshold)", "",
+                  "| mode | original, MB | converted, MB | ratio |", "|---|---|---|---|"]
+        for mode in ("inference", "train"):
+            o, c = memory[mode]["original"], memory[mode]["converted"]
+            ratio = "-" if c["ratio"] is None else f"{c['ratio']:.3f}"
+            lines.append(f"| {mode} | {o['peak_delta_mb']:.1f} | {c['peak_delta_mb']:.1f} | {ratio} |")
+        lines += ["", f"AttnRes keeps up to N + 1 stream tensors alive: {memory['budget_mb']:.1f} MB here.", ""]
     op = results.get("op")
     if op:
-        lines += ["## Compiled op against the bandwidth bound (bound = streaming sum of the same inputs)", "",
-                  "| case | op ms (median / min) | bound ms (median / min) | bound / op (median / min) |",
-                  "|---|---|---|---|"]
-        cases = [(f"BlockAttnRes, {e['sources']} sources", e) for e in op["block_op"].values()]
-        cases.append((f"Full AttnRes widest site, {op['full_widest_site']['sources']} sources",
-                      op["full_widest_site"]))
-        for label, e in cases:
-            lines.append(f"| {label} | {e['op_ms']:.3f} / {e['op_min_ms']:.3f} | {e['bound_ms']:.3f} / "
-                         f"{e['bound_min_ms']:.3f} | {e['fraction']:.2f} / {e['fraction_min']:.2f} |")
+        lines += [f"## Compiled op against the bandwidth bound ({op['shape']})", "",
+                  "| case | op ms | bound ms | bound / op (median / min) |", "|---|---|---|---|"]
+        for e in op["block_op"].values():
+            lines.append(f"| one aggregation, {e['sources']} sources | {e['op_ms']:.3f} | {e['bound_ms']:.3f} | "
+                         f"{e['fraction']:.2f} / {e['fraction_min']:.2f} |")
         g = op["block_group"]
         for form in ("per_site", "two_phase"):
-            lines.append(f"| one block: {g['sites']} sites over {g['completed_blocks']} blocks, "
-                         f"{form.replace('_', '-')} | {g[form + '_ms']:.3f} / {g[form + '_min_ms']:.3f} | "
-                         f"{g['bound_ms']:.3f} / {g['bound_min_ms']:.3f} | {g[form + '_fraction']:.2f} / "
-                         f"{g[form + '_fraction_min']:.2f} |")
+            lines.append(f"| one block: {g['sites']} sites over {g['completed_blocks']} blocks, {form.replace('_', '-')} | "
+                         f"{g[form + '_ms']:.3f} | {g['bound_ms']:.3f} | {g[form + '_fraction']:.2f} |")
         lines.append("")
-    lines += ["## Memory-traffic model (attnres_fx.traffic; per token, units of d)", "",
-              traffic.format_table(traffic.traffic(cfg.sites, block_size=cfg.block_size),
-                                   tokens=cfg.batch * cfg.seq, dim=cfg.dim), ""]
+    bench = settings.shapes["bench"]
+    lines += [f"## Memory-traffic model (benchmarks/traffic.py; per token, units of d; {bench.describe()})", "",
+              traffic.format_table(traffic.traffic(bench.sites, block_size=bench.block_size),
+                                   tokens=bench.batch * bench.seq, dim=bench.dim), ""]
     if results["targets"]:
-        lines += ["## Targets", "", "| check | median | min | target | met (median / min) |",
-                  "|---|---|---|---|---|"]
+        lines += ["## Targets", "", "| measure | median | min | target | met (median / min) |", "|---|---|---|---|---|"]
         for name, e in results["targets"].items():
             lines.append(f"| {name} | {e['value']:.3f} | {e['value_min']:.3f} | {e['target']} | "
                          f"{'yes' if e['met'] else 'no'} / {'yes' if e['met_min'] else 'no'} |")
@@ -461,41 +553,41 @@ def environment(threads: int) -> dict:
 
 def main(argv: list[str] | None = None) -> dict | None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny model and few runs (seconds)")
+    parser.add_argument("--quick", action="store_true", help="tiny models and few runs (seconds)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where bench.json and bench.md go")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"subset of {','.join(SECTIONS)}")
     parser.add_argument("--backends", default=",".join(BACKENDS), help=f"subset of {','.join(BACKENDS)}")
-    parser.add_argument("--runs", type=int, default=None, help="timed runs per measurement")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads")
     parser.add_argument("--child-memory", nargs=2, metavar=("VARIANT", "MODE"), help=argparse.SUPPRESS)
     parser.add_argument("--config", choices=("full", "quick"), default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     config_name = args.config or ("quick" if args.quick else "full")
-    cfg = replace(QUICK if config_name == "quick" else FULL)
-    if args.runs is not None:
-        cfg.runs = args.runs
+    settings = QUICK if config_name == "quick" else FULL
     torch.set_num_threads(args.threads)
     if args.child_memory:
-        print(json.dumps(child_memory(cfg, *args.child_memory)))
+        print(json.dumps(child_memory(settings, *args.child_memory)))
         return None
     sections = _subset(args.sections, SECTIONS, "--sections")
     backends = _subset(args.backends, BACKENDS, "--backends")
-    results: dict = {"quick": args.quick, "config": asdict(cfg), "environment": environment(args.threads)}
-    runners = {"forward": lambda: forward_section(cfg, backends), "train": lambda: train_section(cfg, backends),
-               "memory": lambda: memory_section(cfg, config_name), "op": lambda: op_section(cfg)}
+    results: dict = {"quick": args.quick, "settings": asdict(settings), "environment": environment(args.threads)}
+    runners = {"forward": lambda: forward_section(settings, backends),
+               "train": lambda: train_section(settings, backends),
+               "first_call": lambda: first_call_section(settings),
+               "decode": lambda: decode_section(settings, backends),
+               "memory": lambda: memory_section(settings, config_name),
+               "op": lambda: op_section(settings)}
     for section in sections:
         if section == "op" and "compiled" not in backends:
             continue
         start = time.perf_counter()
-        print(f"[bench] {section} ...", file=sys.stderr, flush=True)
+        progress(f"{section} ...")
         results[section] = runners[section]()
-        print(f"[bench] {section} done in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+        progress(f"{section} done in {time.perf_counter() - start:.0f} s")
     results["environment"]["load_after"] = os.getloadavg()
-    results["traffic"] = [asdict(row) for row in traffic.traffic(cfg.sites, block_size=cfg.block_size)]
-    results["targets"] = targets(cfg, results)
+    results["targets"] = targets(results)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench.json").write_text(json.dumps(results, indent=2))
-    report = markdown(cfg, results)
+    report = markdown(settings, results)
     (args.out / "bench.md").write_text(report)
     print(report)
     return results
