@@ -8,7 +8,9 @@ The pipeline: capture (:mod:`attnres_fx.capture`) -> detect (:mod:`attnres_fx.pa
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 import warnings
 from typing import Any
 
@@ -25,6 +27,7 @@ from .capture import as_args, capture_dynamo, capture_for_plan, trace, unwrap_co
 from .errors import AttnResWarning, NoResidualStreamError, RoutingError, UnsupportedArchitectureError
 
 DETECT_TRACERS = ("auto", "dynamo", "fx", "export")
+LOG = logging.getLogger("attnres_fx")
 
 
 def attnresify(model: nn.Module, example_inputs: Any = None, *, example_kwargs: dict | None = None,
@@ -60,6 +63,7 @@ def attnresify(model: nn.Module, example_inputs: Any = None, *, example_kwargs: 
     if live.conversion_of(model) is not None:
         raise RoutingError(f"{type(model).__name__} is already converted (attnres_fx.sites(model) lists its "
                            "sites); call attnres_fx.remove(model) first to convert it again")
+    start = time.perf_counter()
     traced = capture_for_plan(model, as_args(example_inputs), example_kwargs)
     detection = detect_residual_streams(traced.graph_module)
     _check_detection(model, detection)
@@ -72,6 +76,9 @@ def attnresify(model: nn.Module, example_inputs: Any = None, *, example_kwargs: 
     options = {"num_blocks": num_blocks, "block_size": block_size, "preserve_scale": preserve_scale, "eps": eps}
     live.install(model, plan, new_modules(plan, like=model), options)
     hf.attach(model)
+    LOG.info("converted %s in %.1f s (%s capture): %d sites in %d stream(s), block sizes %s",
+             type(model).__name__, time.perf_counter() - start, traced.frontend, len(plan.sites),
+             len(plan.streams), ", ".join(map(str, plan.block_sizes)))
     return model
 
 

@@ -48,7 +48,10 @@ def build_model(name: str, args: argparse.Namespace) -> tuple[torch.nn.Module, t
     random-weight Hugging Face models of :data:`attnres_fx.models.HF_MODELS` (needs ``attnres-fx[hf]``)."""
     if name == "tiny":
         torch.manual_seed(args.seed)
-        cfg = TinyConfig(dim=args.dim, num_layers=args.layers, num_heads=4, norm=args.norm)
+        try:
+            cfg = TinyConfig(dim=args.dim, num_layers=args.layers, num_heads=4, norm=args.norm)
+        except ValueError as err:
+            raise UsageError(str(err)) from err
         return TinyTransformer(cfg).eval(), (example_ids(cfg, batch=2, seq=16),), {}
     if name not in HF_MODELS:
         raise UsageError(f"unknown model {name!r}; known: {', '.join(MODELS)}")

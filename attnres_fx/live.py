@@ -27,6 +27,8 @@ without its compiled state and compiles again at its first call.
 from __future__ import annotations
 
 import inspect
+import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +45,7 @@ from attnres_fx.passes.rewrite import BlockAttnResRewrite, ModuleCalls, Paramete
 from .capture import STATE, capturing, entry_function
 
 COMPILERS = ("eager", "inductor")
+LOG = logging.getLogger("attnres_fx")
 # Dynamo's default is 8 graphs per code object; one converted module can legitimately need more (train
 # and eval, two dtypes, prefill and decode, static and dynamic shapes).
 RECOMPILE_LIMIT = 64
@@ -169,6 +172,13 @@ class AttnResBackend:
         self.router = router
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Any:
+        start = time.perf_counter()
+        compiled = self._rewrite(gm, example_inputs)
+        LOG.info("rewrote the graph Dynamo captured for a call of %s (%s route) in %.2f s", _where(self.router),
+                 self.router.conversion.compiler, time.perf_counter() - start)
+        return compiled
+
+    def _rewrite(self, gm: fx.GraphModule, example_inputs: list) -> Any:
         _HookGuards.enable()
         router = self.router
         conversion = router.conversion
