@@ -329,3 +329,18 @@ def test_activation_checkpointing_inside_blocks_still_recomputes():
     # keeps fewer activations.
     assert len(runs["plain"]) == 1 and len(runs["checkpointed"]) == 2
     assert runs["checkpointed_saved"] < runs["plain_saved"]
+
+
+def test_a_call_taking_another_path_through_the_stream_raises_naming_the_sites():
+    class Skipping(NanoGPT):
+        def forward(self, idx, targets=None, depth=None):
+            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+            for block in self.h[:depth]:
+                x = block(x)
+            return self.lm_head(self.ln_f(x))
+
+    torch.manual_seed(0)
+    model = attnres_fx.attnresify(Skipping(dropout=0.0, layers=3).eval(), (make_inputs(),))
+    model(make_inputs())
+    with pytest.raises(attnres_fx.StreamMismatchError, match=r"planned but not found now: h\.2 \(attn\), h\.2 \(mlp\)"):
+        model(make_inputs(), depth=2)
