@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.fx._symbolic_trace import is_fx_tracing as fx_tracing
+from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 
 from . import aggregation
 
@@ -36,7 +36,7 @@ def aggregate(proj_weight: torch.Tensor, norm_weight: torch.Tensor, sources, *, 
 
 def _captured(value: torch.Tensor) -> bool:
     """Whether a graph capture is tracing this call (its tensors are then fake or symbolic)."""
-    return (torch.compiler.is_compiling() or torch.compiler.is_exporting() or fx_tracing()
+    return (torch.compiler.is_compiling() or torch.compiler.is_exporting() or is_fx_symbolic_tracing()
             or isinstance(value, FakeTensor) or not isinstance(value.numel(), int))
 
 
