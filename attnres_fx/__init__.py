@@ -5,10 +5,15 @@
     for site in attnres_fx.sites(model):
         print(site)
     attnres_fx.remove(model)                     # back to the original
+
+Inspecting a converted model::
+
+    print(attnres_fx.depth_weights(model, ids))  # softmax weights over depth, per site
 """
 
 from .api import attnresify, compile, detect, is_converted, plan_of, remove, rewrite, sites
 from .block_attnres import BlockAttnRes
+from .depth import DepthRecorder, DepthWeights, SiteWeights, depth_weights
 from .errors import (
     AttnResError,
     AttnResWarning,
@@ -23,7 +28,8 @@ from .passes.plan import Site
 __version__ = "0.2.0"
 
 __all__ = [
-    "AttnResError", "AttnResWarning", "BlockAttnRes", "ExportError", "NoResidualStreamError", "Site",
-    "StreamMismatchError", "TraceError", "UnsupportedArchitectureError", "attnresify", "compile", "detect",
-    "is_converted", "plan_of", "remove", "rewrite", "sites",
+    "AttnResError", "AttnResWarning", "BlockAttnRes", "DepthRecorder", "DepthWeights", "ExportError",
+    "NoResidualStreamError", "Site", "SiteWeights", "StreamMismatchError", "TraceError",
+    "UnsupportedArchitectureError", "attnresify", "compile", "depth_weights", "detect", "is_converted",
+    "plan_of", "remove", "rewrite", "sites",
 ]
