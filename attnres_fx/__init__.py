@@ -6,9 +6,10 @@
         print(site)
     attnres_fx.remove(model)                     # back to the original
 
-Inspecting a converted model::
+Inspecting and training a converted model::
 
     print(attnres_fx.depth_weights(model, ids))  # softmax weights over depth, per site
+    optimizer = torch.optim.AdamW(attnres_fx.param_groups(model, lr=3e-4, weight_decay=0.1))
 """
 
 from .api import attnresify, compile, detect, is_converted, plan_of, remove, rewrite, sites
@@ -24,12 +25,21 @@ from .errors import (
     UnsupportedArchitectureError,
 )
 from .passes.plan import Site
+from .training import (
+    depth_metrics,
+    depth_monitor_callback,
+    freeze,
+    monitor_depth,
+    param_groups,
+    unfreeze,
+)
 
 __version__ = "0.2.0"
 
 __all__ = [
     "AttnResError", "AttnResWarning", "BlockAttnRes", "DepthRecorder", "DepthWeights", "ExportError",
     "NoResidualStreamError", "Site", "SiteWeights", "StreamMismatchError", "TraceError",
-    "UnsupportedArchitectureError", "attnresify", "compile", "depth_weights", "detect", "is_converted",
-    "plan_of", "remove", "rewrite", "sites",
+    "UnsupportedArchitectureError", "attnresify", "compile", "depth_metrics", "depth_monitor_callback",
+    "depth_weights", "detect", "freeze", "is_converted", "monitor_depth", "param_groups", "plan_of", "remove",
+    "rewrite", "sites", "unfreeze",
 ]

@@ -52,8 +52,10 @@ class SiteWeights:
 
     ``weights``: the softmax weight of each source, averaged over tokens (``[num_sources]``, sums to 1).
     ``entropy``: the per-token entropy of the weights in nats, averaged over tokens (0 for a site that
-    puts all weight on one source, ``log(num_sources)`` for uniform weights). ``tokens``: how many token
-    positions were averaged (every position of the sources, padding included). ``per_token``: the
+    puts all weight on one source, ``log(num_sources)`` for uniform weights). ``max_weight``: the
+    largest weight each token gives one source, averaged over tokens (1 when every token attends to a
+    single source, even if not the same one; ``1 / num_sources`` for uniform weights). ``tokens``: how
+    many token positions were averaged (every position of the sources, padding included). ``per_token``: the
     weights of every token, ``[*token_dims, num_sources]`` (``[batch, seq, n]`` for a language model),
     when recorded with ``per_token=True``.
     """
@@ -61,16 +63,13 @@ class SiteWeights:
     site: Site
     weights: np.ndarray
     entropy: float
+    max_weight: float
     tokens: int
     per_token: torch.Tensor | None = None
 
     @property
-    def max_weight(self) -> float:
-        return float(self.weights.max())
-
-    @property
     def top_source(self) -> int:
-        """The source with the largest average weight (its block index)."""
+        """The source with the largest token-averaged weight (its block index)."""
         return int(self.weights.argmax())
 
 
@@ -118,17 +117,17 @@ class DepthWeights:
         return {row.site.name: row.entropy for row in self.rows}
 
     def max_weight(self) -> dict[str, float]:
-        """The largest token-averaged source weight of each site."""
+        """The largest weight a token gives one source, averaged over tokens, of each site."""
         return {row.site.name: row.max_weight for row in self.rows}
 
     def collapsed(self, threshold: float) -> list[SiteWeights]:
-        """Sites with more than one source that put at least ``threshold`` of their weight, on average
-        over tokens, on one source (a single-source site has weight 1 by construction)."""
+        """Sites with more than one source whose tokens put, on average, at least ``threshold`` of their
+        weight on one source (a single-source site has weight 1 by construction)."""
         return [row for row in self.rows if row.site.num_sources > 1 and row.max_weight >= threshold]
 
     def __str__(self) -> str:
         width = max(len(row.weights) for row in self.rows)
-        header = ("site", "kind", "block", *(source_label(j) for j in range(width)), "entropy", "max")
+        header = ("site", "kind", "block", *(source_label(j) for j in range(width)), "entropy", "max/token")
         table = [(row.site.name, row.site.kind, "-" if row.site.block is None else str(row.site.block),
                   *(f"{w:.3f}" for w in row.weights), *([""] * (width - len(row.weights))),
                   f"{row.entropy:.3f}", f"{row.max_weight:.3f}")
@@ -216,6 +215,7 @@ class DepthRecorder:
         self._root = root
         self._sums: dict[str, torch.Tensor] = {}
         self._entropy: dict[str, float] = {}
+        self._max: dict[str, float] = {}
         self._tokens: dict[str, int] = {}
         self._per_token: dict[str, list[torch.Tensor]] = {}
         self._stack = contextlib.ExitStack()
@@ -245,6 +245,7 @@ class DepthRecorder:
             total = flat.sum(0)
             self._sums[site.name] = self._sums[site.name] + total if site.name in self._sums else total
             self._entropy[site.name] = self._entropy.get(site.name, 0.0) + float(entropy.sum())
+            self._max[site.name] = self._max.get(site.name, 0.0) + float(flat.max(-1).values.sum())
             self._tokens[site.name] = self._tokens.get(site.name, 0) + flat.shape[0]
             if self.per_token:
                 self._per_token.setdefault(site.name, []).append(weights)
@@ -269,7 +270,8 @@ class DepthRecorder:
                 calls = self._per_token[site.name]
                 per_token = calls[0] if len(calls) == 1 else _concatenate(calls, site)
             rows.append(SiteWeights(site, (self._sums[site.name] / tokens).cpu().numpy(),
-                                    self._entropy[site.name] / tokens, tokens, per_token))
+                                    self._entropy[site.name] / tokens, self._max[site.name] / tokens, tokens,
+                                    per_token))
         return DepthWeights(rows, model_name(self._root), _block_sizes(self._root))
 
 

@@ -71,6 +71,7 @@ def test_weights_match_a_manual_computation_from_the_parameters(model, ids):
         np.testing.assert_allclose(row.per_token.double().numpy(), want.numpy(), rtol=0, atol=1e-6)
         entropy = -(want * want.log()).sum(-1).mean()
         assert row.entropy == pytest.approx(float(entropy), abs=1e-6)
+        assert row.max_weight == pytest.approx(float(want.max(-1).values.mean()), abs=1e-6)
     # The pseudo-queries are random: the weights are far from uniform, so the check above has teeth.
     assert max(abs(row.weights - 1 / len(row.weights)).max() for row in weights) > 0.2
 
@@ -165,7 +166,7 @@ def test_printed_as_a_table_with_one_row_per_site(model, ids):
     weights = attnres_fx.depth_weights(model, ids)
     lines = str(weights).splitlines()
     assert lines[0].startswith("Depth attention of TinyTransformer, block size 2")
-    assert lines[1].split() == ["site", "kind", "block", "emb", "b1", "b2", "b3", "b4", "entropy", "max"]
+    assert lines[1].split() == ["site", "kind", "block", "emb", "b1", "b2", "b3", "b4", "entropy", "max/token"]
     rows = {line.split()[0]: line.split() for line in lines[3:]}
     assert list(rows) == [site.name for site in attnres_fx.sites(model)]
     mlp = weights["blocks.1.mlp_res"]
