@@ -98,27 +98,11 @@ class DepthWeights:
         except KeyError:
             raise KeyError(f"no site named {name!r}; sites: {list(self._by_name)}") from None
 
-    @property
-    def sites(self) -> tuple[Site, ...]:
-        return tuple(row.site for row in self.rows)
-
     def to_numpy(self) -> np.ndarray:
         """``[num_sites, num_columns]``: row ``i`` is site ``i``'s token-averaged weights, column ``j`` its
         source block ``j``; ``NaN`` where the site has no such source (the upper triangle). Columns run
         to the widest site of any stream; rows of every stream follow each other in execution order."""
-        width = max(len(row.weights) for row in self.rows)
-        matrix = np.full((len(self.rows), width), np.nan)
-        for i, row in enumerate(self.rows):
-            matrix[i, :len(row.weights)] = row.weights
-        return matrix
-
-    def entropy(self) -> dict[str, float]:
-        """Mean per-token entropy of each site's weights (nats)."""
-        return {row.site.name: row.entropy for row in self.rows}
-
-    def max_weight(self) -> dict[str, float]:
-        """The largest weight a token gives one source, averaged over tokens, of each site."""
-        return {row.site.name: row.max_weight for row in self.rows}
+        return _matrix(self.rows)
 
     def collapsed(self, threshold: float) -> list[SiteWeights]:
         """Sites with more than one source whose tokens put, on average, at least ``threshold`` of their
@@ -167,9 +151,7 @@ class DepthWeights:
         axes = figure.subplots(1, len(panels), squeeze=False)[0]
         image = None
         for ax, stream, panel in zip(axes, streams, panels):
-            matrix = np.full((len(panel), max(len(row.weights) for row in panel)), np.nan)
-            for i, row in enumerate(panel):
-                matrix[i, :len(row.weights)] = row.weights
+            matrix = _matrix(panel)
             image = ax.imshow(np.ma.masked_invalid(matrix), vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto",
                               interpolation="nearest")
             ax.set_xticks(range(matrix.shape[1]), [source_label(j) for j in range(matrix.shape[1])])
@@ -205,14 +187,12 @@ class DepthRecorder:
     """
 
     def __init__(self, model: nn.Module, *, per_token: bool = False):
-        self.model = model
         self.per_token = per_token
         self.sites = sites_of(model)
         if not self.sites:
             raise ValueError(f"model: depth weights need a model converted by attnres_fx.attnresify (or its "
                              f"attnres_fx.rewrite graph); {type(model).__name__} has no AttnRes sites")
-        root = getattr(model, "_orig_mod", model)
-        self._root = root
+        self._root = getattr(model, "_orig_mod", model)
         self._sums: dict[str, torch.Tensor] = {}
         self._entropy: dict[str, float] = {}
         self._max: dict[str, float] = {}
@@ -250,10 +230,6 @@ class DepthRecorder:
             if self.per_token:
                 self._per_token.setdefault(site.name, []).append(weights)
         return record
-
-    @property
-    def recorded(self) -> bool:
-        return bool(self._tokens)
 
     def result(self) -> DepthWeights:
         """The weights recorded so far; :class:`~attnres_fx.AttnResError` if a site did not run."""
@@ -309,6 +285,14 @@ def model_name(model: nn.Module) -> str:
     """The class name, and a Hugging Face model's checkpoint name when it has one."""
     checkpoint = getattr(getattr(model, "config", None), "name_or_path", "") or ""
     return f"{type(model).__name__} ({checkpoint})" if checkpoint else type(model).__name__
+
+
+def _matrix(rows: list[SiteWeights] | tuple[SiteWeights, ...]) -> np.ndarray:
+    """Token-averaged weights, one row per site, NaN past each site's sources."""
+    matrix = np.full((len(rows), max(len(row.weights) for row in rows)), np.nan)
+    for i, row in enumerate(rows):
+        matrix[i, :len(row.weights)] = row.weights
+    return matrix
 
 
 def _block_sizes(model: nn.Module) -> tuple[int, ...]:

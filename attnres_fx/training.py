@@ -201,7 +201,8 @@ def _callback_class():
             self._pending: dict[str, float] = {}
 
         def on_step_begin(self, args, state, control, model=None, **kwargs):
-            every = self.every or args.logging_steps
+            # The Trainer's logging interval in steps (``args.logging_steps`` may be a fraction of the run).
+            every = self.every or state.logging_steps
             # Recorded: the steps whose end the Trainer logs at (global_step counts finished steps).
             if model is not None and (state.global_step + 1) % every == 0:
                 self._recorder = DepthRecorder(model).__enter__()
