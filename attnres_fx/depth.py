@@ -166,7 +166,8 @@ class DepthWeights:
                     if not math.isnan(value):
                         ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize="x-small",
                                 color="black" if value > 0.6 else "white")
-        figure.colorbar(image, ax=list(axes), label="softmax weight (token average)")
+        # A colour bar as tall as a long list of sites would dwarf its labels.
+        figure.colorbar(image, ax=list(axes), label="softmax weight (token average)", shrink=min(1.0, 6.0 / size[1]))
         figure.suptitle(title or f"Depth attention: {self.description}")
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)

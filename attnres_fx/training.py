@@ -160,9 +160,9 @@ def monitor_depth(model: nn.Module, *inputs: Any, collapse_threshold: float = DE
 def depth_monitor_callback(every: int | None = None, *, collapse_threshold: float = DEFAULT_COLLAPSE_THRESHOLD,
                            prefix: str = DEFAULT_PREFIX):
     """A ``transformers.TrainerCallback`` that records the depth attention during the training step
-    itself (no extra forward pass) every ``every`` optimizer steps (default: the Trainer's
-    ``logging_steps``), adds :func:`depth_metrics` to the Trainer's next log and warns when a site
-    collapses (:func:`warn_collapsed`).
+    itself (no extra forward pass) every ``every`` optimizer steps (default: the Trainer's logging
+    interval, so that every log has them), adds :func:`depth_metrics` to the Trainer's next log and
+    warns when a site collapses (:func:`warn_collapsed`).
 
     The metrics reach ``trainer.state.log_history`` and every callback that comes after this one; the
     Trainer places its reporting integrations (TensorBoard, W&B) before callbacks passed to it, so to
