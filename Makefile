@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast bench bench-quick clean
+.PHONY: venv demo test test-fast bench bench-quick compare compare-quick clean
 
 venv: $(STAMP)
 
@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet torch==2.13.0
-	$(PIP) install --quiet -e '.[hf,onnx,test]'
+	$(PIP) install --quiet -e '.[hf,onnx,test,viz,bench]'
 	touch $(STAMP)
 
 demo: venv
@@ -34,6 +34,13 @@ bench: venv
 
 bench-quick: venv
 	$(PY) benchmarks/bench.py --quick
+
+# Training comparison (benchmarks/compare.py): about 2 hours on 2 CPU cores; results in benchmarks/results/compare.
+compare: venv
+	$(PY) benchmarks/compare.py
+
+compare-quick: venv
+	$(PY) benchmarks/compare.py --quick
 
 clean:
 	rm -rf $(VENV) build *.egg-info attnres_demo_out

@@ -5,10 +5,16 @@
     for site in attnres_fx.sites(model):
         print(site)
     attnres_fx.remove(model)                     # back to the original
+
+Inspecting and training a converted model::
+
+    print(attnres_fx.depth_weights(model, ids))  # softmax weights over depth, per site
+    optimizer = torch.optim.AdamW(attnres_fx.param_groups(model, lr=3e-4, weight_decay=0.1))
 """
 
 from .api import attnresify, compile, conversion_options, detect, is_converted, plan_of, remove, rewrite, sites
 from .block_attnres import BlockAttnRes
+from .depth import DepthRecorder, DepthWeights, SiteWeights, depth_weights
 from .errors import (
     AttnResError,
     AttnResWarning,
@@ -23,12 +29,22 @@ from .errors import (
 )
 from .hf import from_pretrained
 from .passes.plan import Site
+from .training import (
+    depth_metrics,
+    depth_monitor_callback,
+    freeze,
+    monitor_depth,
+    param_groups,
+    unfreeze,
+)
 
 __version__ = "0.2.0"
 
 __all__ = [
-    "AttnResError", "AttnResWarning", "BlockAttnRes", "CheckpointMismatchError", "ExportError",
-    "NoResidualStreamError", "PassContractError", "RoutingError", "Site", "StreamMismatchError", "TraceError", "UnsupportedArchitectureError",
-    "attnresify", "compile", "conversion_options", "detect", "from_pretrained", "is_converted", "plan_of",
-    "remove", "rewrite", "sites",
+    "AttnResError", "AttnResWarning", "BlockAttnRes", "CheckpointMismatchError", "DepthRecorder", "DepthWeights",
+    "ExportError", "NoResidualStreamError", "PassContractError", "RoutingError", "Site", "SiteWeights",
+    "StreamMismatchError", "TraceError", "UnsupportedArchitectureError", "attnresify", "compile",
+    "conversion_options", "depth_metrics", "depth_monitor_callback", "depth_weights", "detect", "freeze",
+    "from_pretrained", "is_converted", "monitor_depth", "param_groups", "plan_of", "remove", "rewrite", "sites",
+    "unfreeze",
 ]

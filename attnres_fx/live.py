@@ -26,6 +26,7 @@ without its compiled state and compiles again at its first call.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import time
@@ -76,7 +77,9 @@ class Router:
         self.module = module
         self.path = path
         self.conversion = conversion
-        self._entry = None
+        # One Dynamo entry per compiler: a temporary switch to eager (:func:`eager_route`) keeps the
+        # compiled route's graphs, and the eager ones serve the next switch.
+        self._entries: dict[str, Any] = {}
 
     @property
     def __signature__(self) -> inspect.Signature:
@@ -93,7 +96,7 @@ class Router:
         return type(self.module).forward.__code__
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_entry": None}
+        return {**self.__dict__, "_entries": {}}
 
     def __repr__(self) -> str:
         return f"<attnres_fx routed forward of {type(self.module).__name__} at {self.path or '<root>'}>"
@@ -118,19 +121,21 @@ class Router:
 
     @property
     def entry(self):
-        """The Dynamo-compiled entry of this module: built at the first call, again after a pickle or a
-        change of compiler."""
-        if self._entry is None:
+        """The Dynamo-compiled entry of this module for the conversion's compiler: built at its first
+        call, again after a pickle or :func:`set_compiler`."""
+        compiler = self.conversion.compiler
+        if compiler not in self._entries:
             # Eager runs gain nothing from static shapes: capture with dynamic ones from the start, so
             # that a new length or batch reuses the graph (generate: prefill, then every decode step).
             # Inductor specialises first and makes a dimension dynamic once it changes.
-            dynamic = True if self.conversion.compiler == "eager" else None
-            self._entry = torch.compile(entry_function(type(self.module).forward), backend=AttnResBackend(self),
-                                        fullgraph=True, dynamic=dynamic, recompile_limit=RECOMPILE_LIMIT)
-        return self._entry
+            dynamic = True if compiler == "eager" else None
+            self._entries[compiler] = torch.compile(
+                entry_function(type(self.module).forward), backend=AttnResBackend(self, compiler),
+                fullgraph=True, dynamic=dynamic, recompile_limit=RECOMPILE_LIMIT)
+        return self._entries[compiler]
 
     def reset(self) -> None:
-        self._entry = None
+        self._entries.clear()
 
     @torch._dynamo.disable(reason=(
         "a model converted by attnres_fx runs its AttnRes rewrite through its own TorchDynamo route; "
@@ -168,14 +173,15 @@ class _HookGuards:
 class AttnResBackend:
     """The Dynamo backend of one router: rewrite the captured graph as planned, then run or compile it."""
 
-    def __init__(self, router: Router):
+    def __init__(self, router: Router, compiler: str):
         self.router = router
+        self.compiler = compiler
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Any:
         start = time.perf_counter()
         compiled = self._rewrite(gm, example_inputs)
         LOG.info("rewrote the graph Dynamo captured for a call of %s (%s route) in %.2f s", _where(self.router),
-                 self.router.conversion.compiler, time.perf_counter() - start)
+                 self.compiler, time.perf_counter() - start)
         return compiled
 
     def _rewrite(self, gm: fx.GraphModule, example_inputs: list) -> Any:
@@ -187,7 +193,7 @@ class AttnResBackend:
         regions = open_checkpoints(graph_module)
         detection = detect_residual_streams(graph_module)
         streams = match_streams(detection, conversion.plan, prefix=router.path, where=_where(router))
-        if conversion.compiler == "eager":
+        if self.compiler == "eager":
             # The model's own BlockAttnRes modules are called: hooks on them fire, as on any submodule.
             modules = {site.name: router.root.get_submodule(site.name) for s in streams for site in s.sites}
             BlockAttnResRewrite(conversion.plan, detection, ModuleCalls(graph_module, modules),
@@ -315,6 +321,22 @@ def uninstall(model: nn.Module, conversion: Conversion) -> None:
         delattr(model.get_submodule(parent), attribute)
     for path in conversion.routed:
         model.get_submodule(path).__dict__.pop("forward", None)
+
+
+@contextlib.contextmanager
+def eager_route(model: nn.Module):
+    """Within: the calls of the converted ``model`` take the eager route, whatever its compiler, so that
+    its ``BlockAttnRes`` modules run as modules (their hooks fire). The compiled route's graphs are
+    kept: after the block the model runs them again without recompiling."""
+    conversion = conversion_of(model)
+    if conversion is None:
+        raise ValueError(f"model: eager_route needs a converted model, got a {type(model).__name__}")
+    compiler = conversion.compiler
+    conversion.compiler = "eager"
+    try:
+        yield model
+    finally:
+        conversion.compiler = compiler
 
 
 def set_compiler(model: nn.Module, conversion: Conversion, compiler: str, options: dict[str, Any]) -> None:
