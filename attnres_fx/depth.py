@@ -31,7 +31,8 @@ import torch
 from torch import nn
 
 from .api import sites as sites_of
-from .block_attnres import BlockAttnRes, depth_logit, folded_query
+from .aggregation import depth_logit, folded_query
+from .block_attnres import BlockAttnRes
 from .errors import AttnResError
 from .live import conversion_of, eager_route
 from .passes.plan import Site
