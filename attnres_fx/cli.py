@@ -3,6 +3,7 @@
     attnres-fx demo [--model NAME] [--num-blocks N | --block-size S] [--preserve-scale] [--no-backends]
     attnres-fx convert PATH_OR_NAME --out DIR [--num-blocks N | --block-size S] [--preserve-scale]
     attnres-fx export MODEL_OR_DIR --onnx OUT.onnx [--with-cache] [--num-blocks N | --block-size S]
+    attnres-fx inspect MODEL_OR_DIR [--png OUT.png] [--text TEXT]
 
 NAME is ``tiny`` (the built-in model) or a tiny random-weight Hugging Face model (``llama``, ``t5``...);
 PATH / DIR is a local Hugging Face model directory (``config.json`` and safetensors weights; one
@@ -26,6 +27,7 @@ import torch
 
 from . import __version__, api
 from .checks import eps_bound, relative_error
+from .depth import depth_weights
 from .errors import AttnResError
 from .models import (HF_MODELS, HF_NAMES, LAYERS, HIDDEN, TinyConfig, TinyTransformer, build_hf, example_ids,
                      hf_example_inputs, hf_model, main_output)
@@ -250,6 +252,42 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def inspect_inputs(model: torch.nn.Module, inputs: tuple, kwargs: dict, text: str | None,
+                   directory: Path | None) -> tuple[tuple, dict]:
+    """The inputs depth weights are measured on: ``text`` through the directory's tokenizer when it has
+    one, else as UTF-8 bytes folded into the vocabulary; without ``text``, the example inputs."""
+    if text is None:
+        return inputs, kwargs
+    vocabulary = next((m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
+    if vocabulary is None:
+        raise UsageError(f"--text: {type(model).__name__} takes no token ids")
+    if directory is not None and (directory / "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer
+
+        ids = AutoTokenizer.from_pretrained(directory)(text, return_tensors="pt")["input_ids"]
+    else:
+        ids = torch.tensor([list(text.encode())], dtype=torch.long) % vocabulary
+    return ((ids,), {}) if inputs else ((), {"input_ids": ids})
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    model, inputs, kwargs = model_or_directory(args.model, args)
+    directory = Path(args.model) if args.model not in MODELS else None
+    inputs, kwargs = inspect_inputs(model, inputs, kwargs, args.text, directory)
+    print(f"{type(model).__name__}: sites (block 0 is the embedding)")
+    print(api.plan_of(model).table(indent="  "))
+    with step("\nMeasuring the depth attention (one call, no gradients)"):
+        weights = depth_weights(model.eval(), *inputs, **kwargs)
+    print(weights)
+    if args.png:
+        try:
+            path = weights.plot(args.png)
+        except ImportError as err:
+            raise UsageError(str(err)) from err
+        print(f"Depth-attention map written to {path}")
+    return 0
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -320,8 +358,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(export)
     export.add_argument("--opset", type=_positive_int, default=None, help="ONNX opset (default: the exporter's)")
     export.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
-                        help="onnxruntime device (default: the model's)")
+                        help="onnxruntime device (default: cpu)")
     export.set_defaults(func=cmd_export)
+
+    inspect = sub.add_parser("inspect", help="show what a converted model attends to over depth",
+                             description="Print the sites of a converted model (a directory written by convert, "
+                                         "or a model converted here) and the softmax weights each site gives its "
+                                         "sources, averaged over the tokens of one call; optionally a heatmap.")
+    inspect.add_argument("model", metavar="MODEL_OR_DIR", help=f"a model directory, or one of: {', '.join(MODELS)}")
+    inspect.add_argument("--png", metavar="OUT", default=None,
+                         help="write the depth-attention heatmap there (needs attnres-fx[viz]; default: none)")
+    inspect.add_argument("--text", default=None,
+                         help="text to measure on: the directory's tokenizer if it has one, else UTF-8 bytes "
+                              "(default: the model's example inputs)")
+    _add_model_options(inspect)
+    inspect.set_defaults(func=cmd_inspect)
     return parser
 
 

@@ -1,7 +1,7 @@
 """Training a converted model: optimizer groups, a frozen warm-up, and a monitor of the depth attention.
 
 The AttnRes parameters (each site's pseudo-query ``proj.weight`` and key norm ``norm.weight``) are few
-and behave unlike the rest (METHOD.md, section 7):
+and behave unlike the rest (docs/method.md, section 7):
 
 - they take a larger learning rate (1.5-2x is reported to work) and no or light weight decay: decay
   pulls a pseudo-query back to zero, that is to uniform averaging over depth;

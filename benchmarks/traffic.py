@@ -33,8 +33,8 @@ is the default; ``strict=True`` charges the write too (+1 per layer for the two-
 The paper's Table 1 quotes the most expensive layer, the last one (n = N, i = S); this model reports it
 (``reads`` / ``writes``) together with the mean over all L layers. For L = 128, N = 8, S = 16 it gives
 standard 3d, Block two-phase 3.5 + 2 = 5.5d and Full two-phase (7 + 1/16) + 16 + 1 = 24.06d, the
-paper's 3d, 5.5d and 24d (:func:`check_against_paper`). mHC (34d with m = 4 streams) is quoted by
-METHOD.md without its terms, so it is not modelled.
+paper's 3d, 5.5d and 24d (:func:`check_against_paper`). mHC (34d with m = 4 streams) is quoted in
+docs/method.md without its terms, so it is not modelled.
 
 ``passes`` is how many times an aggregation reads each of its sources: 1 for the fused kernels the
 paper assumes; 2 for a kernel that computes the logits in one loop and the weighted sum in another

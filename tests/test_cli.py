@@ -68,3 +68,15 @@ def test_preserve_scale_demo_is_judged_exact(tmp_path, capsys):
                  str(tmp_path), "--no-backends"]) == 0
     out = capsys.readouterr().out
     assert "preserve_scale=True: exact up to fp32 round-off" in out and "as given on the command line" in out
+
+
+def test_inspect_prints_sites_and_depth_weights_and_writes_the_heatmap(tmp_path, capsys):
+    png = tmp_path / "depth.png"
+    assert main(["inspect", "tiny", "--layers", "2", "--dim", "32", "--block-size", "2", "--png", str(png),
+                 "--text", "def f(x): return x"]) == 0
+    out = capsys.readouterr().out
+    assert "blocks.1.mlp_res" in out and "entropy" in out and f"written to {png}" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith("blocks.1.mlp_res ")]
+    weights = [float(cell) for cell in rows[-1][3:-2]]
+    assert abs(sum(weights) - 1) < 1e-3, "a site's weights over its sources sum to 1"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
