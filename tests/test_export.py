@@ -276,13 +276,6 @@ def test_cli_export(tmp_path, capsys):
     assert "providers used: CPUExecutionProvider" in out and "max |onnxruntime - torch|" in out
 
 
-def test_cli_export_unknown_model(tmp_path, capsys):
-    with pytest.raises(SystemExit) as exit_:
-        cli_main(["export", "no-such-model", "--onnx", str(tmp_path / "x.onnx")])
-    assert exit_.value.code == 2
-    assert "invalid choice: 'no-such-model'" in capsys.readouterr().err
-
-
 @pytest.mark.slow
 def test_cli_demo_reports_eager_compiled_and_onnxruntime(tmp_path, capsys):
     assert cli_main(["demo", "--layers", "2", "--dim", "32", "--out", str(tmp_path)]) == 0
