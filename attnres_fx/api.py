@@ -29,7 +29,7 @@ DETECT_TRACERS = ("auto", "dynamo", "fx", "export")
 
 def attnresify(model: nn.Module, example_inputs: Any = None, *, example_kwargs: dict | None = None,
                num_blocks: int | None = None, block_size: int | None = None, preserve_scale: bool = False,
-               eps: float = DEFAULT_EPS) -> nn.Module:
+               eps: float = DEFAULT_EPS, allow_partial: bool = False) -> nn.Module:
     """Convert ``model`` in place to Block Attention Residuals and return it (the same object).
 
     The model keeps its class, submodules, methods, call signature and train/eval behaviour. It gains one
@@ -53,16 +53,22 @@ def attnresify(model: nn.Module, example_inputs: Any = None, *, example_kwargs: 
             converted model computes exactly the original function on any architecture. ``False`` (the
             paper's convex combination) is identical only up to the pre-norms' ``eps``.
         eps: epsilon of the keys' RMSNorm (a positive number).
+        allow_partial: convert the residual streams even where an add that continues one is no
+            residual site (a bias added between layers, a long skip that adds an earlier value of the
+            stream back): such adds stay plain adds, reading the aggregate that stands for the
+            stream value they read. By default they raise :class:`~attnres_fx.UnsupportedArchitectureError` naming
+            them; ``print(attnres_fx.detect(model, ...))`` lists them too.
 
     Conversion is atomic: on any error the model is exactly as before. Undo it with :func:`remove`.
     """
-    _check_arguments(model, example_inputs, example_kwargs, num_blocks, block_size, preserve_scale, eps)
+    _check_arguments(model, example_inputs, example_kwargs, num_blocks, block_size, preserve_scale, eps,
+                     allow_partial)
     if live.conversion_of(model) is not None:
         raise AttnResError(f"{type(model).__name__} is already converted (attnres_fx.sites(model) lists its "
                            "sites); call attnres_fx.remove(model) first to convert it again")
     traced = capture_for_plan(model, _as_tuple(example_inputs), example_kwargs)
     detection = detect_residual_streams(traced.graph_module)
-    _check_detection(model, detection)
+    _check_detection(model, detection, allow_partial)
     _warn_raw_reads(detection, preserve_scale)
     plan = make_plan(detection, dict(model.named_modules()), num_blocks=num_blocks, block_size=block_size,
                      preserve_scale=preserve_scale, eps=eps)
@@ -175,7 +181,8 @@ def _as_tuple(example_inputs) -> tuple | None:
     return (example_inputs,)
 
 
-def _check_arguments(model, example_inputs, example_kwargs, num_blocks, block_size, preserve_scale, eps) -> None:
+def _check_arguments(model, example_inputs, example_kwargs, num_blocks, block_size, preserve_scale, eps,
+                     allow_partial) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if any(isinstance(m, BlockAttnRes) for m in model.modules()) and live.conversion_of(model) is None:
@@ -189,16 +196,24 @@ def _check_arguments(model, example_inputs, example_kwargs, num_blocks, block_si
     for name, value in (("block_size", block_size), ("num_blocks", num_blocks)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if not isinstance(preserve_scale, bool):
-        raise TypeError(f"preserve_scale must be a bool, got {type(preserve_scale).__name__}")
+    for name, value in (("preserve_scale", preserve_scale), ("allow_partial", allow_partial)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
         raise ValueError(f"eps must be a positive finite number, got {eps!r}")
 
 
-def _check_detection(model: nn.Module, detection: Detection) -> None:
+def _check_detection(model: nn.Module, detection: Detection, allow_partial: bool) -> None:
+    name = type(model).__name__
+    if detection.streams and detection.unconverted and not allow_partial:
+        adds = "\n".join(f"  - {add}" for add in detection.unconverted)
+        raise UnsupportedArchitectureError(
+            f"the residual stream of {name} continues through adds that are no residual site:\n{adds}\n"
+            "Converting the rest would leave them as plain adds, so the model would be converted only in "
+            "part. Pass allow_partial=True to do that anyway (each such add then reads the aggregate that "
+            "stands for the stream value it read), or write the model so that these adds are residual sites.")
     if detection.streams:
         return
-    name = type(model).__name__
     if detection.post_norm:
         raise UnsupportedArchitectureError(
             f"{name} is a post-norm Transformer: each residual sum is normalised before the next layer "

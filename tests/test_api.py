@@ -30,6 +30,7 @@ def test_converts_in_place_and_returns_the_same_object(model):
     ({"eps": 0.0}, ValueError, "eps"), ({"eps": -1e-6}, ValueError, "eps"), ({"eps": float("nan")}, ValueError, "eps"),
     ({"eps": float("inf")}, ValueError, "eps"), ({"eps": "1e-6"}, ValueError, "eps"),
     ({"preserve_scale": 1}, TypeError, "preserve_scale"), ({"preserve_scale": "yes"}, TypeError, "preserve_scale"),
+    ({"allow_partial": None}, TypeError, "allow_partial"),
     ({"example_kwargs": [("ids", 1)]}, TypeError, "example_kwargs"),
     ({"example_inputs": "ids"}, TypeError, "example_inputs"), ({"example_inputs": 3}, TypeError, "example_inputs"),
 ])

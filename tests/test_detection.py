@@ -7,7 +7,7 @@ import attnres_fx
 from attnres_fx.models import TinyTransformer
 from conftest import converted
 from toy_models import (ChunkedLinearAttention, EncoderDecoder, LayerStack, MoE, NestedModel, NoResidualModel,
-                        PostNormModel, RawBranchModel, RopeAttention, RopeModel, ScaledAddLayer,
+                        PostNormModel, RawBranchModel, RopeAttention, RopeModel, ScaledAddLayer, SkipStack,
                         make_inputs)
 
 
@@ -179,6 +179,33 @@ def test_writes_into_buffers_carry_values():
 
 
 # -- adds that continue a stream but are no site: never converted around silently -------------------------
+
+@pytest.mark.parametrize("kind,add,reason", [
+    ("long_skip", "add_8", "long skip"),
+    ("unet", "add_4", "long skip"),
+    ("bias", "add_4", "operands are independent"),
+])
+def test_an_add_on_the_stream_that_is_no_site_is_refused_unless_allowed(kind, add, reason, untouched):
+    """A long skip after the last layer or in the middle (U-Net), or a bias added between layers: the
+    stream continues through an add that is no residual site. Detection lists it, conversion refuses;
+    with ``allow_partial=True`` the add stays, reading the aggregate that stands for the stream value it
+    read, and ``preserve_scale=True`` still reproduces the original exactly."""
+    torch.manual_seed(0)
+    model = SkipStack(kind).eval()
+    ids = make_inputs()
+    detection = detect(model, ids)
+    assert [(r.node, reason in r.reason) for r in detection.unconverted] == [(add, True)]
+    assert f"{add}: " in str(detection) and "no residual site" in str(detection)
+    check = untouched(model)
+    refusal = rf"(?s)no residual site:\n  - \w+: [^\n]*{reason}.*allow_partial=True"
+    with pytest.raises(attnres_fx.UnsupportedArchitectureError, match=refusal):
+        attnres_fx.attnresify(model, (ids,))
+    check()
+    new = converted(model, ids, allow_partial=True, preserve_scale=True)
+    assert sum(s.kind != "final" for s in attnres_fx.sites(new)) == 8
+    with torch.no_grad():
+        torch.testing.assert_close(new(ids), model(ids), rtol=1e-5, atol=1e-5)
+
 
 def test_a_fork_is_reported():
     """Two residual sites reading one sum: the stream ends there; the sites after it are rejected and,
