@@ -66,6 +66,21 @@ def test_untraceable_model_raises_trace_error_with_the_cause(untouched):
     check()
 
 
+@pytest.mark.parametrize("inputs,cause", [
+    (torch.randn(2, 16), r"Expected tensor for argument #1 'indices' to have one of the following scalar types"),
+    (torch.randint(0, 128, (2, 16, 3)), r"RuntimeError: .*shape"),
+])
+def test_a_model_that_fails_on_the_example_inputs_raises_the_root_cause(model, untouched, inputs, cause):
+    """Float ids for an embedding (the dtype), or ids of one dimension too many (a shape): the message
+    names the model, says it failed on the inputs and carries the innermost error, with the line."""
+    check = untouched(model)
+    with pytest.raises(attnres_fx.TraceError, match=r"TinyTransformer fails on the example inputs at \w+\.py:\d+") as err:
+        attnres_fx.attnresify(model, (inputs,))
+    assert len(str(err.value).splitlines()) == 2
+    assert __import__("re").search(cause, str(err.value)), str(err.value)
+    check()
+
+
 def test_no_residual_stream_error_lists_the_adds(untouched):
     model = NoResidualModel()
     check = untouched(model)

@@ -178,3 +178,18 @@ def test_a_pure_state_space_model_is_one_stream_of_mixers():
     torch.manual_seed(0)
     check_everywhere(T.LayerStack([T.MixerLayer(T.SelectiveScan()) for _ in range(3)]), ["mixer"] * 3,
                      tracers=("export",))
+
+
+# -- 6. a model whose residual adds are all inside torch.nn modules ------------------------------------
+
+def test_torch_transformer_encoder_is_traced_through():
+    """fx keeps torch.nn modules as leaves; the ones holding norms are traced through, so all three
+    captures see the encoder's four residual adds, and a conversion without example inputs works."""
+    torch.manual_seed(0)
+    model = T.TorchTransformerEncoder()
+    check_everywhere(model, ["attn", "mlp"] * 2)
+    new = attnres_fx.attnresify(copy.deepcopy(model).eval(), preserve_scale=True)
+    ids = T.make_inputs()
+    with torch.no_grad():
+        assert relative(new(ids), model.eval()(ids)) < EXACT
+    assert torch.backends.mha.get_fastpath_enabled(), "tracing restores torch's fast-path setting"
