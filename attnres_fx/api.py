@@ -149,9 +149,10 @@ def detect(model: nn.Module, example_inputs: Any = None, *, example_kwargs: dict
     """Dry run: capture ``model`` and return the residual streams found, without changing anything.
 
     ``print(detect(model))`` shows one row per site: layer, kind, whether the branch reads the stream
-    through a norm; ``.rejected`` lists every other add, and why. ``tracer="auto"`` captures the way
-    :func:`attnresify` does; ``"dynamo"``, ``"fx"`` and ``"export"`` force one capture. On a converted
-    model it shows the streams as the model was written.
+    through a norm; ``.rejected`` lists every other add, and why; ``.unconverted`` the adds that
+    continue a stream but are no site (:func:`attnresify` refuses them unless ``allow_partial=True``).
+    ``tracer="auto"`` captures the way :func:`attnresify` does; ``"dynamo"``, ``"fx"`` and ``"export"``
+    force one capture. On a converted model it shows the streams as the model was written.
     """
     if tracer not in DETECT_TRACERS:
         raise ValueError(f"tracer must be one of {DETECT_TRACERS}, got {tracer!r}")
