@@ -8,6 +8,7 @@ pseudo-queries the explicit graphs compute what the live model does.
 
 import copy
 
+import pytest
 import torch
 
 import attnres_fx
@@ -193,3 +194,18 @@ def test_torch_transformer_encoder_is_traced_through():
     with torch.no_grad():
         assert relative(new(ids), model.eval()(ids)) < EXACT
     assert torch.backends.mha.get_fastpath_enabled(), "tracing restores torch's fast-path setting"
+
+
+@pytest.mark.slow
+def test_inductor_route_on_a_reshaped_stream():
+    """attnres_fx.compile emits the aggregations with their weights as graph inputs (the other emitter);
+    the reshapes between layouts are the same, and the compiled model computes what eager does (1e-5:
+    Inductor reorders the fp32 sums)."""
+    torch.manual_seed(0)
+    model = T.LayerStack([T.ReshapedMLPLayer("reshape"), T.ReshapedMLPLayer("flatten")]).eval()
+    ids = T.make_inputs()
+    new = randomise_pseudo_queries(converted(model, ids, block_size=1))
+    with torch.no_grad():
+        eager = new(ids)
+        attnres_fx.compile(new)
+        assert relative(new(ids), eager) < EXACT
