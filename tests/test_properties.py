@@ -20,6 +20,8 @@ Profiles (registered in conftest.py): ``ci``, derandomised and small, is what ``
 the end of this file, calling :func:`check_architecture` with it.
 """
 
+import copy
+
 import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
@@ -30,9 +32,20 @@ from attnres_fx.testing.family import (MIXERS, MLPS, NORMS, RESHAPES, RESIDUALS,
                                        attnres_forward)
 from conftest import assert_untouched, snapshot
 
-# preserve_scale=True at zero init is the original function up to fp32 reassociation of the sums (~1e-7);
-# against the native forward, the same fp32 math in another order (folded key-norm weight, no stack).
+# preserve_scale=True at zero init is the original function up to fp32 reassociation of the sums (~1e-7).
 EXACT = 1e-5
+
+
+def native_forward(model, ids, injected, block_size, dtype):
+    """:func:`attnres_forward` of a copy of the converted ``model`` in ``dtype``, with its pseudo-queries."""
+    modules = {(s.position, s.kind): model.get_submodule(s.name) for s in injected}
+    copy_in_dtype = copy.deepcopy(model).to(dtype)
+
+    def query(position, kind):
+        module = modules[position, kind]
+        return module.proj.weight.to(dtype), module.norm.weight.to(dtype)
+
+    return attnres_forward(copy_in_dtype, ids, query, block_size=block_size, preserve_scale=True)
 
 
 @st.composite
@@ -87,15 +100,13 @@ def check_architecture(arch: Architecture, block_size: int | None, seed: int) ->
         assert relative(model(ids), original) < EXACT
 
         randomise_pseudo_queries(model, seed=seed)
-        modules = {(s.position, s.kind): model.get_submodule(s.name) for s in injected}
-
-        def query(position, kind):
-            module = modules[position, kind]
-            return module.proj.weight, module.norm.weight
-
-        native = attnres_forward(model, ids, query, block_size=attnres_fx.plan_of(model).block_sizes[0],
-                                 preserve_scale=True)
-        assert relative(model(ids), native) < EXACT
+        block_size = attnres_fx.plan_of(model).block_sizes[0]
+        native = native_forward(model, ids, injected, block_size, torch.float32)
+        # The native forward sums in another order (stacked sources, einsum); through up to 12 sites with
+        # random queries and norms, fp32 round-off grows to ~1e-5 on some architectures. The bound is that
+        # round-off as measured on this one (the native forward in fp32 against float64), with margin.
+        round_off = relative(native, native_forward(model, ids, injected, block_size, torch.float64).float())
+        assert relative(model(ids), native) < max(EXACT, 4 * round_off)
     attnres_fx.remove(model)
     assert_untouched(model, before)
     with torch.no_grad():
@@ -117,3 +128,18 @@ def check_architecture(arch: Architecture, block_size: int | None, seed: int) ->
 @given(arch=architectures(), block_size=st.none() | st.integers(1, 12), seed=st.integers(0, 2 ** 16))
 def test_random_architectures_convert_exactly_and_match_the_native_forward(arch, block_size, seed):
     check_architecture(arch, block_size, seed)
+
+
+# -- counterexamples the fuzz profile found -------------------------------------------------------------
+
+def test_deep_post_norm_stack_is_held_to_its_measured_round_off():
+    """Six sequential layers with post-branch norms, tokens flattened for the MLP sites, scans and masked
+    attention, random pseudo-queries: the native forward's own fp32 round-off reaches 1.4e-5 relative
+    (against float64), so a fixed 1e-5 bound failed on round-off, not on the conversion (which is 1.1e-6
+    from the float64 forward)."""
+    check_architecture(Architecture(depth=6, norm="layernorm", residual="plus", parallel=False, post_norm=True,
+                                    learned_positions=True, tied_embeddings=False,
+                                    mixers=("scan", "masked_attention", "scan", "masked_attention",
+                                            "masked_attention", "masked_attention"),
+                                    mlps=("gelu", "gated", "moe", "gelu", "moe", "moe"), reshape="flatten"),
+                       block_size=None, seed=308)
