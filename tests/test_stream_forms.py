@@ -181,6 +181,16 @@ def test_a_pure_state_space_model_is_one_stream_of_mixers():
                      tracers=("export",))
 
 
+def test_without_example_inputs_a_scan_that_fx_cannot_trace_asks_for_them(untouched):
+    """fx symbolic tracing (the capture without example inputs) cannot trace ``y[:, t] = ...``: the error
+    says so and asks for example inputs, with which the same model converts (the test above)."""
+    model = T.LayerStack([T.MixerLayer(T.SelectiveScan()) for _ in range(2)])
+    check = untouched(model)
+    with pytest.raises(attnres_fx.TraceError, match=r"(?s)item assignment.*pass example_inputs"):
+        attnres_fx.attnresify(model)
+    check()
+
+
 # -- 6. a model whose residual adds are all inside torch.nn modules ------------------------------------
 
 def test_torch_transformer_encoder_is_traced_through():
