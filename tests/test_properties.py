@@ -130,6 +130,22 @@ def test_random_architectures_convert_exactly_and_match_the_native_forward(arch,
     check_architecture(arch, block_size, seed)
 
 
+@given(arch=architectures(), block_size=st.integers(1, 12))
+def test_the_native_forward_with_zero_queries_is_the_original_model(arch, block_size):
+    """The oracle itself: with every pseudo-query zero and ``preserve_scale`` each aggregate is the plain
+    sum of its sources, so the native forward is the model's own (cheap: no conversion involved)."""
+    torch.manual_seed(0)
+    model = FamilyModel(arch).eval()
+    ids = torch.randint(0, arch.vocab, (2, arch.length))
+
+    def zero_query(position, kind):
+        return torch.zeros(1, arch.dim), torch.ones(arch.dim)
+
+    with torch.no_grad():
+        native = attnres_forward(model, ids, zero_query, block_size=block_size, preserve_scale=True)
+        assert relative(native, model(ids)) < EXACT
+
+
 # -- counterexamples the fuzz profile found -------------------------------------------------------------
 
 def test_deep_post_norm_stack_is_held_to_its_measured_round_off():

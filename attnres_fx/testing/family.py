@@ -16,7 +16,9 @@ aggregate taken before the site; the final aggregation comes before the final no
                         mlps=("gelu", "moe"), reshape="none")
     model = FamilyModel(arch)
     logits = model(ids)                                             # ids: [batch, arch.length]
-    native = attnres_forward(model, ids, queries, block_size=2)     # queries: see attnres_forward
+    # one (pseudo-query [1, D], key-norm weight [D]) per aggregation, e.g. zero queries (the mean):
+    native = attnres_forward(model, ids, lambda site, kind: (torch.zeros(1, 16), torch.ones(16)),
+                             block_size=2)
 """
 
 from __future__ import annotations
