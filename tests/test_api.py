@@ -1,5 +1,6 @@
 """Public API contract: arguments, errors, and the user's model left bit-identical by every failure."""
 
+import re
 import subprocess
 import sys
 
@@ -74,10 +75,11 @@ def test_a_model_that_fails_on_the_example_inputs_raises_the_root_cause(model, u
     """Float ids for an embedding (the dtype), or ids of one dimension too many (a shape): the message
     names the model, says it failed on the inputs and carries the innermost error, with the line."""
     check = untouched(model)
-    with pytest.raises(attnres_fx.TraceError, match=r"TinyTransformer fails on the example inputs at \w+\.py:\d+") as err:
+    failed = r"TinyTransformer fails on the example inputs at \w+\.py:\d+"
+    with pytest.raises(attnres_fx.TraceError, match=failed) as err:
         attnres_fx.attnresify(model, (inputs,))
     assert len(str(err.value).splitlines()) == 2
-    assert __import__("re").search(cause, str(err.value)), str(err.value)
+    assert re.search(cause, str(err.value)), str(err.value)
     check()
 
 
