@@ -159,8 +159,8 @@ def test_parallel_layer_with_hand_written_rms_norms_is_the_same_under_export_and
 
 def test_hybrid_of_mixers_attention_and_experts():
     """Linear attention as a recurrence (outputs stacked from a list, copied into a buffer, written with
-    index_put_), in cumulative-sum form, a custom-op scan, attention, MLP and MoE sublayers. In the three
-    recurrent mixers the only path from the input to the output goes through writes into buffers."""
+    index_put_), in cumulative-sum form, a custom-op scan, attention, MLP and MoE sublayers. In the
+    copy_ and index_put_ mixers the only path from the input to the output goes through those writes."""
     torch.manual_seed(0)
     model = T.LayerStack([
         T.MixerLayer(T.RecurrentLinearAttention("stack"), T.MoE()),
