@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast bench bench-quick compare compare-quick clean
+.PHONY: venv demo test test-fast fuzz bench bench-quick compare compare-quick clean
 
 venv: $(STAMP)
 
@@ -28,6 +28,10 @@ test: venv
 
 test-fast: venv
 	$(PYTEST) -m "not slow"
+
+# The property tests with many random examples (make test runs a small derandomised set).
+fuzz: venv
+	$(PY) -m pytest -q tests/test_properties.py --hypothesis-profile=fuzz --hypothesis-show-statistics --timeout=0
 
 bench: venv
 	$(PY) benchmarks/bench.py

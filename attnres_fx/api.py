@@ -32,7 +32,7 @@ LOG = logging.getLogger("attnres_fx")
 
 def attnresify(model: nn.Module, example_inputs: Any = None, *, example_kwargs: dict | None = None,
                num_blocks: int | None = None, block_size: int | None = None, preserve_scale: bool = False,
-               eps: float = DEFAULT_EPS) -> nn.Module:
+               eps: float = DEFAULT_EPS, allow_partial: bool = False) -> nn.Module:
     """Convert ``model`` in place to Block Attention Residuals and return it (the same object).
 
     The model keeps its class, submodules, methods, call signature and train/eval behaviour. It gains one
@@ -56,17 +56,23 @@ def attnresify(model: nn.Module, example_inputs: Any = None, *, example_kwargs: 
             converted model computes exactly the original function on any architecture. ``False`` (the
             paper's convex combination) is identical only up to the pre-norms' ``eps``.
         eps: epsilon of the keys' RMSNorm (a positive number).
+        allow_partial: convert the residual streams even where an add that continues one is no
+            residual site (a bias added between layers, a long skip that adds an earlier value of the
+            stream back): such adds stay plain adds, reading the aggregate that stands for the
+            stream value they read. By default they raise :class:`~attnres_fx.UnsupportedArchitectureError` naming
+            them; ``print(attnres_fx.detect(model, ...))`` lists them too.
 
     Conversion is atomic: on any error the model is exactly as before. Undo it with :func:`remove`.
     """
-    _check_arguments(model, example_inputs, example_kwargs, num_blocks, block_size, preserve_scale, eps)
+    _check_arguments(model, example_inputs, example_kwargs, num_blocks, block_size, preserve_scale, eps,
+                     allow_partial)
     if live.conversion_of(model) is not None:
         raise RoutingError(f"{type(model).__name__} is already converted (attnres_fx.sites(model) lists its "
                            "sites); call attnres_fx.remove(model) first to convert it again")
     start = time.perf_counter()
     traced = capture_for_plan(model, as_args(example_inputs), example_kwargs)
     detection = detect_residual_streams(traced.graph_module)
-    _check_detection(model, detection)
+    _check_detection(model, detection, allow_partial)
     _warn_raw_reads(detection, preserve_scale)
     plan = make_plan(detection, dict(model.named_modules()), num_blocks=num_blocks, block_size=block_size,
                      preserve_scale=preserve_scale, eps=eps)
@@ -166,9 +172,10 @@ def detect(model: nn.Module, example_inputs: Any = None, *, example_kwargs: dict
     """Dry run: capture ``model`` and return the residual streams found, without changing anything.
 
     ``print(detect(model))`` shows one row per site: layer, kind, whether the branch reads the stream
-    through a norm; ``.rejected`` lists every other add, and why. ``tracer="auto"`` captures the way
-    :func:`attnresify` does; ``"dynamo"``, ``"fx"`` and ``"export"`` force one capture. On a converted
-    model it shows the streams as the model was written.
+    through a norm; ``.rejected`` lists every other add, and why; ``.unconverted`` the adds that
+    continue a stream but are no site (:func:`attnresify` refuses them unless ``allow_partial=True``).
+    ``tracer="auto"`` captures the way :func:`attnresify` does; ``"dynamo"``, ``"fx"`` and ``"export"``
+    force one capture. On a converted model it shows the streams as the model was written.
     """
     if tracer not in DETECT_TRACERS:
         raise ValueError(f"tracer must be one of {DETECT_TRACERS}, got {tracer!r}")
@@ -190,7 +197,8 @@ def _conversion(model: nn.Module, caller: str) -> live.Conversion:
     return conversion
 
 
-def _check_arguments(model, example_inputs, example_kwargs, num_blocks, block_size, preserve_scale, eps) -> None:
+def _check_arguments(model, example_inputs, example_kwargs, num_blocks, block_size, preserve_scale, eps,
+                     allow_partial) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if any(isinstance(m, BlockAttnRes) for m in model.modules()) and live.conversion_of(model) is None:
@@ -204,16 +212,24 @@ def _check_arguments(model, example_inputs, example_kwargs, num_blocks, block_si
     for name, value in (("block_size", block_size), ("num_blocks", num_blocks)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if not isinstance(preserve_scale, bool):
-        raise TypeError(f"preserve_scale must be a bool, got {type(preserve_scale).__name__}")
+    for name, value in (("preserve_scale", preserve_scale), ("allow_partial", allow_partial)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
         raise ValueError(f"eps must be a positive finite number, got {eps!r}")
 
 
-def _check_detection(model: nn.Module, detection: Detection) -> None:
+def _check_detection(model: nn.Module, detection: Detection, allow_partial: bool) -> None:
+    name = type(model).__name__
+    if detection.streams and detection.unconverted and not allow_partial:
+        adds = "\n".join(f"  - {add}" for add in detection.unconverted)
+        raise UnsupportedArchitectureError(
+            f"the residual stream of {name} continues through adds that are no residual site:\n{adds}\n"
+            "Converting the rest would leave them as plain adds, so the model would be converted only in "
+            "part. Pass allow_partial=True to do that anyway (each such add then reads the aggregate that "
+            "stands for the stream value it read), or write the model so that these adds are residual sites.")
     if detection.streams:
         return
-    name = type(model).__name__
     if detection.post_norm:
         raise UnsupportedArchitectureError(
             f"{name} is a post-norm Transformer: each residual sum is normalised before the next layer "

@@ -19,11 +19,15 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import os
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
+from unittest import mock
 
 import torch
 from torch import fx, nn
+from torch.nn.modules import transformer as transformer_modules
 
 from attnres_fx.passes.checkpoints import open_checkpoints
 from attnres_fx.passes.node_kinds import is_norm_module
@@ -31,6 +35,8 @@ from attnres_fx.passes.node_kinds import is_norm_module
 from .errors import TraceError
 
 TRACERS = ("auto", "fx", "export")
+# Frames that are not the model's code: torch's, and this module's entry function.
+_NOT_THE_MODEL = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep, os.path.abspath(__file__))
 
 
 class _CaptureState:
@@ -44,11 +50,17 @@ STATE = _CaptureState()
 
 @contextlib.contextmanager
 def capturing():
-    """Within: routed modules of converted models run their own forward (see the module docstring)."""
+    """Within: routed modules of converted models run their own forward (see the module docstring), and
+    torch.nn's Transformer layers take their regular path: their inference fast path runs a whole layer,
+    residual adds included, as one fused op that no rewrite can reach into (the regular path is the
+    same computation, in the layer's own ops)."""
     STATE.depth += 1
+    fast_path = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
     try:
         yield
     finally:
+        torch.backends.mha.set_fastpath_enabled(fast_path)
         STATE.depth -= 1
 
 
@@ -89,10 +101,35 @@ def copy_training_flags(source: nn.Module, target: nn.Module) -> None:
 
 
 class NormLeafTracer(fx.Tracer):
-    """``torch.fx.Tracer`` that keeps normalisation modules as single ``call_module`` nodes."""
+    """``torch.fx.Tracer`` that keeps normalisation modules as single ``call_module`` nodes.
+
+    fx keeps every module of ``torch.nn`` as a leaf; a ``torch.nn`` module that holds a norm
+    (``TransformerEncoderLayer``, ``TransformerEncoder``) holds residual adds, so it is traced through.
+    """
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return is_norm_module(m) or super().is_leaf_module(m, module_qualified_name)
+        if is_norm_module(m):
+            return True
+        if any(is_norm_module(child) for child in m.modules()):
+            return False
+        return super().is_leaf_module(m, module_qualified_name)
+
+
+def _recorded(function: Callable) -> Callable:
+    """``function`` as one ``call_function`` node when fx traces it with a proxy argument."""
+    def call(*args, **kwargs):
+        proxy = next((a for a in args if isinstance(a, fx.Proxy)), None)
+        if proxy is None:
+            return function(*args, **kwargs)
+        return proxy.tracer.create_proxy("call_function", function, args, kwargs)
+    return call
+
+
+def _torch_transformers_traceable():
+    """Within: fx can trace torch.nn's Transformer modules. Besides their fast path (off while
+    :func:`capturing`), they read the sequence length with Python control flow on the input
+    (``src.is_nested``): that helper is recorded as one call."""
+    return mock.patch.object(transformer_modules, "_get_seq_len", _recorded(transformer_modules._get_seq_len))
 
 
 @dataclass(frozen=True)
@@ -220,7 +257,8 @@ def _trace(model, example_inputs, example_kwargs, tracer, dynamic_shapes) -> Tra
 
 def _trace_fx(model: nn.Module) -> fx.GraphModule:
     tracer = NormLeafTracer()
-    graph = tracer.trace(model)
+    with _torch_transformers_traceable():
+        graph = tracer.trace(model)
     name = type(model).__name__
     return fx.GraphModule(tracer.root, graph, name)
 
@@ -294,10 +332,55 @@ def _fx_message(model, err) -> str:
             "keyword-only forwards), or remove data-dependent control flow from forward().")
 
 
+def _root_cause(err: BaseException) -> BaseException:
+    """The innermost exception ``err`` was raised from (Dynamo wraps a failing op twice)."""
+    seen = {id(err)}
+    while (inner := err.__cause__ or err.__context__) is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        err = inner
+    return err
+
+
+_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in \S+$')
+
+
+def _user_frame(err: BaseException) -> str | None:
+    """``file:line (code)`` of the innermost line of the model's own code in a Dynamo report."""
+    lines = str(err).splitlines()
+    found = None
+    for number, text in enumerate(lines):
+        frame = _FRAME.match(text)
+        if frame and not frame.group(1).startswith(_NOT_THE_MODEL):
+            code = lines[number + 1].strip() if number + 1 < len(lines) else ""
+            found = f"{os.path.basename(frame.group(1))}:{frame.group(2)}"
+            if code and not _FRAME.match(lines[number + 1]):
+                found += f" ({code})"
+    return found
+
+
+def _failed_on_inputs(err: BaseException) -> bool:
+    """Whether Dynamo stopped because an op of the model failed on the (fake) inputs, as it would when
+    run: a dtype or shape the model does not take, rather than a construct it cannot capture."""
+    while err is not None:
+        if isinstance(err, torch._dynamo.exc.TorchRuntimeError):
+            return True
+        err = err.__cause__
+    return False
+
+
 def _dynamo_message(model, err) -> str:
-    return (f"TorchDynamo could not capture {type(model).__name__}.forward as one graph: {type(err).__name__}: "
+    name = type(model).__name__
+    cause = _root_cause(err)
+    where = _user_frame(err)
+    at = f" at {where}" if where else ""
+    if _failed_on_inputs(err):
+        return (f"{name} fails on the example inputs{at}: {type(cause).__name__}: {_first_line(cause)}\n"
+                "attnres_fx captures the model with example inputs as it is called (on fake tensors: nothing "
+                "runs); pass inputs of the dtype and shape the model takes.")
+    return (f"TorchDynamo could not capture {name}.forward as one graph{at}: {type(err).__name__}: "
             f"{_first_line(err)}\n"
-            "attnres_fx routes every call of a converted model through one Dynamo graph (fullgraph), so "
+            + (f"Cause: {type(cause).__name__}: {_first_line(cause)}\n" if cause is not err else "")
+            + "attnres_fx routes every call of a converted model through one Dynamo graph (fullgraph), so "
             "each residual stream is seen whole. Remove the construct named above from forward() (a graph "
             "break: data-dependent Python control flow, print, an unsupported library call), or check the "
             "example inputs match how the model is called.")

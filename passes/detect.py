@@ -3,26 +3,39 @@
 Contract
     requires  a GraphModule from any capture (torch.fx symbolic tracing, torch.export, TorchDynamo).
     ensures   nothing about the graph: detection only reads it.
-    returns   :class:`Detection`, immutable: every stream with its sites, the nodes each site's branches
-              span, the transparent ops (casts, eval dropout) the stream passes through between sites,
-              its hidden size, and every add that was looked at and rejected, with the reason. The plan
-              and the rewrite read it; ``print()`` shows it (a dry run).
+    returns   :class:`Detection`, immutable: every stream with its sites, the sublayers (branches) of
+              each site and the nodes they span, the ops the stream passes through between sites
+              (casts, dropout, reshapes of the leading dimensions) and the layout they leave it in, its
+              hidden size, every add that was looked at and rejected, with the reason, and the rejected
+              adds that continue a stream (converting the stream around them would be partial). The
+              plan and the rewrite read it; ``print()`` shows it (a dry run).
 
 A *residual site* is an add ``h + b`` whose operand ``b`` is computed from ``h`` (data flow; shape
-queries do not count) through a branch that contains parameterised compute (a Linear, matmul or conv
-with learned weights). Parallel layers ``h + f(h) + g(h)``, in either add order, are one site with two
-branches. A *stream* is a maximal chain of sites, each site's output being the next one's ``h`` (eval
-dropout and dtype casts in between are seen through); it starts at ``b_0``, a node that is no site.
+queries do not count; writes into buffers, ``y[:, t] = ...``, carry values like any op) through a branch
+that contains parameterised compute (a Linear, matmul or conv with learned weights). A *stream* is a
+maximal chain of sites, each site's output being the next one's ``h``; between sites the stream may pass
+through dtype casts, dropout and reshapes that keep the feature (last) dimension (``h.reshape(-1, d)``,
+``.view(b, t, d)``): it starts at ``b_0``, a node that is no site.
+
+A site's *sublayers* are told apart by data flow. ``h + f(h) + g(h)`` and ``h + (f(h) + g(h))`` (in any
+order, ``+=`` included) put two summands on the stream; a summand that mixes positions (attention, a
+scan, a linear-attention state) is a sublayer of its own, and summands that mix only channels and read
+the same input (a mixture of experts' routed and shared experts) are one MLP sublayer. Each sublayer
+gets its own pseudo-query.
 
 Worked example, for ``x = emb(ids); x = x + attn(ln1(x)); x = x + mlp(ln2(x)); y = head(ln_f(x))``::
 
     detection = detect_residual_streams(gm)
     # one ResidualStream: start=emb, sites=(add: attn branch, add_1: mlp branch), dim=D
     print(detection)          # the table a dry run prints
+
+and for a parallel layer ``x = x + (attn(ln(x)) + moe(ln(x)))`` with ``moe(u) = routed(u) + shared(u)``:
+one site, two branches, ``attn`` and ``mlp`` (the MoE's two summands read the same ``ln(x)``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -35,15 +48,19 @@ from attnres_fx.text import format_table
 from . import node_kinds as nk
 
 MIN_STREAM_SITES = 2
+TOKEN_MIXING = ("attn", "mixer")
 
 
 @dataclass(frozen=True, eq=False)
 class Branch:
-    """One branch ``f(norm(h))`` of a site: its output node and the nodes between ``h`` and it."""
+    """One sublayer ``f(norm(h))`` of a site: its output(s) and the nodes between ``h`` and them.
 
-    output: fx.Node
+    ``outputs`` has one node, or several for channel-mixing summands added to the stream one by one
+    (``h + routed(u) + shared(u)``): the sublayer's output is their sum."""
+
+    outputs: tuple[fx.Node, ...]
     region: frozenset[fx.Node]
-    kind: str                       # "attn" | "mlp" | "branch" (neither could be told)
+    kind: str                       # "attn" | "mixer" (other token mixing) | "mlp" | "branch" (neither told)
     module_path: str
     normalised: bool                # reads the stream only through a norm
 
@@ -55,9 +72,12 @@ class ResidualSite:
     add: fx.Node                    # the add whose output is the stream after this site
     adds: tuple[fx.Node, ...]       # every add node of the site (more than one for parallel layers)
     stream_in: fx.Node              # the stream value h as this site reads it
-    inbound: tuple[fx.Node, ...]    # transparent ops from the previous stream value to stream_in, in order
+    inbound: tuple[fx.Node, ...]    # stream ops from the previous stream value to stream_in, in order
     branches: tuple[Branch, ...]
     owner: str                      # dotted path of the module whose forward performs the add
+    # The leading dimensions of ``stream_in`` (and of the site's output): two stream values of one
+    # layout have the same shape. Values of different layouts hold the same number of elements.
+    layout: str
 
     @property
     def normalised(self) -> bool:
@@ -75,6 +95,7 @@ class ResidualStream:
     start: fx.Node
     sites: tuple[ResidualSite, ...]
     dim: int | None                 # hidden size, None where the graph does not tell
+    layout: str                     # the layout of ``start`` (see ResidualSite.layout)
 
     @property
     def end(self) -> fx.Node:
@@ -113,11 +134,14 @@ class RejectedAdd:
 
 @dataclass(frozen=True)
 class Detection:
-    """What detection found: the streams, every add it rejected (and why), the post-norm links."""
+    """What detection found: the streams, every add it rejected (and why), the post-norm links, and the
+    rejected adds that continue a stream (``unconverted``: converting the stream leaves them as they
+    are, so the conversion would be partial)."""
 
     streams: tuple[ResidualStream, ...]
     rejected: tuple[RejectedAdd, ...]
     post_norm: tuple[str, ...]
+    unconverted: tuple[RejectedAdd, ...]
 
     @property
     def num_sites(self) -> int:
@@ -130,14 +154,20 @@ class Detection:
 
     def __str__(self) -> str:
         owners = ", ".join(f"stream {i} in {s.owner or '<root>'}" for i, s in enumerate(self.streams))
-        return f"{self.num_sites} residual sites in {len(self.streams)} stream(s) ({owners})\n{self.table()}"
+        text = f"{self.num_sites} residual sites in {len(self.streams)} stream(s) ({owners})\n{self.table()}"
+        if self.unconverted:
+            text += "\nadds on a stream that are no residual site (left as they are):\n" + "\n".join(
+                f"  - {add}" for add in self.unconverted)
+        return text
 
 
 class _Ancestry:
-    """Data-flow reachability on one graph, bounded by topological position to stay cheap."""
+    """Data-flow reachability on one graph (:class:`~attnres_fx.passes.node_kinds.DataFlow`), bounded by
+    topological position to stay cheap."""
 
     def __init__(self, graph: fx.Graph):
-        self.position = {node: i for i, node in enumerate(graph.nodes)}
+        self.flow = nk.DataFlow(graph)
+        self.position = self.flow.position
         self._regions: dict[tuple[fx.Node, fx.Node], frozenset[fx.Node]] = {}
 
     def ancestors(self, node: fx.Node, lower: fx.Node) -> set[fx.Node]:
@@ -146,7 +176,7 @@ class _Ancestry:
         seen = {node}
         todo = [node]
         while todo:
-            for parent in nk.data_inputs(todo.pop()):
+            for parent in self.flow.parents(todo.pop()):
                 if parent not in seen and self.position[parent] >= bound:
                     seen.add(parent)
                     todo.append(parent)
@@ -169,11 +199,10 @@ class _Ancestry:
         region: set[fx.Node] = set()
         todo = [source]
         while todo:
-            node = todo.pop()
-            for user in node.users:
-                if user in upstream and user not in region and nk.reads_value(user, node):
-                    region.add(user)
-                    todo.append(user)
+            for child in self.flow.children(todo.pop()):
+                if child in upstream and child not in region:
+                    region.add(child)
+                    todo.append(child)
         return frozenset(region)
 
 
@@ -189,22 +218,31 @@ class _Rejections:
     def withdraw(self, node: fx.Node) -> None:
         self._by_node.pop(node.name, None)
 
+    def reason(self, node: fx.Node) -> str | None:
+        rejected = self._by_node.get(node.name)
+        return rejected.reason if rejected else None
+
     def result(self) -> tuple[RejectedAdd, ...]:
         return tuple(self._by_node.values())
 
 
 def detect_residual_streams(gm: fx.GraphModule, *, min_sites: int = MIN_STREAM_SITES) -> Detection:
     """Find the residual streams of ``gm``; see the module docstring."""
-    ancestry = _Ancestry(gm.graph)
-    param_derived = nk.parameter_derived_nodes(gm.graph)
+    matcher = _SiteMatcher(gm)
     rejected = _Rejections()
     candidates: dict[fx.Node, ResidualSite] = {}
     absorbed: set[fx.Node] = set()
     for node in gm.graph.nodes:
-        operands = nk.add_operands(node)
-        if operands is None or node in absorbed:
+        if node in absorbed:
             continue
-        site, reason = _match_site(node, operands, gm, ancestry, param_derived)
+        operands = nk.add_operands(node)
+        if operands is None:
+            if nk.tensor_add_operands(node) is not None:
+                alpha = nk.add_alpha(node)
+                rejected.add(node, f"torch.add(a, b, alpha={alpha}) scales its second operand; write "
+                                   f"a + {alpha} * b for a residual add")
+            continue
+        site, reason = matcher.match(node, operands)
         if site is None:
             rejected.add(node, reason)
             continue
@@ -222,98 +260,195 @@ def detect_residual_streams(gm: fx.GraphModule, *, min_sites: int = MIN_STREAM_S
         del candidates[add]
 
     streams = []
-    for start, sites in _chain(candidates, gm, rejected):
+    for start, sites in _chain(candidates, rejected):
         if len(sites) < min_sites:
             for site in sites:
                 rejected.add(site.add, f"isolated residual add (a stream needs at least {min_sites} sites)")
             continue
-        streams.append(ResidualStream(start, tuple(sites), _hidden_size(gm, start, sites, param_derived)))
-    return Detection(tuple(streams), rejected.result(), tuple(a.name for a in post_norm))
+        start_layout, layouts = _layouts(start, sites)
+        sites = [dataclasses.replace(site, layout=layout) for site, layout in zip(sites, layouts)]
+        streams.append(ResidualStream(start, tuple(sites), _hidden_size(gm, start, sites, matcher.param_derived),
+                                      start_layout))
+    return Detection(tuple(streams), rejected.result(), tuple(a.name for a in post_norm),
+                     _unconverted(streams, gm, rejected))
 
 
-def _match_site(node, operands, gm, ancestry, param_derived) -> tuple[ResidualSite | None, str]:
-    if nk.op_name(node).endswith("_") and not node.users:
-        # ``x.add_(f(x))`` with ``x`` used afterwards: the graph reads the mutated ``x`` through the
-        # operand's node, so the sum's own node carries no data flow to rewrite.
-        return None, "in-place add whose result is never used; write x = x + f(x) (or x = x.add_(...))"
-    a, b = operands
-    adds = [node]
-    if ancestry.reaches(a, b):
-        stream_in, outputs = a, [b]
-    elif ancestry.reaches(b, a):
-        stream_in, outputs = b, [a]
-    else:
-        parallel = _parallel_form(a, b, ancestry)
-        if parallel is None:
-            return None, "operands are independent: neither is computed from the other"
-        stream_in, outputs, inner = parallel
-        adds.append(inner)
-    outputs, split_adds = _split_parallel_branches(stream_in, outputs, ancestry, gm, param_derived)
-    adds.extend(split_adds)
-    branches = []
-    for output in outputs:
-        region = ancestry.region(stream_in, output)
-        if not any(nk.is_parameterised_compute(n, gm, param_derived) for n in region):
-            return None, (f"the branch {stream_in.name} -> {output.name} has no parameterised compute "
-                          "(Linear, matmul or conv with weights)")
-        branches.append(_describe_branch(stream_in, output, region, gm))
-    _, inbound = _stream_source(stream_in, gm)
-    return ResidualSite(node, tuple(adds), stream_in, inbound, tuple(branches),
-                        _site_owner(node, branches)), ""
+@dataclass(frozen=True, eq=False)
+class _Summand:
+    """One summand a site adds to the stream, before summands are grouped into sublayers."""
+
+    output: fx.Node
+    region: frozenset[fx.Node]
+    kind: str
+    reads: frozenset            # what it reads the stream through (keys of the stream's readers)
+
+    @property
+    def mixes_tokens(self) -> bool:
+        return self.kind in TOKEN_MIXING
 
 
-def _parallel_form(a, b, ancestry):
-    """``(h + f) + g`` with ``g`` also computed from ``h``: returns (h, [f, g], inner add)."""
-    for inner, other in ((a, b), (b, a)):
-        inner_operands = nk.add_operands(inner)
-        if inner_operands is None or len(inner.users) != 1:
-            continue
-        x, y = inner_operands
-        for h, f in ((x, y), (y, x)):
-            if ancestry.reaches(h, f) and ancestry.reaches(h, other):
-                return h, [f, other], inner
-    return None
+class _SiteMatcher:
+    """Decides whether an add is a residual site, and splits a site into sublayers."""
 
+    def __init__(self, gm: fx.GraphModule):
+        self.gm = gm
+        self.ancestry = _Ancestry(gm.graph)
+        self.param_derived = nk.parameter_derived_nodes(gm.graph)
 
-def _split_parallel_branches(stream_in, outputs, ancestry, gm, param_derived):
-    """``h + (f + g)``: a branch that is itself a sum of two independent branches of ``h``."""
-    result, split = [], []
-    for output in outputs:
-        operands = nk.add_operands(output)
-        if (operands is not None and len(output.users) == 1
-                and not ancestry.reaches(operands[0], operands[1])
-                and not ancestry.reaches(operands[1], operands[0])
-                and all(ancestry.reaches(stream_in, o) and any(
-                    nk.is_parameterised_compute(n, gm, param_derived)
-                    for n in ancestry.region(stream_in, o)) for o in operands)):
-            result.extend(operands)
-            split.append(output)
+    def match(self, node: fx.Node, operands: tuple[fx.Node, fx.Node]) -> tuple[ResidualSite | None, str]:
+        if nk.op_name(node).endswith("_") and not node.users:
+            # ``x.add_(f(x))`` with ``x`` used afterwards: the graph reads the mutated ``x`` through the
+            # operand's node, so the sum's own node carries no data flow to rewrite.
+            return None, "in-place add whose result is never used; write x = x + f(x) (or x = x.add_(...))"
+        a, b = operands
+        adds = [node]
+        reaches = self.ancestry.reaches
+        if reaches(a, b):
+            stream_in, outputs = a, [b]
+        elif reaches(b, a):
+            stream_in, outputs = b, [a]
         else:
-            result.append(output)
-    return result, split
+            parallel = self._parallel_form(a, b)
+            if parallel is None:
+                return None, "operands are independent: neither is computed from the other"
+            stream_in, outputs, inner = parallel
+            adds.extend(inner)
+        for output in outputs:
+            if not self._has_parameterised_compute(stream_in, output):
+                return None, (f"the branch {stream_in.name} -> {output.name} has no parameterised compute "
+                              "(Linear, matmul or conv with weights)")
+        before, after = nk.shape_of(stream_in), nk.shape_of(node)
+        if before is not None and after is not None and str(before) != str(after):
+            return None, f"the branch output broadcasts the stream {stream_in.name} from {before} to {after}"
+        summands: list[_Summand] = []
+        for output in outputs:
+            summands.extend(self._summands(stream_in, output, adds))
+        branches = [self._branch(stream_in, group) for group in _sublayers(summands)]
+        _, inbound = _stream_source(stream_in, self.gm)
+        return ResidualSite(node, tuple(adds), stream_in, inbound, tuple(branches),
+                            _site_owner(node, branches), layout=""), ""
+
+    def _has_parameterised_compute(self, stream_in: fx.Node, output: fx.Node) -> bool:
+        return any(nk.is_parameterised_compute(n, self.gm, self.param_derived)
+                   for n in self.ancestry.region(stream_in, output))
+
+    def _parallel_form(self, a: fx.Node, b: fx.Node):
+        """``(h + f) + g``, ``((h + f) + g) + k``, ... with every summand computed from ``h``: returns
+        (h, [f, g, ...], the inner adds)."""
+        reaches = self.ancestry.reaches
+        for inner, other in ((a, b), (b, a)):
+            inner_operands = nk.add_operands(inner)
+            if inner_operands is None or len(inner.users) != 1:
+                continue
+            x, y = inner_operands
+            for h, f in ((x, y), (y, x)):
+                if reaches(h, f) and reaches(h, other):
+                    return h, [f, other], [inner]
+            deeper = self._parallel_form(x, y)
+            if deeper is not None and reaches(deeper[0], other):
+                h, outputs, inners = deeper
+                return h, [*outputs, other], [*inners, inner]
+        return None
+
+    def _summands(self, stream_in: fx.Node, output: fx.Node, split: list[fx.Node]) -> list[_Summand]:
+        """``output`` as the summands a pre-summed branch ``h + (f + g)`` adds, recursively; a sum whose
+        summands are one sublayer stays whole. Adds taken apart are appended to ``split``."""
+        operands = nk.add_operands(output)
+        if (operands is None or len(output.users) != 1
+                or self.ancestry.reaches(operands[0], operands[1]) or self.ancestry.reaches(operands[1], operands[0])
+                or not all(self.ancestry.reaches(stream_in, o) and self._has_parameterised_compute(stream_in, o)
+                           for o in operands)):
+            return [self._summand(stream_in, output)]
+        parts = self._summands(stream_in, operands[0], split) + self._summands(stream_in, operands[1], split)
+        if len(parts) == 2 and _one_sublayer(*parts):
+            return [self._summand(stream_in, output)]
+        split.append(output)
+        return parts
+
+    def _summand(self, stream_in: fx.Node, output: fx.Node) -> _Summand:
+        region = self.ancestry.region(stream_in, output)
+        reads = frozenset(_computation_key(u) for u in stream_in.users if u in region)
+        return _Summand(output, region, self._kind(region), reads)
+
+    def _branch(self, stream_in: fx.Node, group: list[_Summand]) -> Branch:
+        region = frozenset().union(*(s.region for s in group))
+        readers = [u for u in stream_in.users if u in region]
+        kinds = {s.kind for s in group}
+        kind = "mlp" if len(group) > 1 and "mlp" in kinds else group[0].kind
+        paths = [nk.node_module_path(n) for n in region if n.op != "get_attr"]
+        return Branch(outputs=tuple(s.output for s in group), region=region, kind=kind,
+                      module_path=".".join(_common_parts(p for p in paths if p)),
+                      normalised=nk.reads_normalised(stream_in, readers, self.gm))
+
+    def _kind(self, region: frozenset[fx.Node]) -> str:
+        """What a branch does, from data flow: 'attn' if it attends (SDPA, or a softmax over products of
+        activations such as ``q @ k^T``), 'mlp' if it routes tokens to experts (top-k) or is position-wise
+        with a nonlinearity, 'mixer' if it otherwise mixes positions (a scan, a cumulative sum, a
+        linear-attention product, a loop over positions, a convolution over them). Module names only
+        label a branch the data flow leaves undecided."""
+        gm = self.gm
+        if any(nk.is_attention_op(n, gm) or (nk.is_softmax(n) and self._scores_products(n, region))
+               for n in region):
+            return "attn"
+        if any(nk.is_routing(n) for n in region):
+            return "mlp"
+        if self._mixes_positions(region):
+            return "mixer"
+        if any(nk.is_activation(n, gm) for n in region):
+            return "mlp"
+        names = " ".join(nk.node_module_path(n) for n in region if n.op != "get_attr").lower()
+        if any(hint in names for hint in ("self_attn", "attention", ".attn")):
+            return "attn"
+        if any(hint in names for hint in ("mixer", "ssm", "mamba")):
+            return "mixer"
+        if any(hint in names for hint in ("mlp", "ffn", "feed_forward", "feedforward")):
+            return "mlp"
+        return "branch"
+
+    def _scores_products(self, softmax: fx.Node, region: frozenset[fx.Node]) -> bool:
+        """Whether the softmax normalises scores computed by a product of two activations."""
+        seen, todo = {softmax}, [softmax]
+        while todo:
+            for parent in self.ancestry.flow.parents(todo.pop()):
+                if parent in region and parent not in seen:
+                    if nk.is_activation_product(parent, self.param_derived):
+                        return True
+                    seen.add(parent)
+                    todo.append(parent)
+        return False
+
+    def _mixes_positions(self, region: frozenset[fx.Node]) -> bool:
+        if any(nk.is_scan(n, self.gm) or nk.is_activation_product(n, self.param_derived) for n in region):
+            return True
+        steps: dict[tuple[fx.Node, int], set] = {}
+        for node in region:
+            step = nk.position_index(node)
+            if step is not None:
+                steps.setdefault(step[:2], set()).add(str(step[2]))
+        return any(len(indices) > 1 for indices in steps.values())
 
 
-def _describe_branch(stream_in, output, region, gm) -> Branch:
-    readers = [u for u in stream_in.users if u in region]
-    paths = [nk.node_module_path(n) for n in region if n.op != "get_attr"]
-    return Branch(output=output, region=region, kind=_branch_kind(region, paths, gm),
-                  module_path=".".join(_common_parts(p for p in paths if p)),
-                  normalised=nk.reads_normalised(stream_in, readers, gm))
+def _one_sublayer(first: _Summand, second: _Summand) -> bool:
+    """Channel-mixing summands that read the stream the same way make one sublayer."""
+    return not first.mixes_tokens and not second.mixes_tokens and first.reads == second.reads
 
 
-def _branch_kind(region, paths, gm) -> str:
-    """'attn' if the branch mixes positions (softmax / SDPA), 'mlp' if it is a position-wise MLP with
-    a nonlinearity. Module names are only a last resort (they name, they never detect)."""
-    if any(nk.is_attention(n, gm) for n in region):
-        return "attn"
-    if any(nk.is_activation(n, gm) for n in region):
-        return "mlp"
-    names = " ".join(paths).lower()
-    if any(hint in names for hint in ("self_attn", "attention", ".attn")):
-        return "attn"
-    if any(hint in names for hint in ("mlp", "ffn", "feed_forward", "feedforward")):
-        return "mlp"
-    return "branch"
+def _sublayers(summands: list[_Summand]) -> list[list[_Summand]]:
+    """Group a site's summands into sublayers, in order: token mixers alone, channel mixers by input."""
+    groups: list[list[_Summand]] = []
+    for summand in summands:
+        group = next((g for g in groups if _one_sublayer(g[0], summand)), None)
+        if group is None:
+            groups.append([summand])
+        else:
+            group.append(summand)
+    return groups
+
+
+def _computation_key(node: fx.Node) -> tuple:
+    """Nodes with equal keys compute the same value (same op on the same arguments): two calls of one
+    norm on the stream are one input."""
+    return node.op, str(node.target), repr(node.args), repr(node.kwargs)
 
 
 def _common_parts(paths: Iterable[str]) -> list[str]:
@@ -341,41 +476,103 @@ def _site_owner(node: fx.Node, branches: list[Branch]) -> str:
 
 
 def _stream_source(stream_in: fx.Node, gm: fx.GraphModule) -> tuple[fx.Node, tuple[fx.Node, ...]]:
-    """Walk back from a site's input through transparent ops: (origin, the ops passed, in graph order)."""
+    """Walk back from a site's input through stream ops: (origin, the ops passed, in graph order)."""
     passed = []
     node = stream_in
-    while nk.is_transparent(node, gm) and node.all_input_nodes:
+    while nk.is_stream_op(node, gm) and node.all_input_nodes:
         passed.append(node)
         node = node.all_input_nodes[0]
     return node, tuple(reversed(passed))
 
 
 def _origin(site: ResidualSite) -> fx.Node:
-    """The value the site's stream input comes from, before the transparent ops."""
+    """The value the site's stream input comes from, before the stream ops."""
     return site.inbound[0].all_input_nodes[0] if site.inbound else site.stream_in
 
 
-def _chain(candidates: dict[fx.Node, ResidualSite], gm, rejected: _Rejections):
-    """Link sites into streams: ``(start, sites)`` per stream, in execution order."""
-    successor: dict[fx.Node, ResidualSite] = {}
-    has_predecessor: set[fx.Node] = set()
-    forks: set[fx.Node] = set()
-    for add, site in candidates.items():
+def _chain(candidates: dict[fx.Node, ResidualSite], rejected: _Rejections):
+    """Link sites into streams: ``(start, sites)`` per stream, in execution order. A stream ends where
+    two sites read the same sum (a fork); the sites after a fork are rejected."""
+    successors: dict[fx.Node, list[ResidualSite]] = {}
+    for site in candidates.values():
         origin = _origin(site)
         if origin in candidates:
-            if origin in successor:
-                forks.add(origin)
-            successor[origin] = site
-            has_predecessor.add(add)
+            successors.setdefault(origin, []).append(site)
+    following = {site.add for sites in successors.values() for site in sites}
     for add, site in candidates.items():
-        if add in has_predecessor:
+        if add in following:
             continue
         sites = [site]
-        while sites[-1].add in successor and sites[-1].add not in forks:
-            sites.append(successor[sites[-1].add])
-        for fork in forks & {s.add for s in sites}:
-            rejected.add(fork, "the stream forks here: two residual sites read this sum")
+        while len(successors.get(sites[-1].add, ())) == 1:
+            sites.append(successors[sites[-1].add][0])
+        fork = sites[-1].add
+        todo = list(successors.get(fork, ()))
+        while todo:
+            after = todo.pop()
+            if _origin(after) is fork:
+                reason = f"the stream forks at {fork.name}: {len(successors[fork])} residual sites read that sum"
+            else:
+                reason = f"follows a residual site after the fork at {fork.name}"
+            rejected.add(after.add, reason)
+            todo.extend(successors.get(after.add, ()))
         yield site.stream_in, sites
+
+
+def _layouts(start: fx.Node, sites: list[ResidualSite]) -> tuple[str, list[str]]:
+    """The layout of the stream's start and of each site (see :attr:`ResidualSite.layout`): the recorded
+    leading shape where the capture recorded shapes; else a new layout after every reshape on the
+    stream (two reshapes may lead to equal shapes: the rewrite then reshapes a value to the shape it
+    has, which costs nothing)."""
+    shapes = [nk.shape_of(start), *(nk.shape_of(site.stream_in) for site in sites)]
+    if all(shape is not None and shape for shape in shapes):
+        keys = [str(tuple(shape[:-1])) for shape in shapes]
+        return keys[0], keys[1:]
+    layout, layouts = "start", []
+    for position, site in enumerate(sites):
+        reshapes = [op for op in site.inbound if nk.is_reshape(op)]
+        if position and reshapes:
+            layout = f"after {reshapes[-1].name}"
+        layouts.append(layout)
+    return "start", layouts
+
+
+def _unconverted(streams: list[ResidualStream], gm: fx.GraphModule, rejected: _Rejections
+                 ) -> tuple[RejectedAdd, ...]:
+    """Adds outside every site that take a stream value as an operand (the stream continues through
+    them): a bias added between two layers, a long skip that adds an earlier value of the stream back,
+    a site after a fork. Converting the streams leaves them as plain adds."""
+    value_of: dict[fx.Node, int] = {}
+    inside: set[fx.Node] = set()
+    for index, stream in enumerate(streams):
+        values = [stream.start]
+        for position, site in enumerate(stream.sites):
+            if position:                    # the first site's inbound ops come before the start
+                values.extend(site.inbound)
+            values.append(site.add)
+        node = stream.end
+        while len(node.users) == 1 and nk.is_stream_op(next(iter(node.users)), gm):
+            node = next(iter(node.users))
+            values.append(node)
+        value_of.update(dict.fromkeys(values, index))
+        for site in stream.sites:
+            inside.update(site.adds)
+            for branch in site.branches:
+                inside.update(branch.region)
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    found = []
+    for node in gm.graph.nodes:
+        operands = nk.tensor_add_operands(node)
+        if operands is None or node in inside or not any(o in value_of for o in operands):
+            continue
+        first, second = operands
+        if first in value_of and second in value_of and value_of[first] == value_of[second]:
+            earlier = min(operands, key=order.__getitem__)
+            reason = (f"a long skip: adds an earlier value of the residual stream ({earlier.name}) back onto "
+                      "it; Block AttnRes has no source for it")
+        else:
+            reason = rejected.reason(node) or "it continues the residual stream"
+        found.append(RejectedAdd(node.name, nk.owner_path(node), reason))
+    return tuple(found)
 
 
 def _post_norm_sites(candidates: dict[fx.Node, ResidualSite], gm) -> list[fx.Node]:
@@ -422,11 +619,10 @@ def _resolve_overlaps(candidates: dict[fx.Node, ResidualSite], gm, rejected: _Re
 def _hidden_size(gm: fx.GraphModule, start: fx.Node, sites: list[ResidualSite], param_derived) -> int | None:
     """Hidden size of the stream: from shape metadata if the capture left it, else from weights."""
     for node in [start, *(s.add for s in sites)]:
-        for key in ("val", "tensor_meta", "example_value"):
-            shape = getattr(node.meta.get(key), "shape", None)
-            if shape is not None and len(shape) and isinstance(shape[-1], int):
-                return int(shape[-1])
-    for node in [*(b.output for s in sites for b in s.branches), start]:
+        shape = nk.shape_of(node)
+        if shape and isinstance(shape[-1], int):
+            return int(shape[-1])
+    for node in [*(o for s in sites for b in s.branches for o in b.outputs), start]:
         dim = _output_features(node, gm, param_derived)
         if dim:
             return dim

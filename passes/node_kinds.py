@@ -25,6 +25,19 @@ ATTENTION_MODULES = (nn.MultiheadAttention,)
 ADD_OPS = {"add", "iadd", "add_", "__add__", "__iadd__", "__radd__"}
 SHAPE_OPS = {"size", "dim", "numel", "sym_size", "sym_numel", "sym_stride", "sym_storage_offset",
              "getattr", "len", "_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size"}
+# New tensors that take only the shape, dtype and device of their tensor argument.
+LIKE_OPS = {"empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "randint_like",
+            "new_empty", "new_zeros", "new_ones", "new_full"}
+# Ops that may reorganise the leading dimensions of a value; :func:`is_reshape` checks that the last
+# (feature) dimension and the element order are kept.
+RESHAPE_OPS = {"reshape", "view", "_unsafe_view", "flatten", "unflatten", "squeeze", "unsqueeze", "view_as",
+               "reshape_as"}
+# Results that alias their first argument (writes into them are writes into it).
+VIEW_OPS = RESHAPE_OPS | {"getitem", "select", "slice", "narrow", "expand", "expand_as", "transpose", "permute",
+                          "t", "as_strided", "diagonal", "split", "split_with_sizes", "chunk", "unbind",
+                          "alias", "movedim", "unfold", "detach", "contiguous", "__getitem__"}
+IN_PLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                      operator.ipow, operator.iand, operator.ior, operator.ixor}
 CAST_OPS = {"to", "type", "float", "half", "bfloat16", "double", "type_as", "_to_copy", "contiguous",
             "clone", "alias", "_to_dtype", "identity"}
 DROPOUT_OPS = {"dropout", "native_dropout", "feature_dropout", "alpha_dropout", "dropout_",
@@ -34,10 +47,20 @@ NORM_OPS = {"layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm", "g
 MATMUL_OPS = {"linear", "matmul", "__matmul__", "mm", "addmm", "bmm", "baddbmm", "einsum", "mv", "addmv",
               "conv1d", "conv2d", "conv3d", "convolution", "_convolution", "conv_transpose1d",
               "conv_transpose2d", "conv_transpose3d", "bilinear", "tensordot"}
-ATTENTION_OPS = {"softmax", "_softmax", "_safe_softmax", "scaled_dot_product_attention",
-                 "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-                 "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention",
-                 "flex_attention"}
+SOFTMAX_OPS = {"softmax", "_softmax", "_safe_softmax"}
+ATTENTION_OPS = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                 "_scaled_dot_product_cudnn_attention", "flex_attention", "multi_head_attention_forward",
+                 "_native_multi_head_attention"}
+# Whole layers as one op (torch.nn's fused attention): parameterised compute like a Linear.
+FUSED_LAYER_OPS = {"multi_head_attention_forward", "_native_multi_head_attention",
+                   "_transformer_encoder_layer_fwd"}
+# Ops that combine values along a dimension in order: scans over positions.
+SCAN_OPS = {"cumsum", "cumprod", "logcumsumexp", "cummax", "cummin", "associative_scan", "scan"}
+# Ops that pick, per token, some of a set (experts): a mixture of experts' router.
+ROUTING_OPS = {"topk", "argmax", "argsort", "sort", "multinomial"}
+CONV_OPS = {"conv1d", "conv2d", "conv3d", "convolution", "_convolution", "conv_transpose1d",
+            "conv_transpose2d", "conv_transpose3d"}
 ACTIVATION_OPS = {"gelu", "relu", "silu", "tanh", "sigmoid", "mish", "softplus", "elu", "leaky_relu",
                   "hardswish", "glu", "relu_", "gelu_", "silu_"}
 SQUARE_OPS = {"pow", "square"}
@@ -82,6 +105,14 @@ def is_add(node: fx.Node) -> bool:
 
 def add_operands(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     """The two tensor operands of a plain ``a + b``, or None (scalar operand, ``alpha != 1``...)."""
+    operands = tensor_add_operands(node)
+    if operands is None or add_alpha(node) != 1:
+        return None
+    return operands
+
+
+def tensor_add_operands(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """The two tensor operands of an add, whatever its ``alpha``; None if one is a scalar."""
     if not is_add(node):
         return None
     args = list(node.args[:2])
@@ -89,15 +120,33 @@ def add_operands(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
         args.append(node.kwargs["other"])
     if len(args) < 2 or not all(isinstance(a, fx.Node) for a in args):
         return None
-    alpha = node.kwargs.get("alpha", node.args[2] if len(node.args) > 2 else 1)
-    if alpha != 1:
-        return None
     return args[0], args[1]
+
+
+def add_alpha(node: fx.Node):
+    """``alpha`` of ``torch.add(a, b, alpha=alpha)`` (``a + alpha * b``): 1 unless given."""
+    return node.kwargs.get("alpha", node.args[2] if len(node.args) > 2 else 1)
 
 
 def is_shape_query(node: fx.Node) -> bool:
     """Reads only a tensor's metadata (shape, dtype, device): not a data dependency."""
-    return op_name(node) in SHAPE_OPS
+    return op_name(node) in SHAPE_OPS or op_name(node) in LIKE_OPS
+
+
+def is_size_value(node: fx.Node) -> bool:
+    """A size read off a tensor: ``x.size(-1)``, ``sym_size``, ``x.shape[2]``, ``x.shape``."""
+    if op_name(node) in SHAPE_OPS:
+        return True
+    return op_name(node) == "getitem" and isinstance(node.args[0], fx.Node) and is_size_value(node.args[0])
+
+
+def shape_of(node: fx.Node) -> tuple | None:
+    """The shape the capture recorded for ``node`` (Dynamo and torch.export record one; fx does not)."""
+    for key in ("val", "example_value", "tensor_meta"):
+        shape = getattr(node.meta.get(key), "shape", None)
+        if shape is not None:
+            return tuple(shape)
+    return None
 
 
 def is_inactive_dropout(node: fx.Node, gm: fx.GraphModule) -> bool:
@@ -120,6 +169,53 @@ def is_transparent(node: fx.Node, gm: fx.GraphModule) -> bool:
     return op_name(node) in CAST_OPS or is_inactive_dropout(node, gm)
 
 
+def is_dropout(node: fx.Node, gm: fx.GraphModule) -> bool:
+    module = submodule(gm, node)
+    if module is not None:
+        return isinstance(module, nn.modules.dropout._DropoutNd)
+    return op_name(node) in DROPOUT_OPS
+
+
+def is_reshape(node: fx.Node) -> bool:
+    """Reorganises leading dimensions only: the last (feature) dimension and the order of the elements
+    are kept (``h.reshape(-1, d)``, ``h.view(b, t, d)``, ``flatten(0, 1)``, ``unflatten(0, (b, t))``).
+
+    With recorded shapes (Dynamo, torch.export) the last dimensions are compared; an fx graph records
+    none, so there the size arguments must say it: the last one a size read off a tensor or a constant
+    other than -1, a flatten that ends before the last dimension, an (un)squeeze or unflatten elsewhere.
+    """
+    name = op_name(node)
+    if name not in RESHAPE_OPS or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    before, after = shape_of(node.args[0]), shape_of(node)
+    if before is not None and after is not None:
+        return bool(before) and bool(after) and str(before[-1]) == str(after[-1])
+    if name in ("view_as", "reshape_as"):
+        return True
+    if name == "flatten":
+        end = node.kwargs.get("end_dim", node.args[2] if len(node.args) > 2 else -1)
+        return isinstance(end, int) and end >= 0
+    if name in ("unflatten", "squeeze", "unsqueeze"):
+        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+        return isinstance(dim, int) and dim != -1
+    sizes = node.args[1:] if len(node.args) > 2 else node.kwargs.get("shape", node.args[1:2])
+    if len(sizes) == 1 and isinstance(sizes[0], (list, tuple)):
+        sizes = sizes[0]
+    if not sizes:
+        return False
+    last = sizes[-1]
+    if isinstance(last, fx.Node):
+        return is_size_value(last) and (len(sizes) > 1 or op_name(last) in SHAPE_OPS)
+    return isinstance(last, int) and last != -1
+
+
+def is_stream_op(node: fx.Node, gm: fx.GraphModule) -> bool:
+    """What the residual stream may pass through between two sites and stay the same stream: identities
+    on values, dropout (in either mode) and reshapes of the leading dimensions. The rewrite applies the
+    same ops to the aggregate a site reads."""
+    return is_transparent(node, gm) or is_dropout(node, gm) or is_reshape(node)
+
+
 DTYPE_OF_SECOND_OPS = {"type_as", "to"}
 
 
@@ -136,6 +232,73 @@ def data_inputs(node: fx.Node) -> Iterable[fx.Node]:
 def reads_value(user: fx.Node, value: fx.Node) -> bool:
     """Whether ``user`` depends on ``value``'s data, not just on its shape or dtype."""
     return value in data_inputs(user)
+
+
+def mutated_input(node: fx.Node) -> fx.Node | None:
+    """The tensor an in-place op writes into: ``y[:, t] = v`` (``setitem``), ``y.copy_(v)``,
+    ``y.index_put_(...)``, ``y += v``, ``torch.add(a, b, out=y)``; None for any other node."""
+    out = node.kwargs.get("out")
+    if isinstance(out, fx.Node):
+        return out
+    if not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    if node.op == "call_function" and (node.target is operator.setitem or node.target in IN_PLACE_OPERATORS):
+        return node.args[0]
+    if isinstance(node.target, torch._ops.OpOverload):
+        arguments = node.target._schema.arguments
+        writes = bool(arguments) and arguments[0].alias_info is not None and arguments[0].alias_info.is_write
+        return node.args[0] if writes else None
+    name = op_name(node)
+    return node.args[0] if name.endswith("_") and not name.startswith("_") and node.op != "call_module" else None
+
+
+class DataFlow:
+    """Which nodes carry values into which, for one graph: the graph's edges, minus metadata reads
+    (:func:`data_inputs`), plus the edges in-place writes leave implicit.
+
+    ``y = zeros(b, t, d); for t: y[:, t] = f(x[:, t]); out(y)``: no edge leads from the ``setitem``
+    nodes to ``out(y)``, which reads ``y`` itself. Here a node that reads a tensor also reads the latest
+    write before it into that tensor or into any view of it (``y[:, t]``, a ``reshape``), so the
+    writes, and what they wrote, are its ancestors.
+    """
+
+    def __init__(self, graph: fx.Graph):
+        self.position = {node: i for i, node in enumerate(graph.nodes)}
+        base: dict[fx.Node, fx.Node] = {}
+        writes: dict[fx.Node, list[fx.Node]] = {}
+        for node in graph.nodes:
+            source = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+            base[node] = base.get(source, source) if source is not None and op_name(node) in VIEW_OPS else node
+            target = mutated_input(node)
+            if target is not None:
+                writes.setdefault(base.get(target, target), []).append(node)
+        self._parents: dict[fx.Node, tuple[fx.Node, ...]] = {}
+        self._children: dict[fx.Node, list[fx.Node]] = {node: [] for node in graph.nodes}
+        for node in graph.nodes:
+            parents = dict.fromkeys(data_inputs(node))
+            for value in list(parents):
+                latest = _latest_before(writes.get(base.get(value, value), ()), node, self.position)
+                if latest is not None:
+                    parents[latest] = None
+            self._parents[node] = tuple(parents)
+            for parent in parents:
+                self._children[parent].append(node)
+
+    def parents(self, node: fx.Node) -> tuple[fx.Node, ...]:
+        return self._parents[node]
+
+    def children(self, node: fx.Node) -> list[fx.Node]:
+        return self._children[node]
+
+
+def _latest_before(writes, node: fx.Node, position: dict[fx.Node, int]) -> fx.Node | None:
+    """The last of ``writes`` (in graph order) that comes before ``node``."""
+    latest = None
+    for write in writes:
+        if position[write] >= position[node]:
+            break
+        latest = write
+    return latest
 
 
 def is_norm_module(module: nn.Module | None) -> bool:
@@ -176,16 +339,72 @@ def is_parameterised_compute(node: fx.Node, gm: fx.GraphModule, param_derived: s
     if module is not None:
         has_params = any(True for _ in module.parameters())
         return has_params and not is_norm_module(module) and not isinstance(module, nn.Embedding)
-    if op_name(node) not in MATMUL_OPS:
+    if op_name(node) not in MATMUL_OPS and op_name(node) not in FUSED_LAYER_OPS:
         return False
     return any(i in param_derived for i in node.all_input_nodes)
 
 
-def is_attention(node: fx.Node, gm: fx.GraphModule) -> bool:
+def is_attention_op(node: fx.Node, gm: fx.GraphModule) -> bool:
+    """Attention as one op or module (SDPA, flex attention, ``nn.MultiheadAttention``)."""
     module = submodule(gm, node)
     if module is not None:
         return isinstance(module, ATTENTION_MODULES)
     return op_name(node) in ATTENTION_OPS
+
+
+def is_activation_product(node: fx.Node, param_derived: set[fx.Node]) -> bool:
+    """A matmul of two activations (no learned weight among its operands): ``q @ k^T``, ``p @ v``,
+    a linear-attention state ``k^T v``. Such products are how values at different positions meet."""
+    if op_name(node) not in MATMUL_OPS or op_name(node) in CONV_OPS:
+        return False
+    operands = [i for i in node.all_input_nodes if not is_size_value(i)]
+    return len(operands) >= 2 and not any(i in param_derived for i in operands)
+
+
+def is_scan(node: fx.Node, gm: fx.GraphModule) -> bool:
+    """A cumulative op, a scan, or a convolution wider than one position (a causal conv over time)."""
+    if op_name(node) in SCAN_OPS:
+        return True
+    module = submodule(gm, node)
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return any(k > 1 for k in module.kernel_size)
+    if op_name(node) in CONV_OPS and len(node.args) > 1 and isinstance(node.args[1], fx.Node):
+        kernel = shape_of(node.args[1])
+        return kernel is not None and any(str(k) != "1" for k in kernel[2:])
+    return False
+
+
+def is_routing(node: fx.Node) -> bool:
+    return op_name(node) in ROUTING_OPS
+
+
+def is_softmax(node: fx.Node) -> bool:
+    return op_name(node) in SOFTMAX_OPS
+
+
+def position_index(node: fx.Node) -> tuple[fx.Node, int, object] | None:
+    """``(tensor, dim, index)`` for a node that takes one position of a non-last dimension of a tensor
+    (``x[:, t]``, ``x.select(1, t)``): the step of a loop over positions. None otherwise."""
+    if not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    tensor = node.args[0]
+    name = op_name(node)
+    if name == "select" and len(node.args) >= 3:
+        dim, index = node.args[1], node.args[2]
+    elif name == "getitem" and isinstance(node.args[1], tuple):
+        items = node.args[1]
+        ints = [k for k, item in enumerate(items) if isinstance(item, int)]
+        if len(ints) != 1 or Ellipsis in items[:ints[0]]:
+            return None
+        dim, index = ints[0], items[ints[0]]
+    else:
+        return None
+    shape = shape_of(tensor)
+    if not isinstance(dim, int) or dim == -1 or (shape and dim % len(shape) == len(shape) - 1):
+        return None
+    while op_name(tensor) in ("slice", "alias") and isinstance(tensor.args[0], fx.Node):
+        tensor = tensor.args[0]         # ``x[:, t]`` in torch.export: select(slice(x, 0), 1, t)
+    return tensor, dim, index
 
 
 def is_activation(node: fx.Node, gm: fx.GraphModule) -> bool:
@@ -307,7 +526,7 @@ def reads_normalised(value: fx.Node, readers: Iterable[fx.Node], gm: fx.GraphMod
     for reader in readers:
         if is_norm_op(reader, gm) or reader in decomposed:
             continue
-        if is_transparent(reader, gm) and reads_normalised(reader, list(reader.users), gm):
+        if is_stream_op(reader, gm) and reads_normalised(reader, list(reader.users), gm):
             continue
         return False
     return True

@@ -53,10 +53,11 @@ class Site:
     """One injected aggregation, a ``BlockAttnRes``.
 
     ``index``: execution order over the whole model (a stream's final aggregation comes after its
-    sites). ``name``: dotted path of the ``BlockAttnRes`` module. ``kind``: ``"attn"``, ``"mlp"``,
-    ``"branch"`` (neither could be told) or ``"final"``. ``block``: the block the site's own output goes
-    into (block 0 is the embedding ``b_0``; ``None`` for ``"final"``). ``stream``: which residual stream
-    (encoder-decoder models have two). ``layer``: the module that performs the residual add (the
+    sites). ``name``: dotted path of the ``BlockAttnRes`` module. ``kind``: ``"attn"``, ``"mixer"`` (token
+    mixing other than attention: a scan, linear attention), ``"mlp"``, ``"branch"`` (none could be told)
+    or ``"final"``. ``block``: the block the site's own output goes into (block 0 is the embedding
+    ``b_0``; ``None`` for ``"final"``). ``stream``: which residual stream (encoder-decoder models have
+    two). ``layer``: the module that performs the residual add (the
     stream's owner for ``"final"``). ``num_sources``: how many sources it attends over. ``normalised``:
     whether the branch reads the stream through a norm (``None`` for ``"final"``). ``position``: the
     residual site of the stream it belongs to (``None`` for ``"final"``); ``branch``: which branch of a

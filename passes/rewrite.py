@@ -27,6 +27,17 @@ Worked example, two sequential sites and ``S = 1`` (Full AttnRes)::
              a1 = mlp_res(emb, p0);   p1 = mlp(ln2(a1))
              fin = final_res(emb, p0, p1);   out = ln_f(fin)
 
+Between two sites the stream may pass through casts, dropout and reshapes of its leading dimensions
+(:attr:`ResidualSite.inbound`, e.g. ``h.reshape(-1, d)`` before an MLP that runs on tokens): a site's
+aggregate is taken where the previous stream value was, in that value's layout, and the same ops are
+applied to it (:func:`_read_through`); sources of another layout are reshaped to it first
+(:meth:`_StreamSurgery.in_layout`, a ``reshape_as``), and so are branch outputs added to a partial sum of
+another layout::
+
+    before:  add_1 = add + mlp(ln2(add.reshape(-1, d)))             # the MLP site runs on [b * t, d]
+    after:   a1 = mlp_res(emb, p0);   p1 = mlp(ln2(a1.reshape(-1, d)))
+             p = p0 + reshape_as(p1, p0)                               # the partial sum stays [b, t, d]
+
 How an aggregation becomes a node is the emitter's business: :class:`ModuleCalls` calls a
 ``BlockAttnRes`` submodule (explicit graphs, ONNX export); :class:`ParameterInputs` calls the
 functional :func:`attnres_fx.aggregation.fusable` with the weights as new graph inputs (the Inductor
@@ -161,7 +172,8 @@ class BlockAttnResRewrite(PassBase):
 
 
 class _StreamSurgery:
-    """The rewrite of one stream, in named steps; state: the completed blocks and the partial sum."""
+    """The rewrite of one stream, in named steps; state: the completed blocks and the partial sum, and
+    the layout (leading shape) each of them has."""
 
     def __init__(self, graph: fx.Graph, emitter: Emitter, stream: ResidualStream, planned: StreamPlan,
                  records: list[Replacement]):
@@ -170,18 +182,23 @@ class _StreamSurgery:
         self.stream = stream
         self.planned = planned
         self.records = records
-        self.partial_add = torch.ops.aten.add.Tensor if isinstance(stream.end.target, torch._ops.OpOverload) \
-            else operator.add
+        aten = isinstance(stream.end.target, torch._ops.OpOverload)
+        self.partial_add = torch.ops.aten.add.Tensor if aten else operator.add
+        self.reshape_as = torch.ops.aten.reshape_as.default if aten else torch.Tensor.reshape_as
         self.blocks: list[fx.Node] = []
         self.partial: fx.Node | None = stream.start
+        self.layout_of: dict[fx.Node, str] = {stream.start: stream.layout}
+        self.carrier: dict[str, fx.Node] = {stream.layout: stream.start}    # a node of each layout
+        self.reshaped: dict[tuple[fx.Node, str], fx.Node] = {}
         self.dead: list[fx.Node] = []
 
     def run(self) -> None:
         value_nodes = [self.stream.start]      # nodes carrying the stream value the next site reads
+        layout = self.stream.layout            # the layout of value_nodes[0]
         sites = self.stream.sites
         for position, site in enumerate(sites):
             regions = _separate_shared_reads(self.graph, site)
-            self.insert_aggregates(position, site, regions, value_nodes)
+            self.insert_aggregates(position, site, regions, value_nodes, layout)
             if position % self.planned.block_size == 0:
                 self.blocks.append(self.partial)
                 self.partial = None
@@ -189,49 +206,72 @@ class _StreamSurgery:
             self.dead.extend(value_nodes[1:])
             self.dead.extend(site.adds)
             value_nodes = [site.add, *(sites[position + 1].inbound if position + 1 < len(sites) else ())]
-        self.insert_final(value_nodes)
+            layout = site.layout
+        self.insert_final(value_nodes, layout)
         self.erase_dead()
 
     def insert_aggregates(self, position: int, site: ResidualSite, regions: list[frozenset[fx.Node]],
-                          value_nodes: list[fx.Node]) -> None:
-        """Each branch reads its own aggregate of the committed blocks and the partial sum."""
-        sources = self.blocks + [self.partial]
+                          value_nodes: list[fx.Node], layout: str) -> None:
+        """Each branch reads its own aggregate of the committed blocks and the partial sum, taken in the
+        layout of the previous stream value and passed through the stream ops that led from that value
+        to the site's input."""
         readers = _external_users(value_nodes, set(site.adds))
-        aggregates = []
-        with self.graph.inserting_before(_first(self.graph, readers)):
-            for planned in self.planned.branch_sites(position):
-                aggregates.append(self._emit(planned, sources, site.add, "aggregate"))
+        with self.graph.inserting_before(_first(self.graph, [r for r, _ in readers] + value_nodes[1:])):
+            sources = [self.in_layout(source, layout, site.add) for source in self.blocks + [self.partial]]
+            aggregates = [self._emit(planned, sources, site.add, "aggregate")
+                          for planned in self.planned.branch_sites(position)]
+        counterparts = [_read_through(self.graph, value_nodes, aggregate) for aggregate in aggregates]
         for reader, value in readers:
-            reader.replace_input_with(value, aggregates[_branch_of(reader, regions)])
+            reader.replace_input_with(value, counterparts[_branch_of(reader, regions)][value])
         self.records.append(Replacement(self.planned.branch_sites(position)[0],
                                         aggregates[0].name, tuple(a.name for a in site.adds)))
         for planned, node in zip(self.planned.branch_sites(position)[1:], aggregates[1:]):
             self.records.append(Replacement(planned, node.name, ()))
 
     def rebuild_partial_sum(self, site: ResidualSite) -> None:
-        """``partial = partial + f_k`` for each branch output (a block start begins with the output)."""
-        anchor = site.add
-        for branch in site.branches:
-            if self.partial is None:
-                self.partial = branch.output
-                continue
-            with self.graph.inserting_after(anchor):
-                self.partial = self.graph.create_node(
-                    "call_function", self.partial_add, (self.partial, branch.output),
+        """``partial = partial + f_k`` for each branch output (a block start begins with the output), in
+        the layout of the partial sum."""
+        outputs = [output for branch in site.branches for output in branch.outputs]
+        self.carrier.setdefault(site.layout, outputs[0])
+        with self.graph.inserting_before(site.add.next):
+            for output in outputs:
+                self.layout_of[output] = site.layout
+                if self.partial is None:
+                    self.partial = output
+                    continue
+                addend = self.in_layout(output, self.layout_of[self.partial], site.add)
+                partial = self.graph.create_node(
+                    "call_function", self.partial_add, (self.partial, addend),
                     name=f"{site.owner.replace('.', '_') or 'root'}_partial")
-            _annotate(self.partial, site.add, site.owner, "partial", with_module=False, inside=True)
-            anchor = self.partial
+                _annotate(partial, site.add, site.owner, "partial", with_module=False, inside=True)
+                self.layout_of[partial] = self.layout_of[self.partial]
+                self.partial = partial
 
-    def insert_final(self, value_nodes: list[fx.Node]) -> None:
+    def insert_final(self, value_nodes: list[fx.Node], layout: str) -> None:
         """What read the stream after its last site reads the final aggregation."""
         readers = _external_users(value_nodes, set())
         final = self.planned.final
-        with self.graph.inserting_before(_first(self.graph, readers)):
-            node = self._emit(final, self.blocks + [self.partial], self.stream.end, "final")
+        with self.graph.inserting_before(_first(self.graph, [r for r, _ in readers])):
+            sources = [self.in_layout(source, layout, self.stream.end, inside=False)
+                       for source in self.blocks + [self.partial]]
+            node = self._emit(final, sources, self.stream.end, "final")
         for reader, value in readers:
             reader.replace_input_with(value, node)
         self.records.append(Replacement(final, node.name, ()))
         self.dead.extend(value_nodes[1:])
+
+    def in_layout(self, node: fx.Node, layout: str, origin: fx.Node, inside: bool = True) -> fx.Node:
+        """``node`` reshaped to ``layout`` where the stream left it in another one (``h.reshape(-1, d)``
+        between sites): ``reshape_as`` a node of that layout, inserted at the current insertion point,
+        once per node and layout. Stream values of all layouts have the same number of elements."""
+        if self.layout_of[node] == layout:
+            return node
+        if (node, layout) not in self.reshaped:
+            reshaped = self.graph.call_function(self.reshape_as, (node, self.carrier[layout]))
+            _annotate(reshaped, origin, node.name, "layout", with_module=False, inside=inside)
+            self.layout_of[reshaped] = layout
+            self.reshaped[node, layout] = reshaped
+        return self.reshaped[node, layout]
 
     def erase_dead(self) -> None:
         position = {node: i for i, node in enumerate(self.graph.nodes)}
@@ -248,6 +288,17 @@ class _StreamSurgery:
         return node
 
 
+def _read_through(graph: fx.Graph, value_nodes: list[fx.Node], aggregate: fx.Node) -> dict[fx.Node, fx.Node]:
+    """The stream ops between two sites (``value_nodes[1:]``: casts, dropout, reshapes), applied to an
+    aggregate that stands for ``value_nodes[0]``; returns the counterpart of every value node. Each copy
+    goes right after the op it copies, where that op's other arguments (sizes) are defined."""
+    counterpart = {value_nodes[0]: aggregate}
+    for op in value_nodes[1:]:
+        with graph.inserting_after(op):
+            counterpart[op] = graph.node_copy(op, lambda n: counterpart.get(n, n))
+    return counterpart
+
+
 def _branch_of(reader: fx.Node, regions: list[frozenset[fx.Node]]) -> int:
     """Which branch's aggregate a reader gets: the branch containing it (or, for a shape query such as
     ``x.dtype``, its users); readers outside every branch get the first branch's aggregate."""
@@ -258,9 +309,9 @@ def _branch_of(reader: fx.Node, regions: list[frozenset[fx.Node]]) -> int:
     return 0
 
 
-def _first(graph: fx.Graph, readers: list[tuple[fx.Node, fx.Node]]) -> fx.Node:
-    users = {reader for reader, _ in readers}
-    return next(node for node in graph.nodes if node in users)
+def _first(graph: fx.Graph, nodes: list[fx.Node]) -> fx.Node:
+    wanted = set(nodes)
+    return next(node for node in graph.nodes if node in wanted)
 
 
 def _external_users(value_nodes: list[fx.Node], skip: set[fx.Node]) -> list[tuple[fx.Node, fx.Node]]:

@@ -4,10 +4,20 @@ import sys
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, os.path.dirname(__file__))
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+# Property tests (test_properties.py). "ci": derandomised (the same examples every run), few enough for
+# `make test` to stay under a minute; "fuzz": `make fuzz`, many random examples. Examples convert models
+# with TorchDynamo (seconds each), hence no deadline.
+settings.register_profile("ci", max_examples=4, derandomize=True, database=None, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("fuzz", max_examples=400, deadline=None, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def snapshot(model: torch.nn.Module) -> dict:

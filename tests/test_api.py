@@ -1,5 +1,6 @@
 """Public API contract: arguments, errors, and the user's model left bit-identical by every failure."""
 
+import re
 import subprocess
 import sys
 
@@ -30,6 +31,7 @@ def test_converts_in_place_and_returns_the_same_object(model):
     ({"eps": 0.0}, ValueError, "eps"), ({"eps": -1e-6}, ValueError, "eps"), ({"eps": float("nan")}, ValueError, "eps"),
     ({"eps": float("inf")}, ValueError, "eps"), ({"eps": "1e-6"}, ValueError, "eps"),
     ({"preserve_scale": 1}, TypeError, "preserve_scale"), ({"preserve_scale": "yes"}, TypeError, "preserve_scale"),
+    ({"allow_partial": None}, TypeError, "allow_partial"),
     ({"example_kwargs": [("ids", 1)]}, TypeError, "example_kwargs"),
     ({"example_inputs": "ids"}, TypeError, "example_inputs"), ({"example_inputs": 3}, TypeError, "example_inputs"),
 ])
@@ -62,6 +64,22 @@ def test_untraceable_model_raises_trace_error_with_the_cause(untouched):
     with pytest.raises(attnres_fx.TraceError, match="TorchDynamo could not capture") as with_inputs:
         attnres_fx.attnresify(model, (torch.randn(2, 3, 32),))
     assert set(with_inputs.value.causes) == {"dynamo"} and "graph break" in str(with_inputs.value)
+    check()
+
+
+@pytest.mark.parametrize("inputs,cause", [
+    (torch.randn(2, 16), r"Expected tensor for argument #1 'indices' to have one of the following scalar types"),
+    (torch.randint(0, 128, (2, 16, 3)), r"RuntimeError: .*shape"),
+])
+def test_a_model_that_fails_on_the_example_inputs_raises_the_root_cause(model, untouched, inputs, cause):
+    """Float ids for an embedding (the dtype), or ids of one dimension too many (a shape): the message
+    names the model, says it failed on the inputs and carries the innermost error, with the line."""
+    check = untouched(model)
+    failed = r"TinyTransformer fails on the example inputs at \w+\.py:\d+"
+    with pytest.raises(attnres_fx.TraceError, match=failed) as err:
+        attnres_fx.attnresify(model, (inputs,))
+    assert len(str(err.value).splitlines()) == 2
+    assert re.search(cause, str(err.value)), str(err.value)
     check()
 
 

@@ -6,7 +6,8 @@ import torch
 import attnres_fx
 from attnres_fx.models import TinyTransformer
 from conftest import converted
-from toy_models import (EncoderDecoder, NestedModel, NoResidualModel, PostNormModel, RawBranchModel, RopeModel,
+from toy_models import (ChunkedLinearAttention, EncoderDecoder, LayerStack, MoE, NestedModel, NoResidualModel,
+                        PostNormModel, RawBranchModel, RopeAttention, RopeModel, ScaledAddLayer, SkipStack,
                         make_inputs)
 
 
@@ -148,3 +149,118 @@ def test_an_unused_in_place_add_is_rejected_with_a_rewrite_hint():
 
     with pytest.raises(attnres_fx.NoResidualStreamError, match=r"in-place add whose result is never used"):
         attnres_fx.attnresify(InPlace(2))
+
+
+# -- what the data flow follows ---------------------------------------------------------------------------
+
+def test_writes_into_buffers_carry_values():
+    """``buffer.select(1, t).copy_(v)``, ``y[:, t] = v`` and ``index_put_`` leave no graph edge from ``v`` to
+    later reads of the buffer; the data flow adds one (and a buffer made ``new_zeros`` from ``x`` reads
+    only ``x``'s shape)."""
+    from attnres_fx.passes import node_kinds
+
+    def scan(x, v):
+        buffer = x.new_zeros(x.shape)
+        buffer.select(1, 0).copy_(v)
+        buffer.index_put_((torch.tensor([1]),), v[:, None])
+        return buffer.sum()
+
+    graph = torch.fx.symbolic_trace(scan).graph
+    flow = node_kinds.DataFlow(graph)
+    nodes = {n.name: n for n in graph.nodes}
+    reached, todo = set(), [nodes["sum_1"]]
+    while todo:
+        for parent in flow.parents(todo.pop()):
+            if parent not in reached:
+                reached.add(parent)
+                todo.append(parent)
+    assert nodes["v"] in reached and nodes["copy_"] in reached and nodes["index_put_"] in reached
+    assert nodes["x"] not in reached, "new_zeros reads only the shape of x"
+
+
+# -- adds that continue a stream but are no site: never converted around silently -------------------------
+
+@pytest.mark.parametrize("kind,add,reason", [
+    ("long_skip", "add_8", "long skip"),
+    ("unet", "add_4", "long skip"),
+    ("bias", "add_4", "operands are independent"),
+])
+def test_an_add_on_the_stream_that_is_no_site_is_refused_unless_allowed(kind, add, reason, untouched):
+    """A long skip after the last layer or in the middle (U-Net), or a bias added between layers: the
+    stream continues through an add that is no residual site. Detection lists it, conversion refuses;
+    with ``allow_partial=True`` the add stays, reading the aggregate that stands for the stream value it
+    read, and ``preserve_scale=True`` still reproduces the original exactly."""
+    torch.manual_seed(0)
+    model = SkipStack(kind).eval()
+    ids = make_inputs()
+    detection = detect(model, ids)
+    assert [(r.node, reason in r.reason) for r in detection.unconverted] == [(add, True)]
+    assert f"{add}: " in str(detection) and "no residual site" in str(detection)
+    check = untouched(model)
+    refusal = rf"(?s)no residual site:\n  - \w+: [^\n]*{reason}.*allow_partial=True"
+    with pytest.raises(attnres_fx.UnsupportedArchitectureError, match=refusal):
+        attnres_fx.attnresify(model, (ids,))
+    check()
+    new = converted(model, ids, allow_partial=True, preserve_scale=True)
+    assert sum(s.kind != "final" for s in attnres_fx.sites(new)) == 8
+    with torch.no_grad():
+        torch.testing.assert_close(new(ids), model(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_a_fork_is_reported():
+    """Two residual sites reading one sum: the stream ends there; the sites after it are rejected and,
+    as they continue the stream, listed."""
+    class Fork(NormLinearLayers):
+        def forward(self, x):
+            for norm, lin in zip(self.norms[:2], self.lins[:2]):
+                x = x + lin(norm(x))
+            a = x + self.lins[2](self.norms[2](x))
+            b = x + self.lins[3](self.norms[3](x))
+            return a * b
+
+    detection = detect(Fork(4), torch.randn(2, 3, 16))
+    assert [len(s.sites) for s in detection.streams] == [2]
+    assert {r.node for r in detection.unconverted} == {"add_2", "add_3"}
+    assert all("forks at add_1" in r.reason for r in detection.unconverted)
+
+
+# -- labels and messages ----------------------------------------------------------------------------------
+
+def test_a_scaled_torch_add_is_named_in_the_error(untouched):
+    model = LayerStack([ScaledAddLayer(0.5), ScaledAddLayer(0.5)])
+    check = untouched(model)
+    with pytest.raises(attnres_fx.NoResidualStreamError, match=r"torch\.add\(a, b, alpha=0\.5\)"):
+        attnres_fx.attnresify(model, (make_inputs(),))
+    check()
+    detection = detect(LayerStack([ScaledAddLayer(1), ScaledAddLayer(1)]), make_inputs())
+    assert detection.num_sites == 4, "alpha=1 is a plain add"
+
+
+def test_kinds_come_from_data_flow_not_names():
+    """Renamed modules keep their kinds: softmax over q @ k^T is attention, a router's softmax and top-k
+    make an MLP, a scan is a mixer."""
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.n1, self.n2, self.n3 = (torch.nn.LayerNorm(32) for _ in range(3))
+            self.a, self.b, self.c = RopeAttention(32), MoE(), ChunkedLinearAttention()
+
+        def forward(self, x, cos, sin, mask):
+            x = x + self.a(self.n1(x), cos, sin, mask)
+            x = x + self.b(self.n2(x))
+            return x + self.c(self.n3(x))
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(64, 32)
+            self.x, self.y = Layer(), Layer()
+
+        def forward(self, ids):
+            t = 8                                  # make_inputs() has 8 positions
+            mask = torch.full((t, t), float("-inf")).triu(1)
+            cos = sin = torch.ones(t, 4)
+            return self.y(self.x(self.emb(ids), cos, sin, mask), cos, sin, mask)
+
+    detection = detect(Model(), make_inputs())
+    assert [s.kind for s in detection.streams[0].sites] == ["attn", "mlp", "mixer"] * 2

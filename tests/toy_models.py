@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnres_fx.models import MLP, Block, CausalSelfAttention, TinyConfig
+from attnres_fx.models import MLP, Block, CausalSelfAttention, ManualRMSNorm, TinyConfig
 
 
 class EncoderDecoder(nn.Module):
@@ -295,3 +295,311 @@ class NanoGPT(nn.Module):
         if targets is None:
             return logits, None
         return logits, F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+# -- the shapes a residual stream takes in real code ------------------------------------------------------
+
+DIM = 32
+LENGTH = 8            # sequence length of make_inputs(); the scan mixers loop over exactly this many steps
+
+
+class LayerStack(nn.Module):
+    """Embedding, ``layers`` (each adds its own residuals), a final LayerNorm and a head."""
+
+    def __init__(self, layers, dim=DIM, vocab=64):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(layers)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def attention(dim=DIM):
+    return CausalSelfAttention(TinyConfig(dim=dim, num_heads=4))
+
+
+def mlp(dim=DIM):
+    return MLP(TinyConfig(dim=dim, mlp_ratio=2))
+
+
+class ReshapedMLPLayer(nn.Module):
+    """The MLP half runs on the tokens flattened to ``[batch * seq, d]``, the stream itself reshaped
+    there and back: ``spelling`` "reshape" (``reshape(-1, d)`` / ``view(b, t, d)``) or "flatten"
+    (``flatten(0, 1)`` / ``unflatten(0, (b, t))`` then ``contiguous()``)."""
+
+    def __init__(self, spelling, dim=DIM):
+        super().__init__()
+        self.spelling = spelling
+        self.ln1, self.attn, self.ln2, self.mlp = nn.LayerNorm(dim), attention(dim), nn.LayerNorm(dim), mlp(dim)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        b, t, d = x.shape
+        h = x.reshape(-1, d) if self.spelling == "reshape" else x.flatten(0, 1)
+        h = h + self.mlp(self.ln2(h))
+        return h.view(b, t, d) if self.spelling == "reshape" else h.unflatten(0, (b, t)).contiguous()
+
+
+class PreSummedLayer(nn.Module):
+    """``x + (attn(u) + mlp(u))`` with one shared norm ``u``; ``in_place``: ``m = attn(u); m += mlp(u)``."""
+
+    def __init__(self, in_place, dim=DIM):
+        super().__init__()
+        self.in_place = in_place
+        self.ln, self.attn, self.mlp = nn.LayerNorm(dim), attention(dim), mlp(dim)
+
+    def forward(self, x):
+        u = self.ln(x)
+        if self.in_place:
+            m = self.attn(u)
+            m += self.mlp(u)
+        else:
+            m = self.attn(u) + self.mlp(u)
+        return x + m
+
+
+class RoutedExperts(nn.Module):
+    """Top-k routing as mixture-of-experts code writes it: a softmax router, top-k, every expert on every
+    token (static shapes), the chosen outputs gathered and summed back per token with index_add."""
+
+    def __init__(self, dim=DIM, experts=4, top_k=2):
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.experts = nn.ModuleList(mlp(dim) for _ in range(experts))
+
+    def forward(self, x):
+        tokens = x.reshape(-1, x.shape[-1])
+        weights, chosen = self.router(tokens).softmax(-1).topk(self.top_k, dim=-1)
+        outputs = torch.stack([expert(tokens) for expert in self.experts], dim=1)
+        picked = outputs.gather(1, chosen.unsqueeze(-1).expand(-1, -1, tokens.shape[-1]))
+        owner = torch.arange(tokens.shape[0], device=x.device).repeat_interleave(self.top_k)
+        routed = torch.zeros_like(tokens).index_add(0, owner, (picked * weights.unsqueeze(-1)).flatten(0, 1))
+        return routed.view(x.shape)
+
+
+class MoE(nn.Module):
+    """Routed experts plus a shared expert, summed: one MLP sublayer."""
+
+    def __init__(self, dim=DIM):
+        super().__init__()
+        self.routed = RoutedExperts(dim)
+        self.shared = mlp(dim)
+
+    def forward(self, x):
+        return self.routed(x) + self.shared(x)
+
+
+class MoELayer(nn.Module):
+    """Attention then a mixture of experts; ``parallel``: ``x + attn(u) + routed(u) + shared(u)``."""
+
+    def __init__(self, parallel, dim=DIM):
+        super().__init__()
+        self.parallel = parallel
+        self.ln1, self.attn, self.ln2, self.moe = nn.LayerNorm(dim), attention(dim), nn.LayerNorm(dim), MoE(dim)
+
+    def forward(self, x):
+        if self.parallel:
+            u = self.ln1(x)
+            return x + self.attn(u) + self.moe.routed(u) + self.moe.shared(u)
+        x = x + self.attn(self.ln1(x))
+        return x + self.moe(self.ln2(x))
+
+
+class DropoutLayer(nn.Module):
+    """Dropout on a branch output and on the stream, a dtype round trip on a branch output and on the
+    stream between the sites."""
+
+    def __init__(self, dim=DIM, p=0.2):
+        super().__init__()
+        self.ln1, self.attn, self.ln2, self.mlp = nn.LayerNorm(dim), attention(dim), nn.LayerNorm(dim), mlp(dim)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x):
+        x = x + self.drop(self.attn(self.ln1(x)))
+        x = self.drop(x).double().to(torch.float32)
+        return x + self.mlp(self.ln2(x)).double().to(x.dtype)
+
+
+class ParallelManualNormLayer(nn.Module):
+    """GPT-NeoX-style parallel layer whose two norms are RMSNorm written out with fp32 casts."""
+
+    def __init__(self, dim=DIM):
+        super().__init__()
+        self.ln1, self.ln2 = ManualRMSNorm(dim, 1e-6), ManualRMSNorm(dim, 1e-6)
+        self.attn, self.mlp = attention(dim), mlp(dim)
+
+    def forward(self, x):
+        return x + self.attn(self.ln1(x)) + self.mlp(self.ln2(x))
+
+
+class SelectiveScan(nn.Module):
+    """A small Mamba-style selective scan: per-step decays and inputs from the data, a loop over time
+    writing each step's output into a preallocated buffer (``y[:, t] = ...``)."""
+
+    def __init__(self, dim=DIM, state=4, length=LENGTH):
+        super().__init__()
+        self.length = length
+        self.in_proj = nn.Linear(dim, dim)
+        self.delta, self.b, self.c = nn.Linear(dim, dim), nn.Linear(dim, state), nn.Linear(dim, state)
+        self.a = nn.Parameter(-torch.rand(dim, state))
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        u = self.in_proj(x)
+        delta, b_in, c_out = F.softplus(self.delta(u)), self.b(u), self.c(u)
+        state = x.new_zeros(x.shape[0], x.shape[-1], self.a.shape[1])
+        y = u.new_zeros(u.shape)
+        for t in range(self.length):
+            step = delta[:, t, :, None]
+            state = torch.exp(step * self.a) * state + step * b_in[:, t, None, :] * u[:, t, :, None]
+            y[:, t] = (state * c_out[:, t, None, :]).sum(-1)
+        return self.out(y)
+
+
+class RecurrentLinearAttention(nn.Module):
+    """Linear attention as a recurrence: a state updated per step; ``collect`` "stack" gathers the steps'
+    outputs in a list and stacks them, "copy" copies each into a preallocated buffer, "index_put"
+    writes them with ``index_put_``."""
+
+    def __init__(self, collect, dim=DIM, length=LENGTH):
+        super().__init__()
+        self.collect, self.length = collect, length
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        q, k, v = F.elu(self.qkv(x)).add(1).split(x.shape[-1], dim=-1)
+        state = x.new_zeros(x.shape[0], x.shape[-1], x.shape[-1])
+        steps, buffer = [], x.new_zeros(x.shape)
+        for t in range(self.length):
+            state = state + k[:, t, :, None] * v[:, t, None, :]
+            y = torch.bmm(q[:, t, None, :], state).squeeze(1)
+            if self.collect == "stack":
+                steps.append(y)
+            elif self.collect == "copy":
+                buffer.select(1, t).copy_(y)
+            else:
+                buffer.index_put_((torch.arange(x.shape[0], device=x.device), torch.tensor(t)), y)
+        return self.out(torch.stack(steps, dim=1) if self.collect == "stack" else buffer)
+
+
+class ChunkedLinearAttention(nn.Module):
+    """Linear attention in parallel form: the running state is a cumulative sum over positions."""
+
+    def __init__(self, dim=DIM):
+        super().__init__()
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        q, k, v = F.elu(self.qkv(x)).add(1).split(x.shape[-1], dim=-1)
+        states = torch.cumsum(k.unsqueeze(-1) * v.unsqueeze(-2), dim=1)
+        return self.out((q.unsqueeze(-2) @ states).squeeze(-2))
+
+
+@torch.library.custom_op("attnres_tests::decay_scan", mutates_args=())
+def decay_scan(x: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
+    """``y_t = decay * y_{t-1} + x_t`` over dim 1: a scan kernel as a custom op."""
+    steps, y = [], torch.zeros_like(x[:, 0])
+    for t in range(x.shape[1]):
+        y = decay * y + x[:, t]
+        steps.append(y)
+    return torch.stack(steps, dim=1)
+
+
+@decay_scan.register_fake
+def _(x, decay):
+    return torch.empty_like(x)
+
+
+class CustomScanMixer(nn.Module):
+    """A mixer whose scan is a custom op: data flows through it only via its inputs."""
+
+    def __init__(self, dim=DIM):
+        super().__init__()
+        self.in_proj, self.out = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.decay = nn.Parameter(torch.full((dim,), 0.9))
+
+    def forward(self, x):
+        return self.out(decay_scan(self.in_proj(x), self.decay))
+
+
+class MixerLayer(nn.Module):
+    """``x + mixer(norm(x))`` (state-space style: no MLP) or, with ``mlp``, followed by an MLP or MoE."""
+
+    def __init__(self, mixer, mlp_layer=None, dim=DIM):
+        super().__init__()
+        self.norm, self.mixer = nn.RMSNorm(dim), mixer
+        self.ln2, self.mlp = (nn.RMSNorm(dim), mlp_layer) if mlp_layer is not None else (None, None)
+
+    def forward(self, x):
+        x = x + self.mixer(self.norm(x))
+        if self.mlp is not None:
+            x = x + self.mlp(self.ln2(x))
+        return x
+
+
+class AttentionLayer(nn.Module):
+    def __init__(self, mlp_layer, dim=DIM):
+        super().__init__()
+        self.ln1, self.attn, self.ln2, self.mlp = nn.LayerNorm(dim), attention(dim), nn.LayerNorm(dim), mlp_layer
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class SkipStack(LayerStack):
+    """Layers with an extra add on the stream that is no residual site: ``kind`` "long_skip" adds the
+    stream after layer 0 back after the last layer, "unet" before layer 2, "bias" adds a learned bias
+    before layer 2."""
+
+    def __init__(self, kind, layers=4):
+        super().__init__([AttentionLayer(mlp()) for _ in range(layers)])
+        self.kind = kind
+        self.bias = nn.Parameter(torch.randn(DIM) * 0.1)
+
+    def forward(self, ids):
+        x = self.layers[0](self.emb(ids))
+        skip = x
+        for index, layer in enumerate(self.layers[1:], start=1):
+            if index == 2 and self.kind != "long_skip":
+                x = x + (skip if self.kind == "unet" else self.bias)
+            x = layer(x)
+        if self.kind == "long_skip":
+            x = x + skip
+        return self.head(self.norm(x))
+
+
+class ScaledAddLayer(nn.Module):
+    """``torch.add(x, f(x), alpha=alpha)``: a residual add whose branch is scaled by ``alpha``."""
+
+    def __init__(self, alpha, dim=DIM):
+        super().__init__()
+        self.alpha = alpha
+        self.ln1, self.attn, self.ln2, self.mlp = nn.LayerNorm(dim), attention(dim), nn.LayerNorm(dim), mlp(dim)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return torch.add(x, self.mlp(self.ln2(x)), alpha=self.alpha)
+
+
+class TorchTransformerEncoder(nn.Module):
+    """``torch.nn.TransformerEncoder`` (pre-norm): every residual add is inside torch.nn's modules."""
+
+    def __init__(self, dim=DIM, layers=2, vocab=64):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        layer = nn.TransformerEncoderLayer(dim, 4, 2 * dim, dropout=0.0, batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, norm=nn.LayerNorm(dim), enable_nested_tensor=False)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids):
+        return self.head(self.encoder(self.emb(ids)))
