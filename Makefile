@@ -39,7 +39,7 @@ bench: venv
 bench-quick: venv
 	$(PY) benchmarks/bench.py --quick
 
-# Training comparison (benchmarks/compare.py): about 2 hours on 2 CPU cores; results in benchmarks/results/compare.
+# Training comparison (benchmarks/compare.py): about an hour on 2 CPU cores; results in benchmarks/results/compare.
 compare: venv
 	$(PY) benchmarks/compare.py
 

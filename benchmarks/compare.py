@@ -1,7 +1,7 @@
 """Training comparison: the baseline against Block AttnRes and Full AttnRes, and a trained baseline
 converted half-way, on the bytes of the Python standard library's source.
 
-    python benchmarks/compare.py               # the full comparison (about 2 hours on 2 CPU cores)
+    python benchmarks/compare.py               # the full comparison (about an hour on 2 CPU cores)
     python benchmarks/compare.py --quick       # a tiny model, a few steps: checks that everything runs
     python benchmarks/compare.py --steps 300 --seeds 2 --variants baseline,block4 --out DIR
 
@@ -113,7 +113,7 @@ class Config:
     heads: int = 4
     seq: int = 128
     batch: int = 16
-    steps: int = 900
+    steps: int = 400
     lr: float = 3e-3
     warmup: float = 0.05               # fraction of the steps
     min_lr_ratio: float = 0.1

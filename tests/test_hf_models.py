@@ -4,7 +4,7 @@ For every pre-norm architecture of :data:`attnres_fx.models.HF_MODELS`: the site
 zero-init equivalence (exact with ``preserve_scale=True``; up to a derived eps bound by default), the
 explicit graph equal to the live model under random pseudo-queries, other input shapes, one training
 step. Then the two-stream T5, post-norm BERT, eval dropout and dtype casts, the explicit graph's
-tracers, the CLI, the import isolation of the optional packages, and timm.
+tracers, the CLI, the import isolation of the optional packages, and a timm-layout ViT.
 
 Each model is built and converted once per module (the ``zoo`` fixture caches them).
 """
@@ -346,26 +346,83 @@ def test_import_needs_neither_transformers_nor_a_working_torchvision(tmp_path):
     subprocess.run([sys.executable, "-c", code], env=env, check=True)
 
 
-def _import_timm():
-    """timm imports torchvision, which does not import next to this CPU torch (README, Limits). A
-    broken torchvision raises RuntimeError or OSError, not just ImportError: skip on any of them."""
-    try:
-        import timm
-    except Exception as err:  # noqa: BLE001 - whatever breaks the import is the reason to skip
-        pytest.skip(f"timm cannot be imported here: {type(err).__name__}: {err}")
-    return timm
+class TimmLayoutViT(torch.nn.Module):
+    """A vision Transformer laid out as timm's ``VisionTransformer`` (timm itself needs torchvision, which
+    does not install next to this CPU torch; README, Limits): conv patch embedding, a class token,
+    learned positions, blocks ``x + drop_path(ls(attn(norm1(x))))`` with LayerScale and stochastic depth,
+    a final norm and a head on the class token."""
+
+    def __init__(self, dim=32, depth=2, heads=2, patch=8, image=32, classes=10):
+        super().__init__()
+        nn = torch.nn
+        self.patch_embed = nn.Conv2d(3, dim, patch, stride=patch)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, dim) * 0.02)
+        self.pos_embed = nn.Parameter(torch.randn(1, 1 + (image // patch) ** 2, dim) * 0.02)
+        self.blocks = nn.ModuleList(TimmLayoutBlock(dim, heads) for _ in range(depth))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, images):
+        x = self.patch_embed(images).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x)[:, 0])
 
 
-@pytest.mark.slow
-def test_timm_vision_transformer():
-    timm = _import_timm()
+class LayerScale(torch.nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.gamma = torch.nn.Parameter(torch.full((dim,), 0.1))
+
+    def forward(self, x):
+        return x * self.gamma
+
+
+class DropPath(torch.nn.Module):
+    """Stochastic depth: drops a whole sample's branch in training, the identity in eval."""
+
+    def __init__(self, p):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x):
+        if not self.training or self.p == 0:
+            return x
+        keep = torch.rand(x.shape[0], 1, 1, device=x.device) >= self.p
+        return x * keep / (1 - self.p)
+
+
+class TimmLayoutBlock(torch.nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        nn = torch.nn
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        self.ls1, self.ls2 = LayerScale(dim), LayerScale(dim)
+        self.drop_path = DropPath(0.1)
+
+    def forward(self, x):
+        u = self.norm1(x)
+        x = x + self.drop_path(self.ls1(self.attn(u, u, u, need_weights=False)[0]))
+        return x + self.drop_path(self.ls2(self.mlp(self.norm2(x))))
+
+
+def test_a_timm_layout_vision_transformer_with_layer_scale_and_stochastic_depth():
     torch.manual_seed(0)
-    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8,
-                              embed_dim=32, depth=2, num_heads=2, num_classes=10).eval()
+    model = TimmLayoutViT().eval()
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     other = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(1))
-    new = attnres_fx.attnresify(copy.deepcopy(model), (x,), preserve_scale=True)
-    assert [s.name for s in attnres_fx.sites(new)] == [
+    with torch.no_grad():
+        expected = model(other)
+    converted = attnres_fx.attnresify(model, (x,), preserve_scale=True)
+    assert converted is model
+    assert [s.name for s in attnres_fx.sites(model)] == [
         "blocks.0.attn_res", "blocks.0.mlp_res", "blocks.1.attn_res", "blocks.1.mlp_res", "final_res"]
     with torch.no_grad():
-        assert H.relative_error(new(other), model(other)) < EXACT
+        assert H.relative_error(model(other), expected) < EXACT
+    model.train()   # stochastic depth on: another graph, still trainable end to end
+    loss = model(other).square().mean()
+    loss.backward()
+    assert model.blocks[1].mlp_res.proj.weight.grad.abs().sum() > 0
