@@ -257,16 +257,6 @@ def test_hf_llama_compiles_and_exports(tmp_path):
 
 
 @pytest.mark.slow
-def test_three_way_report(tmp_path):
-    model = tiny()
-    text = export.three_way_report(model.model, model.ids, tmp_path, runs=2)
-    lines = text.splitlines()
-    assert [line.split()[0] for line in lines[3:]] == ["eager", "compiled", "onnxruntime"]
-    assert "CPUExecutionProvider" in text and "compile" in text and "export" in text
-    assert all(float(line.split()[1]) <= 1e-4 for line in lines[4:])
-
-
-@pytest.mark.slow
 def test_cli_export(tmp_path, capsys):
     path = tmp_path / "cli.onnx"
     code = cli_main(["export", "tiny", "--onnx", str(path), "--block-size", "2", "--layers", "2", "--dim", "32"])

@@ -93,10 +93,16 @@ PRE_NORM = [pytest.param(name, marks=[needs_hf, pytest.mark.slow]) for name in H
 # -- every pre-norm architecture ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", PRE_NORM)
-def test_sites_are_named_after_the_module_that_adds(zoo, name):
+def test_sites_are_named_after_the_module_that_adds_and_never_found_by_class_names(zoo, name):
+    """Detection reads data flow: the sites, their owners and kinds are as expected, and with every class
+    name in the graph's metadata erased, detection finds the same."""
+    from attnres_fx.capture import capture_dynamo
+    from attnres_fx.passes import detect_residual_streams
+
     e = H.EXPECTED[name]
     args, kwargs = H.hf_example_inputs(name)
-    detection = attnres_fx.detect(zoo.model(name), args, example_kwargs=kwargs, tracer="export")
+    graph_module, _ = capture_dynamo(zoo.model(name), args, kwargs)
+    detection = detect_residual_streams(graph_module)
     assert [len(stream.sites) for stream in detection.streams] == list(e.streams.values())
     assert [site.owner for stream in detection.streams for site in stream.sites] == e.owner_paths()
     for stream, stream_name in zip(detection.streams, e.streams):
@@ -111,27 +117,15 @@ def test_sites_are_named_after_the_module_that_adds(zoo, name):
     finals = [s for s in injected if s.kind == "final"]
     assert [f.stream for f in finals] == list(range(e.num_streams)), "one final aggregation per stream"
 
-
-@pytest.mark.parametrize("name", PRE_NORM)
-def test_class_names_are_never_why_a_site_is_found(zoo, name):
-    """Detection reads data flow: with every class name in the graph's metadata erased, it finds the
-    same sites, with the same owners and kinds."""
-    from attnres_fx.capture import capture_dynamo
-    from attnres_fx.passes import detect_residual_streams
-
-    args, kwargs = H.hf_example_inputs(name)
-    graph_module, _ = capture_dynamo(zoo.model(name), args, kwargs)
-    detection = detect_residual_streams(graph_module)
     for node in graph_module.graph.nodes:
         stack = node.meta.get("nn_module_stack")
         if stack:
             node.meta["nn_module_stack"] = {key: (path, "Module") for key, (path, *_) in stack.items()}
         node.meta.pop("source_fn_stack", None)
-    again = detect_residual_streams(graph_module)
 
     def summary(result):
         return [[(site.owner, site.kind, site.normalised) for site in stream.sites] for stream in result.streams]
-    assert summary(again) == summary(detection) and detection.num_sites == H.EXPECTED[name].num_sites
+    assert summary(detect_residual_streams(graph_module)) == summary(detection)
 
 
 @pytest.mark.parametrize("name", PRE_NORM)
@@ -163,7 +157,11 @@ def test_default_conversion_differs_only_by_the_norms_eps(zoo, name):
         assert H.relative_error(got, want) < EXACT
 
 
-@pytest.mark.parametrize("name", PRE_NORM)
+# test_export.py compiles and exports the explicit graphs of Llama, GPT-NeoX, T5 and ViT against the live model.
+EXPLICIT_HERE = [p for p in PRE_NORM if p.values[0] not in ("llama", "gpt_neox", "t5", "vit")]
+
+
+@pytest.mark.parametrize("name", EXPLICIT_HERE)
 def test_the_explicit_graph_equals_the_live_model_with_random_pseudo_queries(zoo, name):
     new = randomise_pseudo_queries(copy.deepcopy(zoo.converted(name)), seed=2, std=0.5)
     args, kwargs = H.hf_example_inputs(name)
