@@ -1,4 +1,5 @@
 import copy
+import importlib.util
 import os
 import sys
 
@@ -74,3 +75,14 @@ def converted(model: torch.nn.Module, *example_inputs, **options) -> torch.nn.Mo
     import attnres_fx
 
     return attnres_fx.attnresify(copy.deepcopy(model), example_inputs or None, **options)
+
+
+def load_script(path, name: str):
+    """Import a script of ``benchmarks/`` (not a package) as module ``name``, once."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        # dataclasses resolve the module's string annotations through sys.modules.
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]

@@ -1,7 +1,6 @@
 """benchmarks/bench.py keeps working: its --quick mode end to end, and its timing helpers. No test
 asserts a timing."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -9,17 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from conftest import load_script
+
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench.py"
 
 
 def _module():
-    if "attnres_bench" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("attnres_bench", BENCH)
-        module = importlib.util.module_from_spec(spec)
-        # dataclasses resolve the module's string annotations through sys.modules.
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    return sys.modules["attnres_bench"]
+    return load_script(BENCH, "attnres_bench")
 
 
 def _run(out: Path, *flags: str) -> tuple[dict, str]:

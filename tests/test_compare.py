@@ -2,7 +2,6 @@
 conversion leaves the loss where it was), and the data and schedule it trains with. No test asserts a
 timing or which variant wins."""
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -12,17 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import load_script
+
 COMPARE = Path(__file__).resolve().parent.parent / "benchmarks" / "compare.py"
 
 
 def _module():
-    if "attnres_compare" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("attnres_compare", COMPARE)
-        module = importlib.util.module_from_spec(spec)
-        # dataclasses resolve the module's string annotations through sys.modules.
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    return sys.modules["attnres_compare"]
+    return load_script(COMPARE, "attnres_compare")
 
 
 def _finite(values):
