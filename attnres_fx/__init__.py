@@ -19,6 +19,7 @@ from .errors import (
     AttnResError,
     AttnResWarning,
     CheckpointMismatchError,
+    DepthWeightsError,
     ExportError,
     NoResidualStreamError,
     PassContractError,
@@ -42,7 +43,7 @@ __version__ = "0.2.0"
 
 __all__ = [
     "AttnResError", "AttnResWarning", "BlockAttnRes", "CheckpointMismatchError", "DepthRecorder", "DepthWeights",
-    "ExportError", "NoResidualStreamError", "PassContractError", "RoutingError", "Site", "SiteWeights",
+    "DepthWeightsError", "ExportError", "NoResidualStreamError", "PassContractError", "RoutingError", "Site", "SiteWeights",
     "StreamMismatchError", "TraceError", "UnsupportedArchitectureError", "attnresify", "compile",
     "conversion_options", "depth_metrics", "depth_monitor_callback", "depth_weights", "detect", "freeze",
     "from_pretrained", "is_converted", "monitor_depth", "param_groups", "plan_of", "remove", "rewrite", "sites",

@@ -33,7 +33,7 @@ from torch import nn
 from .api import sites as sites_of
 from .aggregation import depth_logit, folded_query
 from .block_attnres import BlockAttnRes
-from .errors import AttnResError
+from .errors import DepthWeightsError
 from .live import conversion_of, eager_route
 from .passes.plan import Site
 from .text import format_table
@@ -234,10 +234,10 @@ class DepthRecorder:
         return record
 
     def result(self) -> DepthWeights:
-        """The weights recorded so far; :class:`~attnres_fx.AttnResError` if a site did not run."""
+        """The weights recorded so far; :class:`~attnres_fx.DepthWeightsError` if a site did not run."""
         missing = [site.name for site in self.sites if site.name not in self._tokens]
         if missing:
-            raise AttnResError(f"depth weights: the sites {missing} did not run as modules during the "
+            raise DepthWeightsError(f"depth weights: the sites {missing} did not run as modules during the "
                                "recorded calls (a call that does not reach them, or a graph that inlines "
                                "the aggregation instead of calling the BlockAttnRes modules)")
         rows = []
@@ -310,7 +310,7 @@ def _concatenate(calls: list[torch.Tensor], site: Site) -> torch.Tensor:
         return torch.cat(calls, dim=0)
     except RuntimeError as err:
         shapes = [tuple(call.shape) for call in calls]
-        raise AttnResError(f"depth weights: {site.name} ran {len(calls)} times with per-token shapes {shapes} "
+        raise DepthWeightsError(f"depth weights: {site.name} ran {len(calls)} times with per-token shapes {shapes} "
                            "that do not concatenate along the first dimension; record the calls one at a "
                            "time") from err
 

@@ -58,5 +58,10 @@ class ExportError(AttnResError):
     """Compiling or exporting a rewritten module failed; carries the exporter's root cause."""
 
 
+class DepthWeightsError(AttnResError):
+    """Depth weights could not be recorded: a site did not run as a module during the recorded calls, or
+    its calls' per-token weights do not fit together."""
+
+
 class AttnResWarning(UserWarning):
     """The rewrite went ahead, but the result may not behave as the user expects."""

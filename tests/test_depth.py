@@ -129,7 +129,7 @@ def test_several_recorded_calls_average_over_all_their_tokens(model, ids):
 def test_a_recording_where_the_sites_did_not_run_is_refused(model):
     with attnres_fx.DepthRecorder(model) as recorder:
         pass
-    with pytest.raises(attnres_fx.AttnResError, match="did not run"):
+    with pytest.raises(attnres_fx.DepthWeightsError, match="did not run"):
         recorder.result()
 
 
