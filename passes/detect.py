@@ -309,10 +309,14 @@ class _SiteMatcher:
             stream_in, outputs = b, [a]
         else:
             parallel = self._parallel_form(a, b)
-            if parallel is None:
+            cast = None if parallel is not None else self._cast_residual_form(a, b)
+            if parallel is not None:
+                stream_in, outputs, inner = parallel
+                adds.extend(inner)
+            elif cast is not None:
+                stream_in, outputs = cast
+            else:
                 return None, "operands are independent: neither is computed from the other"
-            stream_in, outputs, inner = parallel
-            adds.extend(inner)
         for output in outputs:
             if not self._has_parameterised_compute(stream_in, output):
                 return None, (f"the branch {stream_in.name} -> {output.name} has no parameterised compute "
@@ -331,6 +335,18 @@ class _SiteMatcher:
     def _has_parameterised_compute(self, stream_in: fx.Node, output: fx.Node) -> bool:
         return any(nk.is_parameterised_compute(n, self.gm, self.param_derived)
                    for n in self.ancestry.region(stream_in, output))
+
+    def _cast_residual_form(self, a: fx.Node, b: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
+        """``residual = h.to(torch.float32); residual + f(norm(h))`` (Mamba's ``residual_in_fp32``): the
+        residual operand is a cast of the value the branch reads, so the two are siblings. The site reads
+        ``h``; the cast, an identity on values, is left behind with the add it fed."""
+        for residual, branch in ((a, b), (b, a)):
+            origin = residual
+            while nk.is_transparent(origin, self.gm) and len(origin.all_input_nodes) == 1:
+                origin = origin.all_input_nodes[0]
+            if origin is not residual and self.ancestry.reaches(origin, branch):
+                return origin, [branch]
+        return None
 
     def _parallel_form(self, a: fx.Node, b: fx.Node):
         """``(h + f) + g``, ``((h + f) + g) + k``, ... with every summand computed from ``h``: returns

@@ -181,6 +181,35 @@ def test_a_pure_state_space_model_is_one_stream_of_mixers():
                      tracers=("export",))
 
 
+def test_a_residual_cast_apart_from_the_branch_input_is_still_a_site():
+    """``residual = x.to(float32); residual + mixer(norm(x))``: the cast and the branch are siblings."""
+    torch.manual_seed(0)
+    check_everywhere(T.LayerStack([T.CastResidualLayer(T.SelectiveScan()), T.CastResidualLayer(T.mlp()),
+                                   T.MixerLayer(T.SelectiveScan())]), ["mixer", "mlp", "mixer"],
+                     tracers=("export",))
+
+
+@pytest.mark.slow
+def test_hugging_face_mamba_converts_exactly_and_generates_the_same_tokens():
+    """Mamba: residual_in_fp32 casts the residual operand, and its scan is captured as the generic
+    associative scan (slices, vmap and concatenations) under TorchDynamo."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.MambaConfig(vocab_size=128, hidden_size=32, state_size=8, num_hidden_layers=2,
+                                      expand=2, conv_kernel=4)
+    model = transformers.MambaForCausalLM(config).eval()
+    ids = T.make_inputs(vocab=128, seq=12)
+    original = copy.deepcopy(model)
+    attnres_fx.attnresify(model, (ids,), preserve_scale=True)
+    assert [s.name for s in attnres_fx.sites(model)] == [
+        "backbone.layers.0.mixer_res", "backbone.layers.1.mixer_res", "backbone.final_res"]
+    with torch.no_grad():
+        assert relative(model(ids).logits, original(ids).logits) < EXACT
+    prompt = ids[:, :6]
+    assert torch.equal(model.generate(prompt, max_new_tokens=5, do_sample=False),
+                       original.generate(prompt, max_new_tokens=5, do_sample=False))
+
+
 def test_without_example_inputs_a_scan_that_fx_cannot_trace_asks_for_them(untouched):
     """fx symbolic tracing (the capture without example inputs) cannot trace ``y[:, t] = ...``: the error
     says so and asks for example inputs, with which the same model converts (the test above)."""

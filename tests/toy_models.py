@@ -546,6 +546,20 @@ class MixerLayer(nn.Module):
         return x
 
 
+class CastResidualLayer(nn.Module):
+    """``residual = x.to(float32); x = residual + mixer(norm(x))``: the residual operand is a cast of
+    the value the branch reads (Mamba's ``residual_in_fp32``), so neither operand is computed from the
+    other."""
+
+    def __init__(self, mixer, dim=DIM):
+        super().__init__()
+        self.norm, self.mixer = nn.RMSNorm(dim), mixer
+
+    def forward(self, x):
+        residual = x.to(torch.float32)
+        return residual + self.mixer(self.norm(x))
+
+
 class AttentionLayer(nn.Module):
     def __init__(self, mlp_layer, dim=DIM):
         super().__init__()
