@@ -1,9 +1,11 @@
 """Hugging Face models stay Hugging Face models: ``save_pretrained`` and :func:`from_pretrained`.
 
 A converted ``PreTrainedModel`` saves as always: ``model.save_pretrained(dir)`` writes the config and
-the safetensors weights (the AttnRes parameters included, under their module paths), plus
-``attnres_config.json``, what conversion needs to rebuild the model: the arguments it was converted
-with, the resulting block sizes and the site list, and the package version::
+the safetensors weights (the AttnRes parameters included), plus ``attnres_config.json``, what
+conversion needs to rebuild the model: the arguments it was converted with, the resulting block sizes
+and the site list, and the package version; and ``attnres.safetensors``, the AttnRes parameters under
+the model's own module paths (transformers may save a model's weights under older names, e.g. a ViT's
+``layers.0`` as ``encoder.layer.0``, which a rebuilt model's names would not find)::
 
     attnres_fx.attnresify(model, num_blocks=4)
     model.save_pretrained("out")
@@ -31,6 +33,7 @@ from torch import nn
 from .errors import CheckpointMismatchError
 
 CONFIG_NAME = "attnres_config.json"
+WEIGHTS_NAME = "attnres.safetensors"
 FORMAT_VERSION = 1
 
 
@@ -44,6 +47,7 @@ class SavePretrained:
         result = type(self.model).save_pretrained(self.model, save_directory, *args, **kwargs)
         if kwargs.get("is_main_process", True):
             write_config(self.model, save_directory)
+            _write_attnres_weights(self.model, save_directory)
         return result
 
     def __repr__(self) -> str:
@@ -137,33 +141,33 @@ def _check_sites(saved: dict, now: dict, directory) -> None:
     raise CheckpointMismatchError("\n".join(lines))
 
 
-def _load_attnres_weights(model: nn.Module, directory) -> None:
+def _attnres_weights(model: nn.Module) -> dict:
     from . import api
 
-    wanted = {f"{site.name}.{p}" for site in api.sites(model) for p in ("proj.weight", "norm.weight")}
-    tensors = {key: value for key, value in _read_safetensors(Path(directory)).items() if key in wanted}
-    missing = sorted(wanted - set(tensors))
-    if missing:
-        raise CheckpointMismatchError(f"{directory} has no weights for {', '.join(missing[:6])}"
-                                      f"{'...' if len(missing) > 6 else ''}")
-    model.load_state_dict(tensors, strict=False)
+    return {f"{site.name}.{p}": tensor for site in api.sites(model)
+            for p, tensor in model.get_submodule(site.name).state_dict().items()}
 
 
-def _read_safetensors(directory: Path) -> dict:
+def _write_attnres_weights(model: nn.Module, directory) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {key: value.detach().cpu().contiguous() for key, value in _attnres_weights(model).items()}
+    save_file(tensors, str(Path(directory) / WEIGHTS_NAME))
+
+
+def _load_attnres_weights(model: nn.Module, directory) -> None:
     from safetensors.torch import load_file
 
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = ["model.safetensors"]
-    tensors = {}
-    for name in files:
-        if not (directory / name).is_file():
-            raise CheckpointMismatchError(f"{directory / name} not found: save the model with save_pretrained "
-                               "(safetensors, the default)")
-        tensors.update(load_file(str(directory / name)))
-    return tensors
+    path = Path(directory) / WEIGHTS_NAME
+    if not path.is_file():
+        raise CheckpointMismatchError(f"{path} not found: save the converted model with its save_pretrained")
+    wanted = set(_attnres_weights(model))
+    tensors = {key: value for key, value in load_file(str(path)).items() if key in wanted}
+    missing = sorted(wanted - set(tensors))
+    if missing:
+        raise CheckpointMismatchError(f"{path} has no weights for {', '.join(missing[:6])}"
+                                      f"{'...' if len(missing) > 6 else ''}")
+    model.load_state_dict(tensors, strict=False)
 
 
 @contextlib.contextmanager
@@ -172,8 +176,10 @@ def _attnres_keys_expected(directory, saved: dict):
     (they are loaded right after conversion)."""
     import transformers
 
-    keys = "|".join(re.escape(site["name"]) for site in saved["sites"])
-    pattern = rf"^({keys})\.(proj|norm)\.weight$"
+    # The checkpoint may hold them under older module paths (see the module docstring): match the
+    # aggregations' own names at any path.
+    leaves = "|".join(sorted({re.escape(site["name"].rsplit(".", 1)[-1]) for site in saved["sites"]}))
+    pattern = rf"(^|\.)({leaves})\.(proj|norm)\.weight$"
 
     architectures = json.loads((Path(directory) / "config.json").read_text()).get("architectures") or []
     classes = [getattr(transformers, name) for name in architectures if hasattr(transformers, name)]

@@ -109,9 +109,9 @@ def test_save_pretrained_writes_the_attnres_weights_and_config(saved):
     from safetensors.torch import load_file
 
     model, directory = saved
-    weights = load_file(str(directory / "model.safetensors"))
-    for site in attnres_fx.sites(model):
-        torch.testing.assert_close(weights[f"{site.name}.proj.weight"], model.get_submodule(site.name).proj.weight)
+    for weights in (load_file(str(directory / "model.safetensors")), load_file(str(directory / "attnres.safetensors"))):
+        for site in attnres_fx.sites(model):
+            torch.testing.assert_close(weights[f"{site.name}.proj.weight"], model.get_submodule(site.name).proj.weight)
     config = json.loads((directory / "attnres_config.json").read_text())
     assert config["options"] == {"num_blocks": 2, "block_size": None, "preserve_scale": False, "eps": 1e-6}
     assert config["block_sizes"] == [2] and config["attnres_fx_version"] == attnres_fx.__version__
@@ -134,6 +134,20 @@ def test_from_pretrained_rebuilds_the_same_model(saved, load, caplog, capfd):
         assert torch.equal(again(ids).logits, model(ids).logits)
     generated = [m.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0) for m in (again, model)]
     assert torch.equal(*generated)
+
+
+def test_a_model_saved_under_older_module_paths_reloads(tmp_path, caplog, capfd):
+    """transformers saves a ViT's ``layers.0`` as ``encoder.layer.0``: the AttnRes weights come back from
+    ``attnres.safetensors``, under the model's own paths, and are not reported as unexpected."""
+    import transformers
+
+    model = randomise_pseudo_queries(attnres_fx.attnresify(H.build_hf("vit")), seed=3, std=0.5)
+    model.save_pretrained(tmp_path)
+    again = attnres_fx.from_pretrained(transformers.ViTModel, tmp_path, attn_implementation="eager")
+    assert "UNEXPECTED" not in _load_report(caplog, capfd)
+    pixels = H.hf_example_inputs("vit")[0][0]
+    with torch.no_grad():
+        assert torch.equal(again(pixels).last_hidden_state, model(pixels).last_hidden_state)
 
 
 def test_a_checkpoint_for_another_model_raises_naming_the_difference(saved, untouched):
