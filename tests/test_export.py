@@ -290,9 +290,10 @@ def test_backends_get_the_two_phase_form_without_touching_the_module(tiny_fp32):
         torch.testing.assert_close(twin(tiny_fp32.ids), module(tiny_fp32.ids), rtol=1e-5, atol=1e-5)
 
 
-# -- real models: one parallel-residual decoder, T5 with both streams, ViT (Llama is above) -------------
+# -- real models: one parallel-residual decoder and ViT (Llama is above) ---------------------------------
 
-HF_BACKEND_MODELS = ["gpt_neox", "t5", "vit"]
+# T5 (two streams) is checked as an explicit graph in test_hf_models.py; its export costs a minute.
+HF_BACKEND_MODELS = ["gpt_neox", "vit"]
 
 
 @pytest.fixture(scope="module", params=HF_BACKEND_MODELS)
@@ -323,7 +324,6 @@ def test_hf_models_run_in_onnxruntime_at_three_shapes(hf_converted, tmp_path):
     onnx.checker.check_model(str(path))
     sess = export.session(path, device="cpu")
     sites = attnres_fx.sites(m.model)
-    assert m.name != "t5" or {s.stream for s in sites} == {0, 1}, "T5: encoder and decoder streams"
     # Two-phase export: every site but the single-source ones (the identity) keeps a node group.
     assert list(export.attnres_node_groups(path)) == [s.name for s in sites if s.num_sources > 1]
     # ViT's token count is fixed by the image size: only the batch varies there.
