@@ -21,6 +21,7 @@ from .errors import (
     CheckpointMismatchError,
     DepthWeightsError,
     ExportError,
+    ForeignCompileError,
     NoResidualStreamError,
     PassContractError,
     RoutingError,
@@ -29,6 +30,7 @@ from .errors import (
     UnsupportedArchitectureError,
 )
 from .hf import from_pretrained
+from .pipelining import pipeline_stages
 from .passes.plan import Site
 from .training import (
     depth_metrics,
@@ -43,9 +45,10 @@ __version__ = "0.2.0"
 
 __all__ = [
     "AttnResError", "AttnResWarning", "BlockAttnRes", "CheckpointMismatchError", "DepthRecorder", "DepthWeights",
-    "DepthWeightsError", "ExportError", "NoResidualStreamError", "PassContractError", "RoutingError", "Site", "SiteWeights",
+    "DepthWeightsError", "ExportError", "ForeignCompileError", "NoResidualStreamError", "PassContractError", "RoutingError", "Site", "SiteWeights",
     "StreamMismatchError", "TraceError", "UnsupportedArchitectureError", "attnresify", "compile",
     "conversion_options", "depth_metrics", "depth_monitor_callback", "depth_weights", "detect", "freeze",
-    "from_pretrained", "is_converted", "monitor_depth", "param_groups", "plan_of", "remove", "rewrite", "sites",
+    "from_pretrained", "is_converted", "monitor_depth", "param_groups", "pipeline_stages", "plan_of", "remove",
+    "rewrite", "sites",
     "unfreeze",
 ]

@@ -18,13 +18,16 @@ import torch
 from torch import fx, nn
 
 from attnres_fx.passes.detect import Detection, detect_residual_streams
-from attnres_fx.passes.plan import Plan, Site, make_plan, match_streams
-from attnres_fx.passes.rewrite import BlockAttnResRewrite, ModuleCalls, ParameterInputs, new_modules
+from attnres_fx.passes.pipeline import rewrite_captured
+from attnres_fx.passes.plan import ROUTES, Plan, Site, make_plan
+from attnres_fx.passes.rewrite import ModuleCalls, ParameterInputs, new_modules
 
 from . import hf, live
 from .block_attnres import DEFAULT_EPS, BlockAttnRes
-from .capture import as_args, capture_dynamo, capture_for_plan, trace, unwrap_compiled
-from .errors import AttnResWarning, NoResidualStreamError, RoutingError, UnsupportedArchitectureError
+from .capture import as_args, capture_dynamo, capture_for_plan, graph_break, plan_inputs, trace, unwrap_compiled
+from .conversion import Conversion, conversion_of
+from .errors import AttnResWarning, NoResidualStreamError, RoutingError, TraceError, UnsupportedArchitectureError
+from .layered_capture import capture_by_blocks
 
 DETECT_TRACERS = ("auto", "dynamo", "fx", "export")
 LOG = logging.getLogger("attnres_fx")
@@ -32,13 +35,13 @@ LOG = logging.getLogger("attnres_fx")
 
 def attnresify(model: nn.Module, example_inputs: Any = None, *, example_kwargs: dict | None = None,
                num_blocks: int | None = None, block_size: int | None = None, preserve_scale: bool = False,
-               eps: float = DEFAULT_EPS, allow_partial: bool = False) -> nn.Module:
+               eps: float = DEFAULT_EPS, allow_partial: bool = False, route: str = "auto") -> nn.Module:
     """Convert ``model`` in place to Block Attention Residuals and return it (the same object).
 
     The model keeps its class, submodules, methods, call signature and train/eval behaviour. It gains one
     ``BlockAttnRes`` per sublayer of each residual stream, on the module that performs the residual add
     (``model.layers.3.attn_res``, ``model.layers.3.mlp_res``) and one per stream before its final norm
-    (``model.final_res``), and every call runs the AttnRes rewrite of the graph TorchDynamo captures for
+    (``model.final_res``), and every call runs the AttnRes rewrite of the graphs TorchDynamo captures for
     it (:mod:`attnres_fx.live`).
 
     Args:
@@ -61,30 +64,53 @@ def attnresify(model: nn.Module, example_inputs: Any = None, *, example_kwargs: 
             stream back): such adds stay plain adds, reading the aggregate that stands for the
             stream value they read. By default they raise :class:`~attnres_fx.UnsupportedArchitectureError` naming
             them; ``print(attnres_fx.detect(model, ...))`` lists them too.
+        route: how calls run (:mod:`attnres_fx.live`). ``"layer"``: every module that performs residual
+            sites (a transformer block) runs its own rewritten graph, the completed block sums passed
+            along with the stream, and the code around the blocks runs as written; what per-block
+            ``fully_shard``, activation checkpointing, pipeline stages and per-block compilation need.
+            ``"model"``: each call of the model is one rewritten graph. ``"auto"`` (the default): the
+            layer route for every stream that passes between its blocks untouched, the model route for
+            the others. ``attnres_fx.plan_of(model).table()`` shows each site's route.
 
     Conversion is atomic: on any error the model is exactly as before. Undo it with :func:`remove`.
     """
     _check_arguments(model, example_inputs, example_kwargs, num_blocks, block_size, preserve_scale, eps,
-                     allow_partial)
-    if live.conversion_of(model) is not None:
+                     allow_partial, route)
+    if conversion_of(model) is not None:
         raise RoutingError(f"{type(model).__name__} is already converted (attnres_fx.sites(model) lists its "
                            "sites); call attnres_fx.remove(model) first to convert it again")
     start = time.perf_counter()
-    traced = capture_for_plan(model, as_args(example_inputs), example_kwargs)
-    detection = detect_residual_streams(traced.graph_module)
+    example_inputs = as_args(example_inputs)
+    spans = None
+    try:
+        traced = capture_for_plan(model, example_inputs, example_kwargs)
+        detection = detect_residual_streams(traced.graph_module)
+        frontend = traced.frontend
+    except TraceError as err:
+        # Something outside every block may be what Dynamo refuses (a warning, a data-dependent branch, a
+        # cache utility): the layer route needs only the blocks' own graphs.
+        inputs = plan_inputs(model, example_inputs, example_kwargs)
+        cause = graph_break(err)
+        if route == "model" or inputs is None or cause is None:
+            raise
+        traced = None
+        detection, spans = capture_by_blocks(model, *inputs, cause)
+        frontend = "dynamo per block"
     _check_detection(model, detection, allow_partial)
     _warn_raw_reads(detection, preserve_scale)
     plan = make_plan(detection, dict(model.named_modules()), num_blocks=num_blocks, block_size=block_size,
-                     preserve_scale=preserve_scale, eps=eps)
-    # The rewrite runs on a copy of the captured graph before the model is touched: a plan that cannot be
-    # applied fails here, not at the model's first call.
-    BlockAttnResRewrite(plan, detection, ParameterInputs(plan))(traced.graph_module)
-    options = {"num_blocks": num_blocks, "block_size": block_size, "preserve_scale": preserve_scale, "eps": eps}
+                     preserve_scale=preserve_scale, eps=eps, route=route, spans=spans)
+    if traced is not None:
+        # The rewrite runs on the captured graph before the model is touched: a plan that cannot be
+        # applied fails here, not at the model's first call.
+        rewrite_captured(traced.graph_module, plan, lambda g: ParameterInputs(plan), where=type(model).__name__)
+    options = {"num_blocks": num_blocks, "block_size": block_size, "preserve_scale": preserve_scale, "eps": eps,
+               "allow_partial": allow_partial, "route": route}
     live.install(model, plan, new_modules(plan, like=model), options)
     hf.attach(model)
-    LOG.info("converted %s in %.1f s (%s capture): %d sites in %d stream(s), block sizes %s",
-             type(model).__name__, time.perf_counter() - start, traced.frontend, len(plan.sites),
-             len(plan.streams), ", ".join(map(str, plan.block_sizes)))
+    LOG.info("converted %s in %.1f s (%s capture): %d sites in %d stream(s), block sizes %s, routes %s",
+             type(model).__name__, time.perf_counter() - start, frontend, len(plan.sites),
+             len(plan.streams), ", ".join(map(str, plan.block_sizes)), ", ".join(plan.routes))
     return model
 
 
@@ -131,15 +157,13 @@ def explicit_graph(root: nn.Module, model: nn.Module, within: str, example_input
     """The explicit graph of ``root``, a module that holds the converted ``model`` at path ``within``
     (``root`` itself when ``within`` is ``""``; a wrapper such as the ONNX decoder with a KV cache
     otherwise), its streams rewritten as ``model`` was converted."""
-    conversion = live.conversion_of(model)
+    conversion = conversion_of(model)
     traced = trace(root, as_args(example_inputs), example_kwargs, tracer, dynamic_shapes)
     gm = traced.graph_module
-    detection = detect_residual_streams(gm)
-    streams = match_streams(detection, conversion.plan, within=within, where=type(model).__name__)
-    modules = {site.name: model.get_submodule(site.name) for stream in streams for site in stream.sites}
-    BlockAttnResRewrite(conversion.plan, detection, ModuleCalls(gm, modules, prefix=within),
-                        streams=streams)(gm)
-    gm.meta["attnres"] = {"frontend": traced.frontend, "block_sizes": [s.block_size for s in streams],
+    modules = {site.name: model.get_submodule(site.name) for site in conversion.plan.sites}
+    rewrite = rewrite_captured(gm, conversion.plan, lambda g: ModuleCalls(g, modules, prefix=within),
+                               within=within, where=type(model).__name__).rewrite
+    gm.meta["attnres"] = {"frontend": traced.frontend, "block_sizes": [s.planned.block_size for s in rewrite.spans],
                           "preserve_scale": conversion.plan.preserve_scale}
     return gm
 
@@ -164,7 +188,7 @@ def plan_of(model: nn.Module) -> Plan:
 
 
 def is_converted(model: nn.Module) -> bool:
-    return live.conversion_of(unwrap_compiled(model)) is not None
+    return conversion_of(model) is not None
 
 
 def detect(model: nn.Module, example_inputs: Any = None, *, example_kwargs: dict | None = None,
@@ -189,8 +213,8 @@ def detect(model: nn.Module, example_inputs: Any = None, *, example_kwargs: dict
     return detect_residual_streams(gm)
 
 
-def _conversion(model: nn.Module, caller: str) -> live.Conversion:
-    conversion = live.conversion_of(unwrap_compiled(model))
+def _conversion(model: nn.Module, caller: str) -> Conversion:
+    conversion = conversion_of(model)
     if conversion is None:
         raise ValueError(f"model: attnres_fx.{caller} needs a model converted by attnres_fx.attnresify "
                          f"(got a {type(model).__name__} that is not converted)")
@@ -198,10 +222,10 @@ def _conversion(model: nn.Module, caller: str) -> live.Conversion:
 
 
 def _check_arguments(model, example_inputs, example_kwargs, num_blocks, block_size, preserve_scale, eps,
-                     allow_partial) -> None:
+                     allow_partial, route) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if any(isinstance(m, BlockAttnRes) for m in model.modules()) and live.conversion_of(model) is None:
+    if any(isinstance(m, BlockAttnRes) for m in model.modules()) and conversion_of(model) is None:
         raise ValueError("model: it already contains BlockAttnRes modules (is it an attnres_fx.rewrite "
                          "graph?); pass the original model")
     if example_inputs is not None and not isinstance(example_inputs, (torch.Tensor, tuple, list)):
@@ -217,6 +241,8 @@ def _check_arguments(model, example_inputs, example_kwargs, num_blocks, block_si
             raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
         raise ValueError(f"eps must be a positive finite number, got {eps!r}")
+    if route not in ROUTES:
+        raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
 
 
 def _check_detection(model: nn.Module, detection: Detection, allow_partial: bool) -> None:

@@ -190,12 +190,28 @@ def dummy_inputs(model: nn.Module) -> tuple[tuple, dict] | None:
     return None
 
 
+def plan_inputs(model: nn.Module, example_inputs: tuple | None, example_kwargs: dict | None) -> tuple[tuple, dict] | None:
+    """The call a conversion captures: the given inputs, or a Hugging Face model's dummy inputs; None
+    when there are neither."""
+    if example_inputs is not None or example_kwargs:
+        return example_inputs or (), dict(example_kwargs or {})
+    return dummy_inputs(model)
+
+
+def graph_break(err: TraceError) -> BaseException | None:
+    """The TorchDynamo graph break that made a capture fail (a construct Dynamo cannot take into one
+    graph), or None when it failed otherwise (the model fails on its inputs, another tracer failed)."""
+    cause = err.causes.get("dynamo")
+    if isinstance(cause, torch._dynamo.exc.Unsupported) and not _failed_on_inputs(cause):
+        return cause
+    return None
+
+
 def capture_for_plan(model: nn.Module, example_inputs: tuple | None, example_kwargs: dict | None) -> Traced:
     """The graph a conversion is planned on: Dynamo's (the IR of the routed calls, captured with fake
     tensors) with the given inputs, or a Hugging Face model's dummy inputs; else fx symbolic tracing.
     Nothing of the model runs."""
-    inputs = (example_inputs or (), dict(example_kwargs or {})) if example_inputs is not None or example_kwargs \
-        else dummy_inputs(model)
+    inputs = plan_inputs(model, example_inputs, example_kwargs)
     if inputs is not None:
         gm, _ = capture_dynamo(model, *inputs)
         return Traced(gm, "dynamo")

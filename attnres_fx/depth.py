@@ -34,7 +34,8 @@ from .api import sites as sites_of
 from .aggregation import depth_logit, folded_query
 from .block_attnres import BlockAttnRes
 from .errors import DepthWeightsError
-from .live import conversion_of, eager_route
+from .conversion import conversion_of
+from .live import eager_route
 from .passes.plan import Site
 from .text import format_table
 

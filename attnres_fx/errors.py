@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .compat import DynamoUnsupported
+
 
 class AttnResError(Exception):
     """Base class of every error attnres_fx raises on purpose."""
@@ -37,6 +39,15 @@ class RoutingError(AttnResError):
     """A converted model was asked for something its routing cannot do: converting it again, converting
     a model whose ``forward`` another library replaced, ``torch.export`` of it (use
     :func:`attnres_fx.rewrite`), or module hooks on its aggregations under the Inductor route."""
+
+
+class ForeignCompileError(RoutingError, DynamoUnsupported):
+    """``torch.compile(..., fullgraph=True)`` of a converted model or of one of its routed blocks: the
+    AttnRes rewrite runs on attnres_fx's own graphs, so it cannot be part of another compilation's single
+    graph. (A TorchDynamo ``Unsupported`` too, so Dynamo reports it as it is.)"""
+
+    def __init__(self, message: str):
+        DynamoUnsupported.__init__(self, message)
 
 
 class PassContractError(AttnResError):

@@ -32,20 +32,24 @@ Worked example: 2 layers of attention + MLP (4 sites), ``block_size=2``::
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from torch import nn
 
-from attnres_fx.errors import StreamMismatchError
+from attnres_fx.errors import StreamMismatchError, UnsupportedArchitectureError
 from attnres_fx.text import format_table
 
 from .detect import Detection, ResidualStream, require_dim
+from .layers import CONTAINERS, LayerSpan, Refusal, layer_spans
 
 DEFAULT_NUM_BLOCKS = 8
-CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
-StreamSignature = tuple[tuple[str, str], ...]
+# What identifies a stream across captures of one model: per residual site, the module performing it and
+# its number of branches. Branch kinds are labels for names and reports only: a capture with other shapes
+# or another mode may tell a kind differently, and must still match.
+StreamSignature = tuple[tuple[str, int], ...]
+ROUTES = ("auto", "layer", "model")
 
 
 @dataclass(frozen=True)
@@ -83,7 +87,12 @@ class Site:
 
 @dataclass(frozen=True)
 class StreamPlan:
-    """The plan of one stream: ``sites`` are its aggregations in execution order, the final one last."""
+    """The plan of one stream: ``sites`` are its aggregations in execution order, the final one last.
+
+    ``route``: ``"layer"`` (every module of ``layers`` runs its own rewritten graph, the block sums
+    passed along with the stream; the stream owner's code runs as written) or ``"model"`` (the stream
+    is rewritten whole, in the graph of one call of the model).
+    """
 
     index: int
     owner: str
@@ -91,14 +100,28 @@ class StreamPlan:
     dim: int
     signature: StreamSignature
     sites: tuple[Site, ...]
+    route: str = "model"
+    layers: tuple[LayerSpan, ...] = ()
 
     @property
     def final(self) -> Site:
         return self.sites[-1]
 
+    @property
+    def num_positions(self) -> int:
+        """The number of residual sites of the stream."""
+        return len(self.signature)
+
     def branch_sites(self, position: int) -> tuple[Site, ...]:
         """The aggregations of residual site ``position``, one per branch."""
         return tuple(s for s in self.sites if s.position == position)
+
+    def completed_before(self, position: int) -> int:
+        """Blocks committed before residual site ``position`` reads its sources (``b_0`` included)."""
+        return -(-position // self.block_size)
+
+    def layer(self, owner: str) -> LayerSpan:
+        return next(span for span in self.layers if span.owner == owner)
 
 
 @dataclass(frozen=True)
@@ -115,19 +138,25 @@ class Plan:
     def block_sizes(self) -> tuple[int, ...]:
         return tuple(stream.block_size for stream in self.streams)
 
+    @property
+    def routes(self) -> tuple[str, ...]:
+        return tuple(stream.route for stream in self.streams)
+
     def table(self, indent: str = "") -> str:
+        route = {s.index: stream.route for stream in self.streams for s in stream.sites}
         rows = [(str(s.index), s.name, s.layer or "<root>", s.kind, "-" if s.block is None else str(s.block),
-                 str(s.num_sources), "-" if s.normalised is None else ("yes" if s.normalised else "NO (raw)"))
-                for s in self.sites]
-        return format_table(("site", "name", "layer", "kind", "block", "sources", "normalised"), rows, indent)
+                 str(s.num_sources), "-" if s.normalised is None else ("yes" if s.normalised else "NO (raw)"),
+                 route[s.index]) for s in self.sites]
+        return format_table(("site", "name", "layer", "kind", "block", "sources", "normalised", "route"), rows,
+                            indent)
 
 
 def signature(stream: ResidualStream, prefix: str = "", within: str = "") -> StreamSignature:
-    """What identifies a stream across captures of one model: (layer, branch kinds) per residual site,
-    layers as paths from the converted model's root. ``prefix``: the captured module's path in that
-    model (a routed submodule); ``within``: the converted model's path in the captured module (a wrapper
-    around it)."""
-    return tuple((_relocate(site.owner, prefix, within), site.kind) for site in stream.sites)
+    """What identifies a stream across captures of one model (see :data:`StreamSignature`), layers as
+    paths from the converted model's root. ``prefix``: the captured module's path in that model (a
+    routed submodule); ``within``: the converted model's path in the captured module (a wrapper around
+    it)."""
+    return tuple((_relocate(site.owner, prefix, within), len(site.branches)) for site in stream.sites)
 
 
 def _relocate(path: str, prefix: str, within: str) -> str:
@@ -136,23 +165,34 @@ def _relocate(path: str, prefix: str, within: str) -> str:
     return _join(prefix, path)
 
 
+@dataclass(frozen=True)
+class MatchedStream:
+    """A stream detected in some capture, and where its sites are in the planned stream: ``positions[k]``
+    is the planned residual site that detected site ``k`` is. A call may leave out planned sites (an
+    optional sublayer it does not run); those are skipped, block boundaries included."""
+
+    planned: StreamPlan
+    positions: tuple[int, ...]
+
+
 def match_streams(detection: Detection, plan: Plan, *, prefix: str = "", within: str = "",
-                  where: str = "the model") -> tuple[StreamPlan, ...]:
+                  where: str = "the model") -> tuple[MatchedStream, ...]:
     """The planned stream of each stream detected in another capture of the same model (a decode step, a
-    train-mode call, the encoder called alone). ``prefix``: the captured module's path in the model.
+    train-mode call, the encoder called alone), and the planned position of each of its sites.
 
     Raises :class:`~attnres_fx.StreamMismatchError`, naming the difference, when a detected stream is
-    not one of the plan's, or when the capture holds no stream at all: rewriting part of a stream, or
-    running the original computation, would be silently wrong. ``prefix`` and ``within``: see
-    :func:`signature`.
+    not one of the plan's (a site it does not know, sites in another order, a stream that ends before its
+    planned last site), or when the capture holds no stream at all: rewriting part of a stream, or running
+    the original computation, would be silently wrong. ``prefix`` and ``within``: see :func:`signature`.
     """
-    planned = {stream.signature: stream for stream in plan.streams}
     matched = []
     for stream in detection.streams:
         found = signature(stream, prefix, within)
-        if found not in planned:
+        kinds = _kinds(stream)
+        match = next((m for m in (_subsequence(found, kinds, p) for p in plan.streams) if m is not None), None)
+        if match is None:
             raise StreamMismatchError(_mismatch(found, plan, where))
-        matched.append(planned[found])
+        matched.append(match)
     if not matched:
         rejected = "\n".join(f"  - {r}" for r in detection.rejected[:12]) or "  (the graph has no tensor adds)"
         raise StreamMismatchError(
@@ -162,8 +202,82 @@ def match_streams(detection: Detection, plan: Plan, *, prefix: str = "", within:
     return tuple(matched)
 
 
+def match_layer(detection: Detection, planned: StreamPlan, span: LayerSpan, *, where: str) -> tuple:
+    """The stream of a layer-routed module's own graph (its sites are those of ``span``) and the planned
+    position of each of its sites; :class:`~attnres_fx.StreamMismatchError` naming the difference
+    otherwise. Returns ``(stream, positions)``."""
+    expected = planned.signature[span.start:span.stop]
+    for stream in detection.streams:
+        found = signature(stream, span.owner)
+        # An add in the captured module's own forward has no module of its own in that capture; detection
+        # may then name the branch's module (``attn``) for it, as it does for adds in a model's root.
+        if all(layer == span.owner or layer.startswith(span.owner + ".") for layer, _ in found):
+            found = tuple((span.owner, branches) for _, branches in found)
+            offsets = _positions(found, _kinds(stream), expected, _planned_kinds(planned)[span.start:span.stop])
+            if offsets is None:
+                break
+            return stream, tuple(span.start + k for k in offsets)
+    else:
+        found = ()
+    lines = [f"the graph captured for this call of {where} does not hold the residual sites the model was "
+             f"converted with there ({_listed(planned, range(span.start, span.stop))})."]
+    if found:
+        lines.append(f"  found now: {len(found)} site(s) with {', '.join(str(n) for _, n in found)} branch(es)")
+    lines.append("This happens when a call takes a code path the conversion did not see (convert with example "
+                 "inputs that take it), or when the module changed after conversion (attnres_fx.remove, then "
+                 "convert again).")
+    raise StreamMismatchError("\n".join(lines))
+
+
+def _positions(found: StreamSignature, found_kinds: list[tuple[str, ...]], expected: StreamSignature,
+               expected_kinds: list[tuple[str, ...]]) -> list[int] | None:
+    """Where each of ``found`` is in ``expected``, in order (planned sites may be missing in between);
+    None if ``found`` is no such subsequence. Where several placements fit (a call that leaves out one of
+    a layer's sublayers), the one whose branch kinds agree with the plan's most often wins: kinds break
+    ties only, as they may be told differently by another capture."""
+    n, m = len(found), len(expected)
+    impossible = n + 1
+    # cost[i][j]: the fewest kind disagreements placing found[:i] within expected[:j].
+    cost = [[0] * (m + 1)] + [[impossible] * (m + 1) for _ in range(n)]
+    for i in range(1, n + 1):
+        for j in range(1, m + 1):
+            cost[i][j] = cost[i][j - 1]
+            if found[i - 1] == expected[j - 1] and cost[i - 1][j - 1] < impossible:
+                cost[i][j] = min(cost[i][j], cost[i - 1][j - 1] + (found_kinds[i - 1] != expected_kinds[j - 1]))
+    if cost[n][m] >= impossible:
+        return None
+    offsets, j = [], m
+    for i in range(n, 0, -1):
+        while cost[i][j] == cost[i][j - 1]:
+            j -= 1
+        offsets.append(j - 1)
+        j -= 1
+    return offsets[::-1]
+
+
+def _kinds(stream: ResidualStream) -> list[tuple[str, ...]]:
+    return [tuple(branch.kind for branch in site.branches) for site in stream.sites]
+
+
+def _planned_kinds(planned: StreamPlan) -> list[tuple[str, ...]]:
+    return [tuple(site.kind for site in planned.branch_sites(p)) for p in range(planned.num_positions)]
+
+
+def _subsequence(found: StreamSignature, kinds: list[tuple[str, ...]], planned: StreamPlan) -> MatchedStream | None:
+    positions = _positions(found, kinds, planned.signature, _planned_kinds(planned))
+    # The stream must end where it was planned to: a call that stops early would skip the final
+    # aggregation's own inputs without anything saying so.
+    if not positions or positions[-1] != planned.num_positions - 1:
+        return None
+    return MatchedStream(planned, tuple(positions))
+
+
 def _describe(signature: StreamSignature) -> str:
     return f"{len(signature)} sites from {signature[0][0] or '<root>'} to {signature[-1][0] or '<root>'}"
+
+
+def _listed(planned: StreamPlan, positions) -> str:
+    return ", ".join(f"{site.layer or '<root>'} ({site.kind})" for p in positions for site in planned.branch_sites(p)[:1])
 
 
 def _mismatch(found: StreamSignature, plan: Plan, where: str) -> str:
@@ -171,12 +285,12 @@ def _mismatch(found: StreamSignature, plan: Plan, where: str) -> str:
     layers = {layer for layer, _ in found}
     closest = max(plan.streams, key=lambda s: len(layers & {layer for layer, _ in s.signature}))
     expected = closest.signature
-    missing = [f"{layer} ({kind})" for layer, kind in expected if (layer, kind) not in found]
-    extra = [f"{layer} ({kind})" for layer, kind in found if (layer, kind) not in expected]
+    missing = [p for p, item in enumerate(expected) if item not in found]
+    extra = [f"{layer} ({n} branch{'es' if n > 1 else ''})" for layer, n in found if (layer, n) not in expected]
     lines = [f"a residual stream captured in this call of {where} differs from the one the model was "
              f"converted with (stream {closest.index}, {_describe(expected)}):"]
     if missing:
-        lines.append(f"  planned but not found now: {', '.join(missing)}")
+        lines.append(f"  planned but not found now: {_listed(closest, missing)}")
     if extra:
         lines.append(f"  found now but not planned: {', '.join(extra)}")
     if not missing and not extra:
@@ -205,9 +319,19 @@ def resolve_block_sizes(detection: Detection, num_blocks: int | None, block_size
 
 
 def make_plan(detection: Detection, modules: Mapping[str, nn.Module], *, num_blocks: int | None = None,
-              block_size: int | None = None, preserve_scale: bool = False, eps: float) -> Plan:
+              block_size: int | None = None, preserve_scale: bool = False, eps: float, route: str = "auto",
+              spans: Sequence[tuple[LayerSpan, ...]] | None = None) -> Plan:
     """Plan the rewrite of every stream of ``detection``; ``modules`` maps paths to the modules the
-    aggregations will be registered on (``dict(model.named_modules())``)."""
+    aggregations will be registered on (``dict(model.named_modules())``).
+
+    ``route``: ``"layer"`` routes every stream layer by layer (:mod:`attnres_fx.passes.layers`; a stream
+    that does not allow it raises :class:`~attnres_fx.UnsupportedArchitectureError` saying why),
+    ``"model"`` rewrites every stream whole, ``"auto"`` takes the layer route wherever a stream allows it.
+    ``spans``: the layers of each stream when they are known already (detection ran on each layer's
+    own graph, not on one graph of the whole model).
+    """
+    if route not in ROUTES:
+        raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
     sizes = resolve_block_sizes(detection, num_blocks, block_size)
     namer = _Namer(modules)
     owners = [stream.owner for stream in detection.streams]
@@ -230,9 +354,28 @@ def make_plan(detection: Detection, modules: Mapping[str, nn.Module], *, num_blo
         sites.append(Site(index, namer.name(owner, "final_res"), "final", None, stream_index, stream.owner,
                           completed + 1, None))
         index += 1
+        layers = _route(stream_index, stream, modules, route, spans[stream_index] if spans else None)
         streams.append(StreamPlan(stream_index, stream.owner, size, require_dim(stream), signature(stream),
-                                  tuple(sites)))
+                                  tuple(sites), "layer" if layers else "model", layers))
     return Plan(tuple(streams), preserve_scale, eps)
+
+
+def _route(index: int, stream: ResidualStream, modules, route: str, known: tuple[LayerSpan, ...] | None
+           ) -> tuple[LayerSpan, ...]:
+    """The layer spans of a stream on the layer route, or ``()`` for the model route."""
+    if route == "model":
+        if known is not None:
+            raise UnsupportedArchitectureError(
+                "route='model' needs one graph of the whole model, and its capture failed (see the conversion "
+                "log); convert with route='layer' or 'auto'")
+        return ()
+    spans = known if known is not None else layer_spans(stream, modules)
+    if isinstance(spans, Refusal):
+        if route == "layer":
+            raise UnsupportedArchitectureError(f"route='layer': stream {index} cannot be routed layer by layer: "
+                                               f"{spans.reason}. Convert with route='auto' or 'model'.")
+        return ()
+    return spans
 
 
 class _Namer:

@@ -58,6 +58,7 @@ from attnres_fx.aggregation import fusable
 from attnres_fx.block_attnres import BlockAttnRes
 from attnres_fx.errors import PassContractError
 
+from . import node_kinds as nk
 from .checkpoints import REGION
 from .detect import Detection, ResidualSite, ResidualStream
 from .plan import Plan, Site, StreamPlan
@@ -126,25 +127,66 @@ class ParameterInputs(Emitter):
                                    {"eps": self.plan.eps, "preserve_scale": self.plan.preserve_scale})
 
 
+@dataclass(frozen=True)
+class Entry:
+    """The stream's state where a layer's graph begins, as new placeholders: the committed blocks and the
+    partial sum (``has_partial`` is False only after a skipped block start), at residual site
+    ``position``. ``tensors``: per placeholder (blocks first, then the partial) its dtype, whether it
+    needs a gradient, and its shape, ``None`` for the shape of the stream's input (symbolic where that
+    one is), from which the placeholders' example values are made."""
+
+    position: int
+    blocks: int
+    has_partial: bool
+    tensors: tuple = ()
+
+
+@dataclass(frozen=True)
+class StreamSpan:
+    """What the rewrite does with one detected stream: its planned stream and the planned position of each
+    detected site (:class:`~attnres_fx.passes.plan.MatchedStream`), and, for one layer's own graph on the
+    layer route (``layer=True``), where the stream's state comes from (``entry``, None when the graph
+    starts the stream) and whether the graph ends it.
+
+    In a layer's graph, what reads the stream outside the branches (the layer's result, the next
+    layer's input) keeps reading the plain residual sum of the branch outputs, the *carrier*, and unless
+    the graph ends the stream, it also returns the partial sum and the blocks it committed, after its own
+    outputs. The graph that ends the stream returns its final aggregation where the stream's last value
+    was returned.
+    """
+
+    planned: StreamPlan
+    positions: tuple[int, ...]
+    layer: bool = False
+    entry: Entry | None = None
+    ends: bool = True
+
+
 class BlockAttnResRewrite(PassBase):
-    """Rewrite the detected streams of a GraphModule in place, as planned; ``records`` says what was done."""
+    """Rewrite the detected streams of a GraphModule in place, as planned; ``records`` says what was done,
+    ``state_outputs`` how many outputs a layer's graph gained (see :class:`StreamSpan`)."""
 
     def __init__(self, plan: Plan, detection: Detection, emitter: Emitter | None = None, *,
-                 streams: Sequence[StreamPlan] | None = None):
+                 spans: Sequence[StreamSpan] | None = None):
         super().__init__()
-        streams = plan.streams if streams is None else tuple(streams)
-        if len(streams) != len(detection.streams):
-            raise PassContractError(f"the plan has {len(streams)} stream(s), detection found "
-                               f"{len(detection.streams)}")
-        for planned, found in zip(streams, detection.streams):
-            if len(planned.sites) != sum(len(s.branches) for s in found.sites) + 1:
-                raise PassContractError(f"stream {planned.index} of the plan does not fit the stream detected "
-                                   f"at {found.start.name}")
+        spans = tuple(StreamSpan(s, tuple(range(s.num_positions))) for s in plan.streams) if spans is None \
+            else tuple(spans)
+        if len(spans) != len(detection.streams):
+            raise PassContractError(f"the plan has {len(spans)} stream(s), detection found "
+                                    f"{len(detection.streams)}")
+        for span, found in zip(spans, detection.streams):
+            planned_branches = [len(span.planned.branch_sites(p)) for p in span.positions]
+            if planned_branches != [len(s.branches) for s in found.sites]:
+                raise PassContractError(f"stream {span.planned.index} of the plan does not fit the stream "
+                                        f"detected at {found.start.name}")
         self.plan = plan
         self.detection = detection
-        self.streams = streams
+        self.spans = spans
         self.emitter = emitter
         self.records: list[Replacement] = []
+        self.state_outputs = 0
+        self.carriers: list[fx.Node] = []
+        self.state_inputs: list[fx.Node] = []
 
     @property
     def preserves_computation(self) -> bool:
@@ -159,14 +201,19 @@ class BlockAttnResRewrite(PassBase):
     def ensures(self, graph_module: fx.GraphModule) -> None:
         graph_module.graph.lint()
         nodes = set(graph_module.graph.nodes)
-        left = [a.name for s in self.detection.streams for site in s.sites for a in site.adds if a in nodes]
+        left = [a.name for stream, span in zip(self.detection.streams, self.spans) if not span.layer
+                for site in stream.sites for a in site.adds if a in nodes]
         if left:
             raise PassContractError(f"original residual adds left on the stream: {left}")
 
     def call(self, graph_module: fx.GraphModule) -> PassResult:
         emitter = self.emitter or ModuleCalls(graph_module, new_modules(self.plan, graph_module))
-        for stream, planned in zip(self.detection.streams, self.streams):
-            _StreamSurgery(graph_module.graph, emitter, stream, planned, self.records).run()
+        for stream, span in zip(self.detection.streams, self.spans):
+            surgery = _StreamSurgery(graph_module.graph, emitter, stream, span, self.records)
+            surgery.run()
+            self.carriers.append(surgery.carrier_out)
+            self.state_inputs.extend(surgery.entered)
+            self.state_outputs += surgery.return_state()
         graph_module.recompile()
         return PassResult(graph_module, True)
 
@@ -175,49 +222,124 @@ class _StreamSurgery:
     """The rewrite of one stream, in named steps; state: the completed blocks and the partial sum, and
     the layout (leading shape) each of them has."""
 
-    def __init__(self, graph: fx.Graph, emitter: Emitter, stream: ResidualStream, planned: StreamPlan,
+    def __init__(self, graph: fx.Graph, emitter: Emitter, stream: ResidualStream, span: StreamSpan,
                  records: list[Replacement]):
         self.graph = graph
         self.emitter = emitter
         self.stream = stream
-        self.planned = planned
+        self.span = span
+        self.planned = span.planned
         self.records = records
         aten = isinstance(stream.end.target, torch._ops.OpOverload)
         self.partial_add = torch.ops.aten.add.Tensor if aten else operator.add
         self.reshape_as = torch.ops.aten.reshape_as.default if aten else torch.Tensor.reshape_as
-        self.blocks: list[fx.Node] = []
-        self.partial: fx.Node | None = stream.start
         self.layout_of: dict[fx.Node, str] = {stream.start: stream.layout}
         self.carrier: dict[str, fx.Node] = {stream.layout: stream.start}    # a node of each layout
         self.reshaped: dict[tuple[fx.Node, str], fx.Node] = {}
         self.dead: list[fx.Node] = []
+        self.blocks: list[fx.Node] = []
+        self.partial: fx.Node | None = stream.start
+        self.position = 0
+        self.entered_blocks = 0
+        self.carrier_out: fx.Node | None = None
+        self.entered: list[fx.Node] = []
+
+    def _enter(self, entry: Entry, origin: fx.Node) -> None:
+        """New placeholders for the state the layer's graph receives, after the graph's own inputs, with
+        example values like those of the stream's input ``origin``."""
+        anchor = list(self.graph.find_nodes(op="placeholder"))[-1]
+        names = [f"attnres_block_{k}" for k in range(entry.blocks)] + (["attnres_partial"] if entry.has_partial else [])
+        example = origin.meta.get("example_value")
+        fake_mode = getattr(example, "fake_mode", None)
+        nodes = []
+        for name, (dtype, requires_grad, shape) in zip(names, entry.tensors or [(None, False, None)] * len(names)):
+            with self.graph.inserting_after(anchor):
+                anchor = self.graph.placeholder(name)
+            if fake_mode is not None:
+                with fake_mode:
+                    anchor.meta["example_value"] = torch.empty(
+                        example.shape if shape is None else shape, dtype=dtype, device=example.device,
+                        requires_grad=requires_grad)
+            layout = _layout(anchor, self.stream.layout)
+            self.layout_of[anchor] = layout
+            self.carrier.setdefault(layout, anchor)
+            nodes.append(anchor)
+        self.blocks = nodes[:entry.blocks]
+        self.partial = nodes[entry.blocks] if entry.has_partial else None
+        self.position = entry.position
+        self.entered_blocks = entry.blocks
+        self.entered = nodes
 
     def run(self) -> None:
         value_nodes = [self.stream.start]      # nodes carrying the stream value the next site reads
         layout = self.stream.layout            # the layout of value_nodes[0]
         sites = self.stream.sites
-        for position, site in enumerate(sites):
+        if self.span.entry is not None:
+            # The stream enters as the layer's argument, the carrier: the first site reads it through the
+            # stream ops between the argument and the site (a dropout, a reshape), as any later site does.
+            origin = sites[0].inbound[0].all_input_nodes[0] if sites[0].inbound else sites[0].stream_in
+            if origin.op != "placeholder":
+                raise PassContractError(f"the stream of this layer's graph does not start at one of its inputs "
+                                        f"but at {origin.format_node()}")
+            value_nodes = [origin, *sites[0].inbound]
+            layout = _layout(origin, self.stream.layout)
+            self.layout_of[origin] = layout
+            self.carrier.setdefault(layout, origin)
+            self._enter(self.span.entry, origin)
+        for k, site in enumerate(sites):
+            position = self.span.positions[k]
+            self.skip_to(position)
+            if self.span.layer:
+                # The residual adds stay, computing the carrier; written in place (``x += f``) they would
+                # change a tensor that is also a source (``b_0``, a block, a branch output).
+                for add in site.adds:
+                    _out_of_place(add)
             regions = _separate_shared_reads(self.graph, site)
             self.insert_aggregates(position, site, regions, value_nodes, layout)
             if position % self.planned.block_size == 0:
-                self.blocks.append(self.partial)
-                self.partial = None
+                self.commit()
             self.rebuild_partial_sum(site)
-            self.dead.extend(value_nodes[1:])
-            self.dead.extend(site.adds)
-            value_nodes = [site.add, *(sites[position + 1].inbound if position + 1 < len(sites) else ())]
+            self.position = position + 1
+            if not self.span.layer:
+                self.dead.extend(value_nodes[1:])
+                self.dead.extend(site.adds)
+            value_nodes = [site.add, *(sites[k + 1].inbound if k + 1 < len(sites) else ())]
             layout = site.layout
-        self.insert_final(value_nodes, layout)
-        self.erase_dead()
+        if self.span.ends:
+            self.skip_to(self.planned.num_positions)
+            self.insert_final(value_nodes, layout)
+            self.erase_dead()
+        else:
+            self.carrier_out = self.stream.end
+
+    def skip_to(self, position: int) -> None:
+        """Planned sites this graph does not hold (a sublayer the call does not run) add nothing, but a
+        block start among them still commits the partial sum."""
+        for skipped in range(self.position, position):
+            if skipped % self.planned.block_size == 0:
+                self.commit()
+        self.position = max(self.position, position)
+
+    def commit(self) -> None:
+        if self.partial is not None:
+            self.blocks.append(self.partial)
+        self.partial = None
+
+    def sources(self) -> list[fx.Node]:
+        return self.blocks + ([self.partial] if self.partial is not None else [])
 
     def insert_aggregates(self, position: int, site: ResidualSite, regions: list[frozenset[fx.Node]],
                           value_nodes: list[fx.Node], layout: str) -> None:
         """Each branch reads its own aggregate of the committed blocks and the partial sum, taken in the
         layout of the previous stream value and passed through the stream ops that led from that value
-        to the site's input."""
+        to the site's input. In a layer's graph only the branches read it; other readers keep the
+        carrier."""
         readers = _external_users(value_nodes, set(site.adds))
+        if self.span.layer:
+            inside = frozenset().union(*regions)
+            readers = [(reader, value) for reader, value in readers if reader in inside]
         with self.graph.inserting_before(_first(self.graph, [r for r, _ in readers] + value_nodes[1:])):
-            sources = [self.in_layout(source, layout, site.add) for source in self.blocks + [self.partial]]
+            sources = [self.in_layout(source, layout, site.add) for source in self.sources()]
             aggregates = [self._emit(planned, sources, site.add, "aggregate")
                           for planned in self.planned.branch_sites(position)]
         counterparts = [_read_through(self.graph, value_nodes, aggregate) for aggregate in aggregates]
@@ -248,17 +370,36 @@ class _StreamSurgery:
                 self.partial = partial
 
     def insert_final(self, value_nodes: list[fx.Node], layout: str) -> None:
-        """What read the stream after its last site reads the final aggregation."""
+        """What read the stream after its last site reads the final aggregation (none is taken where
+        nothing reads it: an encoder whose result a call does not use)."""
         readers = _external_users(value_nodes, set())
         final = self.planned.final
+        if not readers:
+            self.records.append(Replacement(final, "", ()))
+            self.dead.extend(value_nodes)
+            return
         with self.graph.inserting_before(_first(self.graph, [r for r, _ in readers])):
-            sources = [self.in_layout(source, layout, self.stream.end, inside=False)
-                       for source in self.blocks + [self.partial]]
+            sources = [self.in_layout(source, layout, self.stream.end, inside=False) for source in self.sources()]
             node = self._emit(final, sources, self.stream.end, "final")
         for reader, value in readers:
             reader.replace_input_with(value, node)
         self.records.append(Replacement(final, node.name, ()))
         self.dead.extend(value_nodes[1:])
+        if self.span.layer:
+            self.dead.extend(add for site in self.stream.sites for add in site.adds)
+        self.carrier_out = node
+
+    def return_state(self) -> int:
+        """A layer's graph that does not end the stream also returns the partial sum and the blocks it
+        committed, after its own outputs; how many outputs that adds."""
+        if not self.span.layer or self.span.ends:
+            return 0
+        state = [self.partial, *self.blocks[self.entered_blocks:]]
+        (output,) = self.graph.find_nodes(op="output")
+        results = output.args[0]
+        results = tuple(results) if isinstance(results, (tuple, list)) else (results,)
+        output.args = (results + tuple(state),)
+        return len(state)
 
     def in_layout(self, node: fx.Node, layout: str, origin: fx.Node, inside: bool = True) -> fx.Node:
         """``node`` reshaped to ``layout`` where the stream left it in another one (``h.reshape(-1, d)``
@@ -286,6 +427,23 @@ class _StreamSurgery:
         path = node.target if node.op == "call_module" else site.name
         _annotate(node, origin, path, role, with_module=True, inside=role != "final")
         return node
+
+
+_OUT_OF_PLACE = {operator.iadd: operator.add, "add_": "add", "__iadd__": "__add__",
+                 torch.ops.aten.add_.Tensor: torch.ops.aten.add.Tensor}
+
+
+def _out_of_place(add: fx.Node) -> None:
+    """Make an in-place add (``x += y``, ``x.add_(y)``) compute a new tensor; its users already read its
+    result."""
+    if add.target in _OUT_OF_PLACE:
+        add.target = _OUT_OF_PLACE[add.target]
+
+
+def _layout(node: fx.Node, default: str) -> str:
+    """The layout key of a stream value (see :attr:`~attnres_fx.passes.detect.ResidualSite.layout`)."""
+    shape = nk.shape_of(node)
+    return str(tuple(shape[:-1])) if shape else default
 
 
 def _read_through(graph: fx.Graph, value_nodes: list[fx.Node], aggregate: fx.Node) -> dict[fx.Node, fx.Node]:

@@ -31,6 +31,12 @@ def snapshot(model: torch.nn.Module) -> dict:
     }
 
 
+def hooks_of(model: torch.nn.Module) -> dict:
+    """The forward hooks on every module of ``model`` (the conversion's own included)."""
+    return {name: (list(m._forward_pre_hooks.values()), list(m._forward_hooks.values()))
+            for name, m in model.named_modules()}
+
+
 def assert_untouched(model: torch.nn.Module, before: dict) -> None:
     after = snapshot(model)
     assert list(after["state"]) == list(before["state"]), "state_dict keys changed"

@@ -56,8 +56,8 @@ def test_demo_reports_verdicts_timings_and_block_configuration(tmp_path, capsys)
                      r"converted \S+ ms", out)
     assert "the demo uses 4 blocks, not the API default of 8" in out
     injected = out[out.index("Injected BlockAttnRes"):].splitlines()
-    assert injected[1].split() == ["site", "name", "layer", "kind", "block", "sources", "normalised"]
-    assert injected[3].split() == ["0", "blocks.0.attn_res", "blocks.0", "attn", "1", "1", "yes"]
+    assert injected[1].split() == ["site", "name", "layer", "kind", "block", "sources", "normalised", "route"]
+    assert injected[3].split() == ["0", "blocks.0.attn_res", "blocks.0", "attn", "1", "1", "yes", "layer"]
     tables = out[:out.index("Forward time")]
     assert not re.search(r"\b(add|linear|layer_norm)_\d+\b", tables), "tables name modules, not fx nodes"
     assert (tmp_path / "rewritten_graph.py").read_text().count("attn_res") >= 4

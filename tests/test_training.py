@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import attnres_fx
 from attnres_fx.models import TinyTransformer, example_ids
+from conftest import hooks_of
 
 LR = 1e-2
 
@@ -219,6 +220,7 @@ def test_trainer_callback_logs_the_metrics_of_the_monitored_steps(llama, tmp_pat
     model = copy.deepcopy(llama[0]).train()
     monitor = attnres_fx.depth_monitor_callback()
     trainer = _trainer(model, monitor, tmp_path)
+    hooks = hooks_of(model)
     with warnings.catch_warnings():
         warnings.simplefilter("error", attnres_fx.AttnResWarning)
         trainer.train()
@@ -232,8 +234,7 @@ def test_trainer_callback_logs_the_metrics_of_the_monitored_steps(llama, tmp_pat
     sites = {site.name: site for site in attnres_fx.sites(model)}
     assert any(abs(last[f"attnres/{name}/max_weight"] - 1 / site.num_sources) > 1e-3
                for name, site in sites.items() if site.num_sources > 1)
-    for module in model.modules():
-        assert not module._forward_pre_hooks, "no hook left behind"
+    assert hooks_of(model) == hooks, "no hook left behind"
 
 
 def test_trainer_callback_warns_when_a_site_collapses(llama, tmp_path):

@@ -1,0 +1,110 @@
+"""The rewrite pipeline every route runs on a captured graph: open checkpointed regions -> detect -> match
+the plan -> rewrite -> close the regions again.
+
+- the model route (:mod:`attnres_fx.live`): one graph of a whole call, every stream in it matched by
+  its signature (:func:`~attnres_fx.passes.plan.match_streams`);
+- the layer route: one layer's own graph (:class:`LayerTarget`), its one stream matched against the
+  layer's planned sites (:func:`~attnres_fx.passes.plan.match_layer`), the stream's state entering as
+  placeholders and leaving as extra outputs (:class:`~attnres_fx.passes.rewrite.StreamSpan`);
+- explicit graphs (:func:`attnres_fx.rewrite`) and the conversion's trial rewrite: as the model route.
+
+Contract
+    requires  a GraphModule the caller owns (a copy of a Dynamo graph: Dynamo's own must not change), the
+              plan, and an emitter factory (how aggregations become nodes, given the GraphModule).
+    ensures   what :class:`~attnres_fx.passes.rewrite.BlockAttnResRewrite` ensures, with checkpointed
+              regions checkpointed again with their new inputs and outputs.
+    returns   :class:`Rewritten`: the rewrite pass (its ``records`` say what it did) and, for a layer's
+              graph, which output carries the stream and which input starts it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import fx
+
+from attnres_fx.errors import StreamMismatchError
+
+from .checkpoints import close_checkpoints, open_checkpoints
+from .detect import detect_residual_streams
+from .layers import LayerSpan
+from .node_kinds import is_stream_op
+from .plan import Plan, StreamPlan, match_layer, match_streams
+from .rewrite import BlockAttnResRewrite, Emitter, Entry, StreamSpan
+
+
+@dataclass(frozen=True)
+class LayerTarget:
+    """One layer's graph on the layer route: the planned stream, the layer's span of it, the state the
+    graph receives (``entry``; None when the graph starts the stream) and whether it ends the stream."""
+
+    planned: StreamPlan
+    span: LayerSpan
+    entry: Entry | None
+    ends: bool
+
+
+@dataclass(frozen=True)
+class Rewritten:
+    """What :func:`rewrite_captured` did: the pass, and for a layer's graph the output carrying the stream
+    (its carrier, or its final aggregation where the graph ends the stream), the input it starts from
+    (``None`` unless the graph starts the stream there) and the residual site after its last one."""
+
+    rewrite: BlockAttnResRewrite
+    carrier_output: int | None = None
+    start_input: int | None = None
+    next_position: int | None = None
+
+
+def rewrite_captured(graph_module: fx.GraphModule, plan: Plan, emitter: Callable[[fx.GraphModule], Emitter], *,
+                     where: str, prefix: str = "", within: str = "", layer: LayerTarget | None = None) -> Rewritten:
+    """Rewrite ``graph_module`` in place; see the module docstring. ``prefix`` / ``within``: where the
+    captured module sits in the converted model, and the model in the captured module
+    (:func:`~attnres_fx.passes.plan.signature`)."""
+    regions = open_checkpoints(graph_module)
+    if layer is None:
+        detection = detect_residual_streams(graph_module)
+        spans = [StreamSpan(m.planned, m.positions)
+                 for m in match_streams(detection, plan, prefix=prefix, within=within, where=where)]
+    else:
+        detection = detect_residual_streams(graph_module, min_sites=1)
+        stream, positions = match_layer(detection, layer.planned, layer.span, where=where)
+        detection = dataclasses.replace(detection, streams=(stream,))
+        spans = [StreamSpan(layer.planned, positions, layer=True, entry=layer.entry, ends=layer.ends)]
+    rewrite = BlockAttnResRewrite(plan, detection, emitter(graph_module), spans=spans)
+    rewrite(graph_module)
+    result = Rewritten(rewrite)
+    if layer is not None:
+        # Before the checkpointed regions close: they may take the stream's last value inside them.
+        stream = detection.streams[0]
+        result = Rewritten(rewrite, _output_index(graph_module, rewrite.carriers[0], where),
+                           _start_index(graph_module, stream) if layer.entry is None else None, positions[-1] + 1)
+    close_checkpoints(graph_module, regions)
+    return result
+
+
+def _output_index(graph_module: fx.GraphModule, carrier: fx.Node, where: str) -> int:
+    """Which output of a layer's graph carries the stream: the node itself, or what it becomes through
+    stream ops on the way out (``h.contiguous()``)."""
+    results = list(graph_module.graph.find_nodes(op="output")[0].args[0])
+    node = carrier
+    while True:
+        if node in results:
+            return results.index(node)
+        following = [user for user in node.users if user.op != "output" and is_stream_op(user, graph_module)]
+        if len(following) != 1:
+            break
+        node = following[0]
+    raise StreamMismatchError(f"{where} does not return its residual stream (the value after its last residual "
+                              "site): the layer route needs it as the module's result. Convert with route='model'.")
+
+
+def _start_index(graph_module: fx.GraphModule, stream) -> int | None:
+    """The input a first layer's graph starts the stream from (``b_0``), by position among the graph's
+    inputs; None if the stream starts from a value the graph computes."""
+    first = stream.sites[0]
+    origin = first.inbound[0].all_input_nodes[0] if first.inbound else first.stream_in
+    placeholders = list(graph_module.graph.find_nodes(op="placeholder"))
+    return placeholders.index(origin) if origin in placeholders else None

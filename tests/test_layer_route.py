@@ -1,0 +1,237 @@
+"""The layer route: each block runs its own rewritten graph, the stream's state (completed block sums and
+the partial sum) entering as extra inputs and leaving as extra outputs; the code around the blocks runs
+as written.
+
+Numerical: the layer route computes what the model route computes (same rewrite, split per block:
+fp32 sums in another order, 1e-6), forward and gradients, with random pseudo-queries. Structural: which
+modules are routed, what a block's graph takes and returns, what the carrier between blocks is.
+Failures: a call that breaks the route names the block and the cause; a model the route does not fit
+falls back to the model route, or is refused with route="layer".
+"""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import attnres_fx
+from attnres_fx import live
+from attnres_fx.models import TinyConfig, TinyTransformer, example_ids
+from attnres_fx.stream_state import state_of
+from attnres_fx.testing import randomise_pseudo_queries
+from toy_models import DecoderLayer, EncoderDecoder, make_inputs
+
+TIGHT = 1e-6
+
+
+def tiny(parallel=False, layers=3, cls=TinyTransformer):
+    torch.manual_seed(0)
+    return cls(dim=32, num_layers=layers, num_heads=4, parallel=parallel).eval()
+
+
+def both_routes(model, *inputs, **options):
+    """The model converted on each route, with the same random pseudo-queries."""
+    inputs = inputs or (example_ids(model.config),)
+    layer = randomise_pseudo_queries(attnres_fx.attnresify(copy.deepcopy(model), inputs, route="layer", **options))
+    whole = attnres_fx.attnresify(copy.deepcopy(model), inputs, route="model", **options)
+    whole.load_state_dict(layer.state_dict())
+    return layer, whole
+
+
+def grads(model, ids):
+    model.zero_grad()
+    model(ids).float().square().mean().backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["sequential", "parallel"])
+@pytest.mark.parametrize("block_size", [1, 3])
+def test_both_routes_compute_the_same_model(parallel, block_size):
+    layer, whole = both_routes(tiny(parallel), block_size=block_size)
+    ids = example_ids(layer.config)
+    torch.testing.assert_close(layer(ids), whole(ids), rtol=TIGHT, atol=TIGHT)
+    layer.train(), whole.train()
+    want = grads(whole, ids)
+    got = grads(layer, ids)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=TIGHT, msg=name)
+
+
+def test_what_is_routed_and_what_each_block_graph_takes_and_returns():
+    model = attnres_fx.attnresify(tiny(), block_size=2)
+    plan = attnres_fx.plan_of(model)
+    assert plan.routes == ("layer",) and [s.owner for s in plan.streams[0].layers] == ["blocks.0", "blocks.1", "blocks.2"]
+    routers = {router.path: router for router in live.routers(model)}
+    assert set(routers) == {"blocks.0", "blocks.1", "blocks.2"}, "the root runs as written"
+    assert "forward" not in model.__dict__
+    assert all(isinstance(router, live.LayerRouter) for router in routers.values())
+    model(example_ids(model.config))
+    # block_size=2: blocks.1 begins at site 2 with b_0 committed and the partial sum of sites 0 and 1; it
+    # commits that partial sum as b_1 at site 2, and returns its own partial sum and b_1 after its result.
+    (graph,) = routers["blocks.1"].rewritten
+    inputs = [n.name for n in graph.graph.find_nodes(op="placeholder") if n.name.startswith("attnres_")]
+    assert inputs == ["attnres_block_0", "attnres_partial"]
+    (output,) = graph.graph.find_nodes(op="output")
+    assert len(output.args[0]) == 1 + 2
+    (last,) = routers["blocks.2"].rewritten
+    assert len(last.graph.find_nodes(op="output")[0].args[0]) == 1, "the last block returns the final aggregate"
+    assert any(n.op == "call_module" and n.target == "final_res" for n in last.graph.nodes)
+
+
+def test_between_blocks_the_stream_is_the_plain_sum_of_the_branch_outputs():
+    """What a block returns (what the code around the blocks and hooks see) is the residual sum of the
+    AttnRes branch outputs: at zero init with preserve_scale the original stream; and always the sum of
+    the state it carries."""
+    original = tiny()
+    ids = example_ids(original.config)
+    seen = {}
+    for index, block in enumerate(original.blocks):
+        block.register_forward_hook(lambda m, a, out, index=index: seen.__setitem__(("original", index), out))
+    original(ids)
+    model = attnres_fx.attnresify(copy.deepcopy(original), (ids,), preserve_scale=True, block_size=2)
+    for index, block in enumerate(model.blocks):
+        block.register_forward_hook(lambda m, a, out, index=index: seen.__setitem__(("converted", index), out))
+    model(ids)
+    for index in range(2):
+        torch.testing.assert_close(seen["converted", index], seen["original", index], rtol=1e-5, atol=1e-6)
+    randomise_pseudo_queries(model)
+    model(ids)
+    carrier = seen["converted", 1]
+    state, how = state_of(carrier, 0)
+    assert how == "carrier" and state.position == 4 and len(state.blocks) == 2
+    torch.testing.assert_close(carrier, sum(state.blocks) + state.partial, rtol=1e-6, atol=1e-6)
+
+
+class Chatty(TinyTransformer):
+    """A model whose own forward Dynamo cannot capture as one graph: a warning and a data-dependent
+    branch outside every block."""
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        warnings.warn("the outer forward warns", UserWarning)
+        if x.abs().sum() > 0:
+            x = x * 1.0
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def test_a_graph_break_outside_every_block_converts_and_runs(untouched):
+    model = tiny(cls=Chatty)
+    ids = example_ids(model.config)
+    check = untouched(model)
+    with pytest.raises(attnres_fx.TraceError, match="as one graph"):
+        attnres_fx.attnresify(model, (ids,), route="model")
+    check()
+    reference = model(ids)
+    converted = attnres_fx.attnresify(copy.deepcopy(model), (ids,), preserve_scale=True, block_size=2)
+    assert attnres_fx.plan_of(converted).routes == ("layer",)
+    assert [s.name for s in attnres_fx.sites(converted)][:2] == ["blocks.0.attn_res", "blocks.0.mlp_res"]
+    with pytest.warns(UserWarning, match="the outer forward warns"):
+        out = converted(ids)
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-6)
+
+
+class TalkativeBlock(torch.nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        if x.sum() > 0:                     # data-dependent: no single graph
+            x = x + 0
+        return self.block(x)
+
+
+def test_a_block_that_cannot_be_captured_is_named_with_the_construct():
+    model = tiny(cls=Chatty)
+    model.blocks[1] = TalkativeBlock(model.blocks[1])
+    with pytest.raises(attnres_fx.TraceError, match=r"blocks\.1 \(TalkativeBlock\) cannot be captured as one graph.*"
+                                                  r"Data-dependent branching"):
+        attnres_fx.attnresify(model, (example_ids(model.config),))
+
+
+class CastBetweenBlocks(TinyTransformer):
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x).to(torch.float32)
+        return self.head(self.ln_f(x))
+
+
+def test_a_stream_changed_between_blocks_takes_the_model_route_or_is_refused():
+    model = tiny(cls=CastBetweenBlocks)
+    ids = example_ids(model.config)
+    assert attnres_fx.plan_of(attnres_fx.attnresify(copy.deepcopy(model), (ids,))).routes == ("model",)
+    with pytest.raises(attnres_fx.UnsupportedArchitectureError, match=r"between blocks\.0 and blocks\.1 the stream "
+                                                                      r"passes through .*to.* outside both"):
+        attnres_fx.attnresify(copy.deepcopy(model), (ids,), route="layer")
+
+
+def test_a_middle_block_called_on_its_own_says_what_it_needs():
+    model = attnres_fx.attnresify(tiny(), block_size=2)
+    with pytest.raises(attnres_fx.RoutingError, match="needs the result the module before it returned"):
+        model.blocks[1](torch.randn(2, 16, 32))
+    after = model.blocks[1](model.blocks[0](model.embed(example_ids(model.config))))
+    with pytest.raises(attnres_fx.RoutingError, match="must be called once each, in order"):
+        model.blocks[1](after)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_checkpointing_each_block_keeps_the_gradients(reentrant):
+    model = randomise_pseudo_queries(attnres_fx.attnresify(tiny(), block_size=2)).train()
+    ids = example_ids(model.config)
+    want = grads(model, ids)
+
+    def checkpointed(ids):
+        x = model.embed(ids)
+        for block in model.blocks:
+            x = checkpoint(block, x, use_reentrant=reentrant)
+        return model.head(model.ln_f(x))
+
+    model.zero_grad()
+    checkpointed(ids).float().square().mean().backward()
+    for name, grad in want.items():
+        torch.testing.assert_close(dict(model.named_parameters())[name].grad, grad, rtol=1e-5, atol=TIGHT, msg=name)
+
+
+class OptionalCrossAttention(DecoderLayer):
+    """A decoder layer whose cross-attention runs only when it is given the encoder's memory."""
+
+    def forward(self, x, memory=None):
+        x = x + self.self_attn(self.ln1(x))
+        if memory is not None:
+            x = x + self.cross_attn(self.ln2(x), memory)
+        return x + self.mlp(self.ln3(x))
+
+
+class OptionalMemory(EncoderDecoder):
+    def __init__(self):
+        super().__init__()
+        cfg = TinyConfig(dim=32, num_heads=4, vocab_size=64)
+        self.decoder = torch.nn.ModuleList(OptionalCrossAttention(cfg) for _ in range(2))
+
+    def forward(self, src, tgt, use_memory=True):
+        memory = self.src_emb(src)
+        for layer in self.encoder:
+            memory = layer(memory)
+        memory = self.enc_norm(memory) if use_memory else None
+        x = self.tgt_emb(tgt)
+        for layer in self.decoder:
+            x = layer(x, memory)
+        return self.head(self.dec_norm(x))
+
+
+def test_a_call_without_an_optional_sublayer_skips_its_site_on_both_routes():
+    """Converted with the encoder's memory, the decoder called without it skips every cross-attention
+    site: the site adds nothing, and a block boundary there still commits the partial sum. Both routes
+    place the skipped sites alike (by the branch kinds, where sites of one layer look the same)."""
+    torch.manual_seed(0)
+    src, tgt = make_inputs(), make_inputs(seed=1)
+    layer, whole = both_routes(OptionalMemory().eval(), src, tgt, block_size=2)
+    for use_memory in (True, False):
+        torch.testing.assert_close(layer(src, tgt, use_memory), whole(src, tgt, use_memory), rtol=TIGHT, atol=TIGHT)
+    assert not torch.allclose(layer(src, tgt, False), layer(src, tgt, True))
