@@ -72,6 +72,10 @@ def record_calls(model: nn.Module, args: tuple, kwargs: dict) -> list[Call]:
     try:
         with torch.random.fork_rng(devices=[]), torch.no_grad(), capturing():
             model(*args, **kwargs)
+    except Exception as err:  # noqa: BLE001 - the model's own failure, reported as such
+        raise TraceError(f"{type(model).__name__} fails on the example inputs as they are given: "
+                         f"{type(err).__name__}: {err}\nPass example inputs that make a valid call of the model "
+                         "(positional as example_inputs, keyword as example_kwargs).", {"model": err}) from err
     finally:
         for handle in handles:
             handle.remove()

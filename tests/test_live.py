@@ -30,6 +30,11 @@ def convert(model, *inputs, **options):
     return attnres_fx.attnresify(copy.deepcopy(model), inputs or (make_inputs(),), preserve_scale=True, **options)
 
 
+# The main tests run on the default route (the layer route for these models); the ones marked with
+# ``both_routes`` run on the model route as well.
+both_routes = pytest.mark.parametrize("route", ["layer", "model"])
+
+
 def relative(a, b):
     return float((a - b).abs().max() / b.abs().max())
 
@@ -50,8 +55,9 @@ def test_same_object_class_submodules_methods_and_attributes():
     assert set(before.splitlines()) <= set(repr(model).splitlines())
 
 
-def test_forward_hooks_on_a_layer_fire_with_the_real_input_even_when_added_later():
-    model = convert(nano())
+@both_routes
+def test_forward_hooks_on_a_layer_fire_with_the_real_input_even_when_added_later(route):
+    model = convert(nano(), route=route)
     x = make_inputs()
     model(x)                                           # captured once without the hook
     seen = []
@@ -73,9 +79,10 @@ def test_forward_hooks_on_a_layer_fire_with_the_real_input_even_when_added_later
 
 # -- 3. call signatures ------------------------------------------------------------------------------------
 
-def test_positional_keyword_and_optional_arguments():
+@both_routes
+def test_positional_keyword_and_optional_arguments(route):
     model = nano()
-    converted = convert(model)
+    converted = convert(model, route=route)
     x, y = make_inputs(), make_inputs(seed=1)
     for args, kwargs in [((x,), {}), ((), {"idx": x}), ((x, y), {}), ((x,), {"targets": y}), ((), {"idx": x, "targets": y})]:
         got, want = converted(*args, **kwargs), model(*args, **kwargs)
@@ -87,8 +94,9 @@ def test_positional_keyword_and_optional_arguments():
 
 # -- 4. modes and semantics --------------------------------------------------------------------------------
 
-def test_train_and_eval_switch_dropout_after_conversion():
-    model = convert(nano(dropout=0.5))
+@both_routes
+def test_train_and_eval_switch_dropout_after_conversion(route):
+    model = convert(nano(dropout=0.5), route=route)
     x = make_inputs()
     with torch.no_grad():
         assert torch.equal(model(x)[0], model(x)[0]), "eval: dropout off, deterministic"
@@ -99,17 +107,19 @@ def test_train_and_eval_switch_dropout_after_conversion():
     assert not model.h[0].attn_res.training
 
 
-def test_a_no_grad_region_inside_forward_still_blocks_gradients():
-    model = convert(nano())
+@both_routes
+def test_a_no_grad_region_inside_forward_still_blocks_gradients(route):
+    model = convert(nano(), route=route)
     logits, loss = model(make_inputs(), make_inputs(seed=1))
     loss.backward()
     assert model.wpe.weight.grad is None, "positions were computed under no_grad"
     assert model.wte.weight.grad is not None and model.h[1].mlp_res.proj.weight.grad is not None
 
 
-def test_an_autocast_region_inside_forward_still_runs_in_low_precision():
+@both_routes
+def test_an_autocast_region_inside_forward_still_runs_in_low_precision(route):
     model = nano(autocast_head=True)
-    converted = convert(model)
+    converted = convert(model, route=route)
     logits, _ = converted(make_inputs())
     assert logits.dtype == torch.bfloat16
     # bf16 rounding of the head's inputs and weights (8 significant bits): a few parts in a thousand.
@@ -117,8 +127,9 @@ def test_an_autocast_region_inside_forward_still_runs_in_low_precision():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
-def test_dtype_moves_after_conversion(dtype):
-    model = convert(nano())
+@both_routes
+def test_dtype_moves_after_conversion(dtype, route):
+    model = convert(nano(), route=route)
     x = make_inputs()
     reference = model(x)[0]
     model.to(dtype)
@@ -200,8 +211,9 @@ def _torch_saved(model):
 
 
 @pytest.mark.parametrize("copier", [copy.deepcopy, _pickled, _torch_saved], ids=["deepcopy", "pickle", "torch.save"])
-def test_copies_and_pickles_stay_converted(copier):
-    model = randomise_pseudo_queries(convert(nano()))
+@both_routes
+def test_copies_and_pickles_stay_converted(copier, route):
+    model = randomise_pseudo_queries(convert(nano(), route=route))
     x = make_inputs()
     expected = model(x)[0]
     clone = copier(model)
@@ -276,8 +288,9 @@ def test_a_new_sequence_length_recompiles_at_most_once_more(compiled):
     assert (blocks <= graphs <= 2 * blocks) if compiled else graphs == blocks, dict(counters["stats"])
 
 
-def test_eager_and_inductor_routes_agree():
-    model = randomise_pseudo_queries(convert(nano()))
+@both_routes
+def test_eager_and_inductor_routes_agree(route):
+    model = randomise_pseudo_queries(convert(nano(), route=route))
     x = make_inputs()
     eager = model(x)[0]
     attnres_fx.compile(model)
@@ -288,8 +301,9 @@ def test_eager_and_inductor_routes_agree():
 
 # -- 7. a user's own torch.compile -----------------------------------------------------------------------
 
-def test_torch_compile_by_the_user_runs_attnres_or_says_what_to_use():
-    model = randomise_pseudo_queries(convert(nano()))
+@both_routes
+def test_torch_compile_by_the_user_runs_attnres_or_says_what_to_use(route):
+    model = randomise_pseudo_queries(convert(nano(), route=route))
     x = make_inputs()
     expected = model(x)[0]
     torch._dynamo.reset()
@@ -300,8 +314,9 @@ def test_torch_compile_by_the_user_runs_attnres_or_says_what_to_use():
         torch.compile(model, fullgraph=True)(x)
 
 
-def test_torch_export_by_the_user_says_what_to_use():
-    model = convert(nano())
+@both_routes
+def test_torch_export_by_the_user_says_what_to_use(route):
+    model = convert(nano(), route=route)
     with pytest.raises(Exception, match="attnres_fx.rewrite"):
         torch.export.export(model, (make_inputs(),), strict=False)
 
@@ -319,10 +334,11 @@ def _saved_activations(model, x, y):
     return count[0]
 
 
-def test_activation_checkpointing_inside_blocks_still_recomputes():
+@both_routes
+def test_activation_checkpointing_inside_blocks_still_recomputes(route):
     plain, checkpointed = nano(dropout=0.0), nano(dropout=0.0, checkpoint=True)
     x, y = make_inputs(), make_inputs(seed=1)
-    converted = {name: randomise_pseudo_queries(convert(m)).train() for name, m in
+    converted = {name: randomise_pseudo_queries(convert(m, route=route)).train() for name, m in
                  (("plain", plain), ("checkpointed", checkpointed))}
     runs = {name: [] for name in converted}
     for name, model in converted.items():
