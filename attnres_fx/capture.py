@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import itertools
 import os
 import re
 from dataclasses import dataclass
@@ -175,27 +176,72 @@ def capture_dynamo(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.Grap
     return graph_module, example_inputs
 
 
+DUMMY_BATCH, DUMMY_LENGTH = 2, 8
+
+
 def dummy_inputs(model: nn.Module) -> tuple[tuple, dict] | None:
-    """Inputs a Hugging Face model can be captured with when the caller gives none (from its config)."""
+    """A call a Hugging Face model can be captured with when the caller gives none, built from its config
+    and its ``forward``'s parameters: its main input (token ids, an image, audio features or samples),
+    decoder ids for an encoder-decoder, encoder states for a decoder with cross-attention. On the model's
+    device; None for a model without a config."""
     config = getattr(model, "config", None)
     if config is None:
         return None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    parameters = inspect.signature(type(model).forward).parameters
+    reference = next(itertools.chain(model.parameters(), model.buffers()), None)
+    device = reference.device if reference is not None else torch.device("cpu")
+    dtype = reference.dtype if reference is not None and reference.dtype.is_floating_point else torch.float32
+    batch, length = DUMMY_BATCH, DUMMY_LENGTH
+
+    def ids():
+        vocab = getattr(text, "vocab_size", None) or 2
+        return (torch.arange(batch * length, device=device).reshape(batch, length) % max(vocab - 1, 1)) + 1
+
     name = getattr(model, "main_input_name", "input_ids")
+    kwargs: dict = {}
     if name == "pixel_values" and hasattr(config, "image_size"):
         size = config.image_size if isinstance(config.image_size, int) else tuple(config.image_size)[0]
-        return (), {name: torch.zeros(2, getattr(config, "num_channels", 3), size, size)}
-    dummy = getattr(model, "dummy_inputs", None)
-    if isinstance(dummy, dict) and dummy:
-        return (), dict(dummy)
-    return None
+        kwargs[name] = torch.zeros(batch, getattr(config, "num_channels", 3), size, size, device=device, dtype=dtype)
+    elif name == "input_features" and hasattr(config, "num_mel_bins"):
+        # Whisper-style encoders take exactly as many frames as their convolutions turn into positions.
+        frames = 2 * config.max_source_positions if hasattr(config, "max_source_positions") else 64
+        kwargs[name] = torch.zeros(batch, config.num_mel_bins, frames, device=device, dtype=dtype)
+    elif name == "input_values":
+        kwargs[name] = torch.zeros(batch, 1600, device=device, dtype=dtype)
+    elif name == "input_ids" and "input_ids" in parameters:
+        kwargs[name] = ids()
+    else:
+        return None
+    if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in parameters:
+        kwargs["decoder_input_ids"] = ids()
+    elif getattr(text, "add_cross_attention", False) and "encoder_hidden_states" in parameters:
+        hidden = getattr(text, "hidden_size", None) or getattr(text, "d_model")
+        kwargs["encoder_hidden_states"] = torch.zeros(batch, length, hidden, device=device, dtype=dtype)
+    return (), kwargs
 
 
 def plan_inputs(model: nn.Module, example_inputs: tuple | None, example_kwargs: dict | None) -> tuple[tuple, dict] | None:
     """The call a conversion captures: the given inputs, or a Hugging Face model's dummy inputs; None
-    when there are neither."""
+    when there are neither. A KV cache takes no part: its sites are those of a call without one, and a
+    cache object holds real tensors a capture on fake ones cannot mix with (a model on the meta device
+    makes an empty one inside its forward), so cache objects are left out and ``use_cache`` is off."""
     if example_inputs is not None or example_kwargs:
-        return example_inputs or (), dict(example_kwargs or {})
-    return dummy_inputs(model)
+        inputs = example_inputs or (), dict(example_kwargs or {})
+    else:
+        inputs = dummy_inputs(model)
+    if inputs is None:
+        return None
+    args, kwargs = inputs
+    kwargs = {key: None if _is_cache(value) else value for key, value in kwargs.items()}
+    parameters = inspect.signature(type(model).forward).parameters
+    if "use_cache" in parameters and getattr(getattr(model, "config", None), "use_cache", False) is not False:
+        kwargs.setdefault("use_cache", False)
+    return args, kwargs
+
+
+def _is_cache(value: Any) -> bool:
+    return any(cls.__name__ == "Cache" and cls.__module__.startswith("transformers.") for cls in type(value).__mro__)
 
 
 def graph_break(err: TraceError) -> BaseException | None:

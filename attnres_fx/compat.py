@@ -6,6 +6,9 @@ Each entry says what it relies on and why no public interface does.
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.abc
+import importlib.machinery
 import sys
 
 import torch
@@ -51,3 +54,55 @@ def refuse_fullgraph_trace(message: str) -> bool:
     if translator is not None and (translator.one_graph or getattr(translator, "error_on_graph_break", False)):
         raise ForeignCompileError(message)
     return True
+
+
+# -- transformers ---------------------------------------------------------------------------------------
+
+_AFTER_IMPORT: dict[str, list] = {}
+
+
+class _AfterImportFinder(importlib.abc.MetaPathFinder):
+    """Runs the callbacks of :func:`after_import` once their module has executed."""
+
+    def find_spec(self, name, path, target=None):
+        if name not in _AFTER_IMPORT:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        execute = spec.loader.exec_module
+
+        def exec_module(module):
+            execute(module)
+            for callback in _AFTER_IMPORT.pop(name, ()):
+                callback(module)
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def after_import(name: str, callback) -> None:
+    """Call ``callback(module)`` once module ``name`` is imported: now if it is, else right after its
+    import (a finder on ``sys.meta_path``: importing attnres_fx does not import transformers)."""
+    if name in sys.modules:
+        callback(sys.modules[name])
+        return
+    _AFTER_IMPORT.setdefault(name, []).append(callback)
+    if not any(isinstance(finder, _AfterImportFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImportFinder())
+
+
+def wrap_post_init(pretrained_model: type, then) -> None:
+    """Make ``PreTrainedModel.post_init`` (run at the end of every Hugging Face model's ``__init__``;
+    no public hook runs there) call ``then(model)`` after its own work, once."""
+    original = pretrained_model.post_init
+    if getattr(original, "_attnres_wrapped", False):
+        return
+
+    @functools.wraps(original)
+    def post_init(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        then(self)
+        return result
+
+    post_init._attnres_wrapped = True
+    pretrained_model.post_init = post_init

@@ -1,50 +1,66 @@
-"""Hugging Face models stay Hugging Face models: ``save_pretrained`` and :func:`from_pretrained`.
+"""Hugging Face models stay Hugging Face models: saved and loaded through transformers itself.
 
-A converted ``PreTrainedModel`` saves as always: ``model.save_pretrained(dir)`` writes the config and
-the safetensors weights (the AttnRes parameters included), plus ``attnres_config.json``, what
-conversion needs to rebuild the model: the arguments it was converted with, the resulting block sizes
-and the site list, and the package version; and ``attnres.safetensors``, the AttnRes parameters under
-the model's own module paths (transformers may save a model's weights under older names, e.g. a ViT's
-``layers.0`` as ``encoder.layer.0``, which a rebuilt model's names would not find)::
+A converted ``PreTrainedModel`` saves as always, ``model.save_pretrained(dir)``: the safetensors weights
+hold the AttnRes parameters under their module paths like any other, and ``config.json`` gains one entry,
+``"attnres"``: the conversion's arguments, block sizes and format (the *registered config attribute*).
+Beside them, ``attnres_config.json`` (the same, with the site list) and ``attnres.safetensors`` (the
+AttnRes parameters alone, for :func:`from_pretrained` into a model instance).
 
-    attnres_fx.attnresify(model, num_blocks=4)
-    model.save_pretrained("out")
-    again = attnres_fx.from_pretrained(LlamaForCausalLM, "out")      # or AutoModelForCausalLM
-    again = attnres_fx.from_pretrained(existing_llama, "out")         # converts it, loads AttnRes weights
+In a process that has imported ``attnres_fx``, every ``PreTrainedModel`` whose config holds that entry is
+converted when it is built, after transformers' own ``post_init``: so plain
+``AutoModelForCausalLM.from_pretrained(dir)`` (or ``LlamaForCausalLM.from_pretrained``,
+``from_config``, ``Class(config)``) gives the converted model, its AttnRes weights loaded by transformers'
+loader with the others: safetensors keys, tied weights, ``ignore_mismatched_sizes``, sharded and meta-
+device loading behave as for any model. Without ``attnres_fx`` imported, transformers builds the
+original architecture and its load report lists the AttnRes weights it left unused (``...attn_res.proj.
+weight | UNEXPECTED``). Only the outermost model of a composite is converted (a text model inside a
+vision-language one belongs to the outer conversion).
 
-Loading ``out`` with plain ``AutoModelForCausalLM.from_pretrained`` gives the original architecture;
-transformers' load report lists the AttnRes weights it left unused (``... _res.proj.weight |
-UNEXPECTED``).
+``attnres_fx.from_pretrained(cls_or_model, dir)`` remains for loading into a model instance.
 
-``transformers`` and ``safetensors`` are imported only by the functions that read or write a directory.
+``transformers`` and ``safetensors`` are imported only by what needs them; the construction hook is
+installed once transformers' ``modeling_utils`` is imported (:func:`attnres_fx.compat.after_import`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import re
+import sys
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
+from . import compat
 from .errors import CheckpointMismatchError
 
 CONFIG_NAME = "attnres_config.json"
 WEIGHTS_NAME = "attnres.safetensors"
-FORMAT_VERSION = 1
+CONFIG_ATTRIBUTE = "attnres"
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)
 
 
 class SavePretrained:
-    """``model.save_pretrained`` of a converted model: the class's own, then ``attnres_config.json``."""
+    """``model.save_pretrained`` of a converted model: the class's own with the config entry, then
+    ``attnres_config.json`` and ``attnres.safetensors``."""
 
     def __init__(self, model: nn.Module):
         self.model = model
 
     def __call__(self, save_directory, *args, **kwargs):
-        result = type(self.model).save_pretrained(self.model, save_directory, *args, **kwargs)
+        config = self.model.config
+        had, before = hasattr(config, CONFIG_ATTRIBUTE), getattr(config, CONFIG_ATTRIBUTE, None)
+        setattr(config, CONFIG_ATTRIBUTE, config_entry(self.model))
+        try:
+            result = type(self.model).save_pretrained(self.model, save_directory, *args, **kwargs)
+        finally:
+            if had:
+                setattr(config, CONFIG_ATTRIBUTE, before)
+            else:
+                delattr(config, CONFIG_ATTRIBUTE)
         if kwargs.get("is_main_process", True):
             write_config(self.model, save_directory)
             _write_attnres_weights(self.model, save_directory)
@@ -55,9 +71,18 @@ class SavePretrained:
 
 
 def attach(model: nn.Module) -> None:
-    """Give a converted Hugging Face model its ``save_pretrained`` (no-op for other modules)."""
-    if callable(getattr(type(model), "save_pretrained", None)) and "save_pretrained" not in model.__dict__:
+    """After conversion: a Hugging Face model gets its ``save_pretrained``, and its AttnRes modules count
+    as initialised for transformers (whose ``init_weights`` would otherwise draw random pseudo-queries
+    over the zeros). No-op for other modules."""
+    if not callable(getattr(type(model), "save_pretrained", None)):
+        return
+    if "save_pretrained" not in model.__dict__:
         model.save_pretrained = SavePretrained(model)
+    from . import api
+
+    for site in api.sites(model):
+        for module in model.get_submodule(site.name).modules():
+            module._is_hf_initialized = True
 
 
 def detach(model: nn.Module) -> None:
@@ -65,15 +90,21 @@ def detach(model: nn.Module) -> None:
         del model.__dict__["save_pretrained"]
 
 
-def config_of(model: nn.Module) -> dict[str, Any]:
-    """What ``attnres_config.json`` holds for a converted model."""
+def config_entry(model: nn.Module) -> dict[str, Any]:
+    """The ``"attnres"`` entry of a converted model's ``config.json``."""
     from . import __version__, api
 
-    plan = api.plan_of(model)
     return {"format": FORMAT_VERSION, "attnres_fx_version": __version__,
-            "options": dict(api.conversion_options(model)), "block_sizes": list(plan.block_sizes),
+            "options": dict(api.conversion_options(model)), "block_sizes": list(api.plan_of(model).block_sizes)}
+
+
+def config_of(model: nn.Module) -> dict[str, Any]:
+    """What ``attnres_config.json`` holds for a converted model: the config entry and the site list."""
+    from . import api
+
+    return {**config_entry(model),
             "sites": [{key: value for key, value in asdict(site).items() if key not in ("position", "branch")}
-                      for site in plan.sites]}
+                      for site in api.plan_of(model).sites]}
 
 
 def write_config(model: nn.Module, directory) -> Path:
@@ -89,29 +120,94 @@ def read_config(directory) -> dict[str, Any]:
         raise CheckpointMismatchError(f"{directory} has no {CONFIG_NAME}: it was not saved from a model converted "
                                       "by attnres_fx (load it with the model class itself)")
     config = json.loads(path.read_text())
-    if config.get("format") != FORMAT_VERSION:
-        raise CheckpointMismatchError(f"{path}: format {config.get('format')!r}, this attnres_fx reads format "
-                                      f"{FORMAT_VERSION}")
+    _check_format(config, path)
     return config
 
+
+def _check_format(entry: dict, where) -> None:
+    if entry.get("format") not in READABLE_FORMATS:
+        raise CheckpointMismatchError(f"{where}: AttnRes format {entry.get('format')!r}, this attnres_fx reads "
+                                      f"formats {READABLE_FORMATS}")
+
+
+# -- conversion when a model is built -----------------------------------------------------------------------
+
+# Besides a config's entry, what else asks for conversion at construction: a function of the model
+# returning attnresify's arguments (or None). Set by harnesses that run a library's own tests on
+# converted models (:func:`construction_policy`).
+_POLICY: list[Callable[[nn.Module], dict | None]] = []
+
+
+def construction_policy(policy: Callable[[nn.Module], dict | None] | None) -> None:
+    """Convert every outermost ``PreTrainedModel`` built from now on for which ``policy(model)`` returns
+    attnresify's arguments (after a hook of ``"after"`` in them, a callable run on the converted model);
+    ``None`` stops it."""
+    _POLICY[:] = [policy] if policy is not None else []
+
+
+def convert_on_construction(model: nn.Module) -> None:
+    """What transformers' ``post_init`` does for attnres_fx (see the module docstring)."""
+    from . import api
+
+    entry = getattr(getattr(model, "config", None), CONFIG_ATTRIBUTE, None)
+    options = None
+    if isinstance(entry, dict):
+        _check_format(entry, f"{type(model).__name__}.config.{CONFIG_ATTRIBUTE}")
+        options = dict(entry.get("options") or {})
+    elif _POLICY:
+        options = _POLICY[0](model)
+    if options is None or api.is_converted(model) or not _outermost(model):
+        return
+    after = options.pop("after", None)
+    api.attnresify(model, **options)
+    if isinstance(entry, dict) and list(api.plan_of(model).block_sizes) != list(entry.get("block_sizes", [])):
+        sizes = api.plan_of(model).block_sizes
+        api.remove(model)
+        raise CheckpointMismatchError(f"{type(model).__name__}: its config was saved with AttnRes block sizes "
+                                      f"{entry.get('block_sizes')}, the model built from it converts to {list(sizes)}")
+    if after is not None:
+        after(model)
+
+
+def _outermost(model: nn.Module) -> bool:
+    """Whether ``model`` is not being built inside another model's ``__init__``."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "__init__":
+            other = frame.f_locals.get("self")
+            if other is not model and isinstance(other, nn.Module) and hasattr(other, "config"):
+                return False
+        frame = frame.f_back
+    return True
+
+
+compat.after_import("transformers.modeling_utils", lambda module: compat.wrap_post_init(
+    module.PreTrainedModel, convert_on_construction))
+
+
+# -- attnres_fx.from_pretrained -----------------------------------------------------------------------------
 
 def from_pretrained(model_or_cls, directory, **from_pretrained_kwargs) -> nn.Module:
     """Rebuild a converted model from a directory written by its ``save_pretrained``.
 
-    ``model_or_cls``: a model class (``LlamaForCausalLM``, or an ``Auto*`` class), whose
-    ``from_pretrained(directory, **from_pretrained_kwargs)`` loads the base weights, or a model instance
-    of the same architecture (its own weights are kept). Either is then converted with the saved options
-    and given the saved AttnRes weights. A model whose conversion finds other sites than the saved ones
-    raises :class:`~attnres_fx.CheckpointMismatchError` naming them, and is left unconverted.
+    ``model_or_cls``: a model class (``LlamaForCausalLM``, or an ``Auto*`` class): its own
+    ``from_pretrained(directory, **from_pretrained_kwargs)``, which gives the converted model (see the
+    module docstring); or a model instance of the same architecture (its own weights are kept), converted
+    with the saved options and given the saved AttnRes weights. Either way the sites are checked against
+    the saved ones: a model that converts to others raises :class:`~attnres_fx.CheckpointMismatchError`
+    naming them, and an instance is left unconverted.
     """
     from . import api
 
     saved = read_config(directory)
     if isinstance(model_or_cls, type):
-        with _attnres_keys_expected(directory, saved):
-            model = model_or_cls.from_pretrained(directory, **from_pretrained_kwargs)
-    else:
-        model = model_or_cls
+        model = model_or_cls.from_pretrained(directory, **from_pretrained_kwargs)
+        if not api.is_converted(model):
+            raise CheckpointMismatchError(f"{directory}: {type(model).__name__} was built without its AttnRes "
+                                          f"conversion (config.json has no '{CONFIG_ATTRIBUTE}' entry?)")
+        _check_sites(saved, config_of(model), directory)
+        return model
+    model = model_or_cls
     api.attnresify(model, **saved["options"])
     try:
         _check_sites(saved, config_of(model), directory)
@@ -168,29 +264,3 @@ def _load_attnres_weights(model: nn.Module, directory) -> None:
         raise CheckpointMismatchError(f"{path} has no weights for {', '.join(missing[:6])}"
                                       f"{'...' if len(missing) > 6 else ''}")
     model.load_state_dict(tensors, strict=False)
-
-
-@contextlib.contextmanager
-def _attnres_keys_expected(directory, saved: dict):
-    """While loading base weights: the AttnRes weights in the checkpoint are not reported as unexpected
-    (they are loaded right after conversion)."""
-    import transformers
-
-    # The checkpoint may hold them under older module paths (see the module docstring): match the
-    # aggregations' own names at any path.
-    leaves = "|".join(sorted({re.escape(site["name"].rsplit(".", 1)[-1]) for site in saved["sites"]}))
-    pattern = rf"(^|\.)({leaves})\.(proj|norm)\.weight$"
-
-    architectures = json.loads((Path(directory) / "config.json").read_text()).get("architectures") or []
-    classes = [getattr(transformers, name) for name in architectures if hasattr(transformers, name)]
-    saved = [(cls, cls.__dict__.get("_keys_to_ignore_on_load_unexpected")) for cls in classes]
-    for cls, patterns in saved:
-        cls._keys_to_ignore_on_load_unexpected = [*(patterns or []), pattern]
-    try:
-        yield
-    finally:
-        for cls, patterns in saved:
-            if patterns is None:
-                del cls._keys_to_ignore_on_load_unexpected
-            else:
-                cls._keys_to_ignore_on_load_unexpected = patterns

@@ -346,7 +346,7 @@ class _LayerGraph:
     def __call__(self, *args):
         call = _CALLS.stack[-1]
         results = self.run(*args, *call.state_tensors)
-        call.carrier = results[self.carrier]
+        call.carrier = results[self.carrier] if self.carrier is not None else None
         call.state_out = tuple(results[self.outputs:])
         call.start = args[self.start] if self.start is not None else None
         call.next_position = self.next_position

@@ -13,12 +13,14 @@ Contract
               :class:`Refusal` whose ``reason`` names the first node or module that rules the route out.
     modifies  nothing.
 
-A stream qualifies when every residual add is performed inside a submodule (not in the root's own
-forward), each module's sites are consecutive in the stream (a module called twice, weights shared across
-depth, does not qualify), no such module contains another, and everything a site computes, branches and
-adds, is computed inside its module. Between two modules the stream may pass through stream ops
-(:func:`~attnres_fx.passes.node_kinds.is_stream_op`) only inside the next module: an op the outer code
-applies between layers (a cast, a scale) would need the block sums too.
+Each site belongs to the innermost module that computes all of it, branches and adds (the module
+performing the add, or an ancestor where the block computes a sublayer's norm); neighbouring sites of
+nested modules belong to the outer one. A stream qualifies when no site belongs to the root, each
+module's sites are consecutive in the stream (a module called twice, weights shared across depth, does
+not qualify) and no such module contains another. Between two modules the stream may pass through stream
+ops (:func:`~attnres_fx.passes.node_kinds.is_stream_op`) only inside them, at the end of the one or the
+start of the other: an op the outer code applies between layers (a cast, a scale) would need the block
+sums too.
 """
 
 from __future__ import annotations
@@ -56,38 +58,62 @@ class Refusal:
 
 def layer_spans(stream: ResidualStream, modules: Mapping[str, nn.Module]) -> tuple[LayerSpan, ...] | Refusal:
     """The modules performing ``stream``'s sites, or why the stream cannot be routed layer by layer."""
+    homes = [_home(site) for site in stream.sites]
+    if "" in homes:
+        site = stream.sites[homes.index("")]
+        return Refusal(f"the residual site {site.add.name} is computed in the root module's own forward")
+    # Neighbouring sites whose modules nest are one module's: a block whose sublayers add their own
+    # residuals while the block computes their norms (Bloom) is routed as the block.
+    for k in range(1, len(homes)):
+        if _within(homes[k], homes[k - 1]):
+            homes[k] = homes[k - 1]
+        elif _within(homes[k - 1], homes[k]):
+            j = k - 1
+            while j >= 0 and _within(homes[j], homes[k]):
+                homes[j] = homes[k]
+                j -= 1
     spans: list[LayerSpan] = []
-    for position, site in enumerate(stream.sites):
-        if spans and spans[-1].owner == site.owner:
-            spans[-1] = LayerSpan(site.owner, spans[-1].start, position + 1)
+    for position, home in enumerate(homes):
+        if spans and spans[-1].owner == home:
+            spans[-1] = LayerSpan(home, spans[-1].start, position + 1)
         else:
-            spans.append(LayerSpan(site.owner, position, position + 1))
+            spans.append(LayerSpan(home, position, position + 1))
     owners = [span.owner for span in spans]
     for span in spans:
-        site = stream.sites[span.start]
-        if not span.owner:
-            return Refusal(f"the residual add {site.add.name} is performed in the root module's own forward")
         if owners.count(span.owner) > 1:
             return Refusal(f"{span.owner} performs residual sites at {owners.count(span.owner)} places of the "
                            "stream (a module called more than once)")
         module = modules.get(span.owner)
         if module is None or isinstance(module, CONTAINERS):
-            return Refusal(f"{span.owner} is not a module that performs its residual adds in its own forward")
-        enclosing = next((other for other in owners if span.owner.startswith(other + ".")), None)
+            return Refusal(f"{span.owner} is not a module whose forward computes its residual sites")
+        enclosing = next((other for other in owners if _within(span.owner, other) and other != span.owner), None)
         if enclosing is not None:
-            return Refusal(f"{span.owner} performs residual sites inside {enclosing}, which performs others")
+            return Refusal(f"{span.owner} computes residual sites inside {enclosing}, which computes others")
     for previous, span in zip(spans, spans[1:]):
+        # The ops between two blocks belong to the end of the one (a view back to the batch's shape) or
+        # to the start of the other (a dropout on its input).
+        inside_next = False
         for op in stream.sites[span.start].inbound:
-            if not _inside(op, span.owner):
+            if _inside(op, span.owner):
+                inside_next = True
+            elif inside_next or not _inside(op, previous.owner):
                 return Refusal(f"between {previous.owner} and {span.owner} the stream passes through "
                                f"{op.format_node()} outside both")
-    for span in spans:
-        for site in stream.sites[span.start:span.stop]:
-            for node in [*site.adds, *(n for branch in site.branches for n in branch.region)]:
-                if node.op != "placeholder" and not _inside(node, span.owner):
-                    return Refusal(f"the residual site of {span.owner} computes {node.format_node()} outside "
-                                   "that module")
     return tuple(spans)
+
+
+def _home(site) -> str:
+    """The innermost module that computes all of a site (its adds and branches)."""
+    nodes = [n for n in [*site.adds, *(n for branch in site.branches for n in branch.region)]
+             if n.op not in ("placeholder", "get_attr")]
+    home = site.owner
+    while home and not all(_inside(node, home) for node in nodes):
+        home = home.rpartition(".")[0]
+    return home
+
+
+def _within(path: str, other: str) -> bool:
+    return path == other or path.startswith(other + ".")
 
 
 def _inside(node: fx.Node, owner: str) -> bool:

@@ -79,8 +79,11 @@ def rewrite_captured(graph_module: fx.GraphModule, plan: Plan, emitter: Callable
     if layer is not None:
         # Before the checkpointed regions close: they may take the stream's last value inside them.
         stream = detection.streams[0]
-        result = Rewritten(rewrite, _output_index(graph_module, rewrite.carriers[0], where),
-                           _start_index(graph_module, stream) if layer.entry is None else None, positions[-1] + 1)
+        # The graph that ends the stream hands nothing on: its result may hold the final aggregation
+        # in any form (normalised, in a ModelOutput).
+        carrier = None if layer.ends else _output_index(graph_module, rewrite.carriers[0], where)
+        result = Rewritten(rewrite, carrier, _start_index(graph_module, stream) if layer.entry is None else None,
+                           positions[-1] + 1)
     close_checkpoints(graph_module, regions)
     return result
 

@@ -42,6 +42,7 @@ from attnres_fx.text import format_table
 
 from .detect import Detection, ResidualStream, require_dim
 from .layers import CONTAINERS, LayerSpan, Refusal, layer_spans
+from .node_kinds import owner_path
 
 DEFAULT_NUM_BLOCKS = 8
 
@@ -208,11 +209,10 @@ def match_layer(detection: Detection, planned: StreamPlan, span: LayerSpan, *, w
     otherwise. Returns ``(stream, positions)``."""
     expected = planned.signature[span.start:span.stop]
     for stream in detection.streams:
-        found = signature(stream, span.owner)
-        # An add in the captured module's own forward has no module of its own in that capture; detection
-        # may then name the branch's module (``attn``) for it, as it does for adds in a model's root.
+        # The module performing each add, as a path in the model (an add in the captured module's own
+        # forward has no module of its own in that capture).
+        found = tuple((_join(span.owner, owner_path(site.add)), len(site.branches)) for site in stream.sites)
         if all(layer == span.owner or layer.startswith(span.owner + ".") for layer, _ in found):
-            found = tuple((span.owner, branches) for _, branches in found)
             offsets = _positions(found, _kinds(stream), expected, _planned_kinds(planned)[span.start:span.stop])
             if offsets is None:
                 break

@@ -169,14 +169,36 @@ def _load_report(caplog, capfd) -> str:
     return caplog.text + printed.out + printed.err
 
 
-def test_plain_from_pretrained_gives_the_original_architecture_and_reports_the_attnres_weights(saved, caplog, capfd):
+def test_transformers_alone_loads_the_converted_model(saved):
+    """No attnres_fx call: the config's "attnres" entry converts the model transformers builds, and
+    transformers' own loader fills in the AttnRes weights (Auto class, the class itself, the base model)."""
     import transformers
 
     model, directory = saved
-    plain = transformers.AutoModelForCausalLM.from_pretrained(directory)
-    assert not attnres_fx.is_converted(plain)
-    text = _load_report(caplog, capfd)
-    assert "UNEXPECTED" in text and "attn_res.proj.weight" in text and "final_res" in text
+    ids = torch.randint(1, 128, (2, 7), generator=torch.Generator().manual_seed(4))
+    assert json.loads((directory / "config.json").read_text())["attnres"]["block_sizes"] == [2]
+    assert not hasattr(model.config, "attnres"), "saving leaves the live model's config as it was"
+    for load in (transformers.AutoModelForCausalLM.from_pretrained, transformers.LlamaForCausalLM.from_pretrained):
+        again = load(directory)
+        assert attnres_fx.is_converted(again) and type(again) is type(model)
+        torch.testing.assert_close(again(ids).logits, model(ids).logits)
+    base = transformers.AutoModel.from_pretrained(directory)
+    assert [s.name for s in attnres_fx.sites(base)][0] == "layers.0.attn_res"
+    torch.testing.assert_close(base(ids).last_hidden_state, model.model(ids).last_hidden_state)
+
+
+def test_without_attnres_fx_transformers_loads_the_original_and_reports_the_attnres_weights(saved):
+    import subprocess
+    import sys
+
+    _, directory = saved
+    script = ("import transformers, sys; m = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1]); "
+              "print('attnres_fx' in sys.modules, type(m).__name__, hasattr(m.model.layers[0], 'attn_res'))")
+    done = subprocess.run([sys.executable, "-c", script, str(directory)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-3:] == ["False", "LlamaForCausalLM", "False"]
+    report = done.stdout + done.stderr
+    assert "UNEXPECTED" in report and "attn_res.proj.weight" in report and "final_res" in report
 
 
 # -- CLI --------------------------------------------------------------------------------------------------
