@@ -149,6 +149,7 @@ def rewrite(model: nn.Module, example_inputs: Any = None, *, example_kwargs: dic
     the time of the call. The model is not modified.
     """
     _conversion(model, "rewrite")
+    model = unwrap_compiled(model)
     return explicit_graph(model, model, "", example_inputs, example_kwargs, tracer, dynamic_shapes)
 
 

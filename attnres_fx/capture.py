@@ -30,6 +30,7 @@ import torch
 from torch import fx, nn
 from torch.nn.modules import transformer as transformer_modules
 
+from attnres_fx import compat
 from attnres_fx.passes.checkpoints import open_checkpoints
 from attnres_fx.passes.node_kinds import is_norm_module
 
@@ -54,12 +55,16 @@ def capturing():
     """Within: routed modules of converted models run their own forward (see the module docstring), and
     torch.nn's Transformer layers take their regular path: their inference fast path runs a whole layer,
     residual adds included, as one fused op that no rewrite can reach into (the regular path is the
-    same computation, in the layer's own ops)."""
+    same computation, in the layer's own ops), and transformers' output recorders read their collector
+in a form Dynamo can trace (:func:`attnres_fx.compat.output_recorders_traceable`). Dynamo takes
+float attributes as constants (``specialize_float``), as it does without dynamic shapes: a dropout's ``p``
+or a norm's ``eps`` read from a module must look the same in every capture of the model."""
     STATE.depth += 1
     fast_path = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)
     try:
-        yield
+        with compat.output_recorders_traceable(), torch._dynamo.config.patch(specialize_float=True):
+            yield
     finally:
         torch.backends.mha.set_fastpath_enabled(fast_path)
         STATE.depth -= 1
@@ -310,8 +315,8 @@ def _trace(model, example_inputs, example_kwargs, tracer, dynamic_shapes) -> Tra
         except Exception as export_err:  # noqa: BLE001
             raise TraceError(
                 f"neither tracer could trace {type(model).__name__}.\n"
-                f"- fx: {type(fx_err).__name__}: {_first_line(fx_err)}\n"
-                f"- export: {type(export_err).__name__}: {_first_line(export_err)}\n"
+                f"- fx: {type(fx_err).__name__}: {first_line(fx_err)}\n"
+                f"- export: {type(export_err).__name__}: {first_line(export_err)}\n"
                 "Try: make the forward free of data-dependent Python control flow, or pass example "
                 "inputs that match how the model is called (positional and keyword).",
                 {"fx": fx_err, "export": export_err}) from export_err
@@ -382,14 +387,14 @@ def default_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict):
     return {name: spec(value) for name, value in bound.arguments.items()}
 
 
-def _first_line(err: BaseException) -> str:
+def first_line(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else repr(err)
 
 
 def _fx_message(model, err) -> str:
     return (f"torch.fx symbolic tracing could not trace {type(model).__name__}: "
-            f"{type(err).__name__}: {_first_line(err)}\n"
+            f"{type(err).__name__}: {first_line(err)}\n"
             "Try tracer='export' with example inputs (handles Python control flow on shapes and "
             "keyword-only forwards), or remove data-dependent control flow from forward().")
 
@@ -436,12 +441,12 @@ def _dynamo_message(model, err) -> str:
     where = _user_frame(err)
     at = f" at {where}" if where else ""
     if _failed_on_inputs(err):
-        return (f"{name} fails on the example inputs{at}: {type(cause).__name__}: {_first_line(cause)}\n"
+        return (f"{name} fails on the example inputs{at}: {type(cause).__name__}: {first_line(cause)}\n"
                 "attnres_fx captures the model with example inputs as it is called (on fake tensors: nothing "
                 "runs); pass inputs of the dtype and shape the model takes.")
     return (f"TorchDynamo could not capture {name}.forward as one graph{at}: {type(err).__name__}: "
-            f"{_first_line(err)}\n"
-            + (f"Cause: {type(cause).__name__}: {_first_line(cause)}\n" if cause is not err else "")
+            f"{first_line(err)}\n"
+            + (f"Cause: {type(cause).__name__}: {first_line(cause)}\n" if cause is not err else "")
             + "attnres_fx routes every call of a converted model through one Dynamo graph (fullgraph), so "
             "each residual stream is seen whole. Remove the construct named above from forward() (a graph "
             "break: data-dependent Python control flow, print, an unsupported library call), or check the "
@@ -450,7 +455,7 @@ def _dynamo_message(model, err) -> str:
 
 def _export_message(model, err) -> str:
     return (f"torch.export could not trace {type(model).__name__}: {type(err).__name__}: "
-            f"{_first_line(err)}\n"
+            f"{first_line(err)}\n"
             "Try: check the example inputs match the forward signature; pass dynamic_shapes=... to "
             "override the default (batch and sequence dynamic); for Hugging Face models pass "
             "use_cache=False.")

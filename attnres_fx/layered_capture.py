@@ -29,7 +29,7 @@ from attnres_fx.passes.detect import Detection, ResidualStream, detect_residual_
 from attnres_fx.passes.layers import LayerSpan
 from attnres_fx.passes.node_kinds import owner_path
 
-from .capture import capture_dynamo, capturing
+from .capture import capture_dynamo, capturing, first_line
 from .errors import NoResidualStreamError, TraceError
 
 
@@ -106,7 +106,7 @@ def capture_by_blocks(model: nn.Module, args: tuple, kwargs: dict, cause: BaseEx
     raise TraceError(
         f"TorchDynamo could not capture {type(model).__name__}.forward as one graph, and no chain of blocks "
         f"(modules called in turn, each taking the tensor the one before returned) holds residual sites.\n"
-        f"Cause: {type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}",
+        f"Cause: {type(cause).__name__}: {first_line(cause)}",
         {"dynamo": cause})
 
 

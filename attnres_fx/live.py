@@ -59,7 +59,7 @@ from attnres_fx.passes.plan import Plan, StreamPlan
 from attnres_fx.passes.rewrite import Entry, ModuleCalls, ParameterInputs
 
 from . import compat
-from .capture import STATE, capturing, entry_function
+from .capture import STATE, capturing, entry_function, first_line
 from .conversion import Conversion, attach, conversion_of, detach
 from .stream_state import StreamState, bundle, register, state_of, unbundle
 
@@ -143,7 +143,7 @@ class Router:
         return self._entries[compiler, key]
 
     def run(self, entry, *args, **kwargs):
-        with capturing(), compat.output_recorders_traceable():
+        with capturing():
             try:
                 return entry(self.module, *args, **kwargs)
             except torch._dynamo.exc.BackendCompilerFailed as err:
@@ -505,7 +505,7 @@ def _note_progress(conversion: Conversion, stream: int, ends: bool) -> None:
 
 def _graph_break_message(router: Router, err: Exception) -> str:
     lines = [f"TorchDynamo could not capture this call of {_where(router)} as one graph: "
-             f"{type(err).__name__}: {str(err).strip().splitlines()[0]}"]
+             f"{type(err).__name__}: {first_line(err)}"]
     if router.route_name == "layer":
         lines.append("On the layer route each call of a module that performs residual sites runs as one Dynamo "
                      "graph (fullgraph), so that its sites are rewritten together.")

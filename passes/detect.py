@@ -368,7 +368,21 @@ class _SiteMatcher:
 
     def _summands(self, stream_in: fx.Node, output: fx.Node, split: list[fx.Node]) -> list[_Summand]:
         """``output`` as the summands a pre-summed branch ``h + (f + g)`` adds, recursively; a sum whose
-        summands are one sublayer stays whole. Adds taken apart are appended to ``split``."""
+        summands are one sublayer stays whole. Adds taken apart are appended to ``split``, and so are the
+        identities on values (an inactive dropout, a cast) between such an add and the stream: the
+        branches' sum may pass through them on its way (Falcon's ``mlp_output += attention_output``
+        then ``residual + dropout(mlp_output)``)."""
+        passed = []
+        while (nk.is_transparent(output, self.gm) and len(output.all_input_nodes) == 1 and len(output.users) == 1
+               and nk.add_operands(output.all_input_nodes[0]) is not None):
+            passed.append(output)
+            output = output.all_input_nodes[0]
+        if passed:
+            parts = self._summands(stream_in, output, split)
+            if len(parts) > 1:
+                split.extend(passed)
+                return parts
+            return [self._summand(stream_in, passed[0])]
         operands = nk.add_operands(output)
         if (operands is None or len(output.users) != 1
                 or self.ancestry.reaches(operands[0], operands[1]) or self.ancestry.reaches(operands[1], operands[0])

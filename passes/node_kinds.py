@@ -128,15 +128,21 @@ def add_alpha(node: fx.Node):
     return node.kwargs.get("alpha", node.args[2] if len(node.args) > 2 else 1)
 
 
+# Attributes of a tensor that are its values (transposes, parts): ``getattr(k, "mT")`` carries data.
+VALUE_ATTRIBUTES = {"T", "mT", "H", "mH", "real", "imag", "data"}
+
+
 def is_shape_query(node: fx.Node) -> bool:
     """Reads only a tensor's metadata (shape, dtype, device): not a data dependency."""
+    if op_name(node) == "getattr" and len(node.args) > 1 and node.args[1] in VALUE_ATTRIBUTES:
+        return False
     return op_name(node) in SHAPE_OPS or op_name(node) in LIKE_OPS
 
 
 def is_size_value(node: fx.Node) -> bool:
     """A size read off a tensor: ``x.size(-1)``, ``sym_size``, ``x.shape[2]``, ``x.shape``."""
     if op_name(node) in SHAPE_OPS:
-        return True
+        return is_shape_query(node)
     return op_name(node) == "getitem" and isinstance(node.args[0], fx.Node) and is_size_value(node.args[0])
 
 
