@@ -30,12 +30,12 @@ def aggregate(proj_weight: torch.Tensor, norm_weight: torch.Tensor, sources, *, 
     """
     if not sources:
         raise ValueError("BlockAttnRes needs at least one source")
-    if _captured(sources[0]):
+    if captured(sources[0]):
         return aggregation.fusable(proj_weight, norm_weight, sources, eps=eps, preserve_scale=preserve_scale)
     return ops.eager(proj_weight, norm_weight, sources, eps=eps, preserve_scale=preserve_scale)
 
 
-def _captured(value: torch.Tensor) -> bool:
+def captured(value: torch.Tensor) -> bool:
     """Whether a graph capture is tracing this call (its tensors are then fake or symbolic)."""
     return (torch.compiler.is_compiling() or torch.compiler.is_exporting() or is_fx_symbolic_tracing()
             or isinstance(value, FakeTensor) or not isinstance(value.numel(), int))

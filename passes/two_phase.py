@@ -64,9 +64,11 @@ import torch
 from torch import fx
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from attnres_fx.errors import PassContractError
+from attnres_fx import ops
 from attnres_fx.aggregation import depth_logit, folded_query, key_scale, softmax_parts, weighted_sum
-from attnres_fx.block_attnres import BlockAttnRes
+from attnres_fx.block_attnres import BlockAttnRes, captured
+from attnres_fx.errors import PassContractError
+from attnres_fx.kernels import cpu
 
 SCHEDULE_META = "two_phase"
 
@@ -77,19 +79,32 @@ def phase1(proj_weights: tuple[torch.Tensor, ...], norm_weights: tuple[torch.Ten
 
     Returns one online-softmax state per query: ``(m, l, acc)``, the running max and sum of
     exponentials of its logits (``[..., 1]``) and the un-normalised weighted sum of the blocks
-    (``[..., D]``), all fp32.
+    (``[..., D]``), all fp32. Each block's key scale is computed once, for all S queries.
+
+    Run eagerly on the CPU without a gradient, it is the C++ kernel ``attnres_cpu::phase1`` (per token,
+    each block row read once from memory, its S logits taken while it is in L1); under a graph capture,
+    per-query reductions Inductor fuses into one pass over each block; otherwise (autograd, other
+    devices) one matrix product of each block with the S stacked queries.
     """
+    queries = [folded_query(p, n) for p, n in zip(proj_weights, norm_weights)]
+    if _runs_kernel(blocks, proj_weights, norm_weights):
+        acc, top, total = torch.ops.attnres_cpu.phase1(list(blocks), torch.stack(queries), eps)
+        return tuple((top[s], total[s], acc[s]) for s in range(len(queries)))
     values = [block.float() for block in blocks]
-    # Each block's key scale is computed once here and shared by all S queries.
     scales = [key_scale(value, eps) for value in values]
-    states = []
-    for proj_weight, norm_weight in zip(proj_weights, norm_weights):
-        query = folded_query(proj_weight, norm_weight)
+    if captured(blocks[0]):
         # One matrix-vector product per query and block: Inductor turns each into a reduction and fuses
         # them all, with the key scales, into one pass over each block (a [D, S] matmul would stay an
         # external GEMM call that reads the block on its own).
-        logits = [torch.matmul(value, query).unsqueeze(-1) * scale for value, scale in zip(values, scales)]
-        top, exps, total = softmax_parts(logits)
+        logits = [[torch.matmul(value, query).unsqueeze(-1) * scale for value, scale in zip(values, scales)]
+                  for query in queries]
+    else:
+        stacked = torch.stack(queries, dim=-1)                                     # [D, S]
+        products = [torch.matmul(value, stacked) * scale for value, scale in zip(values, scales)]
+        logits = [[product[..., s:s + 1] for product in products] for s in range(len(queries))]
+    states = []
+    for query_logits in logits:
+        top, exps, total = softmax_parts(query_logits)
         states.append((top, total, weighted_sum(exps, blocks)))
     return tuple(states)
 
@@ -97,8 +112,15 @@ def phase1(proj_weights: tuple[torch.Tensor, ...], norm_weights: tuple[torch.Ten
 def phase2(state: tuple[torch.Tensor, torch.Tensor, torch.Tensor], proj_weight: torch.Tensor,
            norm_weight: torch.Tensor, partial: torch.Tensor, first: torch.Tensor, *, eps: float,
            scale: float) -> torch.Tensor:
-    """Merge the partial sum into one query's phase-1 state; the result has ``first``'s dtype."""
+    """Merge the partial sum into one query's phase-1 state; the result has ``first``'s dtype.
+
+    Eagerly on the CPU without a gradient, the C++ kernel ``attnres_cpu::phase2`` (one look at the
+    partial and the state per token); otherwise PyTorch ops (fused by Inductor under a capture)."""
     running_max, sum_exp, acc = state
+    if (partial.dtype == first.dtype and acc.shape == partial.shape
+            and _runs_kernel((partial,), (proj_weight,), (norm_weight,), state)):
+        return torch.ops.attnres_cpu.phase2(acc, running_max, sum_exp, partial, proj_weight, norm_weight, eps,
+                                            scale, first.dtype)
     value = partial.float()
     logit = depth_logit(value, folded_query(proj_weight, norm_weight), eps)
     top = torch.maximum(running_max, logit)
@@ -111,6 +133,13 @@ def phase2(state: tuple[torch.Tensor, torch.Tensor, torch.Tensor], proj_weight: 
 def phase2_alone(partial: torch.Tensor, *, scale: float) -> torch.Tensor:
     """A site whose only source is the partial: the softmax over one source is 1."""
     return (partial.float() * scale).to(partial.dtype)
+
+
+def _runs_kernel(sources, proj_weights, norm_weights, state=()) -> bool:
+    """Whether the C++ phase kernels take this call: eager, CPU, no gradient wanted, uniform sources."""
+    tensors = (*sources, *proj_weights, *norm_weights, *state)
+    return (sources[0].device.type == "cpu" and not captured(sources[0]) and ops.uniform(list(sources))
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) and cpu.available())
 
 
 @dataclass

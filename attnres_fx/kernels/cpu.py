@@ -69,7 +69,8 @@ def cache_dir() -> Path:
 
 
 def _flags() -> list[str]:
-    return ["-O3", *_ISA_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])]
+    # OpenMP: at::parallel_for is inline, and without -fopenmp its pragma compiles to a serial loop.
+    return ["-O3", "-fopenmp", *_ISA_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])]
 
 
 def library_name() -> str:
@@ -95,7 +96,7 @@ def _load() -> None:
     print(f"attnres_fx: building the C++ CPU kernel for this machine, once (about a minute), in {directory}",
           file=sys.stderr, flush=True)
     try:
-        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=_flags(), build_directory=str(directory),
+        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=_flags(), extra_ldflags=["-fopenmp"], build_directory=str(directory),
                            is_python_module=False, verbose=False)
     except (RuntimeError, OSError, subprocess.CalledProcessError) as err:
         lines = str(err).splitlines()
