@@ -30,6 +30,8 @@ def aggregate(proj_weight: torch.Tensor, norm_weight: torch.Tensor, sources, *, 
     """
     if not sources:
         raise ValueError("BlockAttnRes needs at least one source")
+    if torch.compiler.is_exporting():
+        return aggregation.batched(proj_weight, norm_weight, sources, eps=eps, preserve_scale=preserve_scale)
     if captured(sources[0]):
         return aggregation.fusable(proj_weight, norm_weight, sources, eps=eps, preserve_scale=preserve_scale)
     return ops.eager(proj_weight, norm_weight, sources, eps=eps, preserve_scale=preserve_scale)

@@ -196,3 +196,12 @@ def eager(proj_weight: torch.Tensor, norm_weight: torch.Tensor, sources, *, eps:
         elif not needs_grad:
             return aggregation.fusable(proj_weight, norm_weight, sources, eps=eps, preserve_scale=preserve_scale)
     return torch.ops.attnres.aggregate(sources, proj_weight, norm_weight, eps, preserve_scale)
+
+
+def _aggregate_for_export(sources, proj_weight, norm_weight, eps, preserve_scale):
+    return aggregation.batched(proj_weight, norm_weight, list(sources), eps=eps, preserve_scale=preserve_scale)
+
+
+# What exporters turn the operator into: the plain-op form onnxruntime runs fastest
+# (:func:`attnres_fx.aggregation.batched`); ``ExportedProgram.run_decompositions(EXPORT_DECOMPOSITIONS)``.
+EXPORT_DECOMPOSITIONS = {torch.ops.attnres.aggregate.default: _aggregate_for_export}

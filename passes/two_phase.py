@@ -90,6 +90,8 @@ def phase1(proj_weights: tuple[torch.Tensor, ...], norm_weights: tuple[torch.Ten
     if _runs_kernel(blocks, proj_weights, norm_weights):
         acc, top, total = torch.ops.attnres_cpu.phase1(list(blocks), torch.stack(queries), eps)
         return tuple((top[s], total[s], acc[s]) for s in range(len(queries)))
+    if torch.compiler.is_exporting():
+        return _phase1_batched(queries, blocks, eps)
     values = [block.float() for block in blocks]
     scales = [key_scale(value, eps) for value in values]
     if captured(blocks[0]):
@@ -107,6 +109,20 @@ def phase1(proj_weights: tuple[torch.Tensor, ...], norm_weights: tuple[torch.Ten
         top, exps, total = softmax_parts(query_logits)
         states.append((top, total, weighted_sum(exps, blocks)))
     return tuple(states)
+
+
+def _phase1_batched(queries: list[torch.Tensor], blocks, eps: float):
+    """Phase 1 as two batched matrix products over the blocks stacked along ``-2`` (``[..., N, D]``):
+    logits ``B Q`` (``[..., N, S]``), then ``exp(...)^T B`` (``[..., S, D]``). The export form: ONNX
+    runtimes run a MatMul as one kernel and each elementwise op as a pass over memory of its own."""
+    values = torch.stack(blocks, dim=-2).float()
+    scales = key_scale(values, eps)                                                   # [..., N, 1]
+    logits = torch.matmul(values, torch.stack(queries, dim=-1)) * scales             # [..., N, S]
+    top = logits.amax(dim=-2, keepdim=True)
+    exps = torch.exp(logits - top)
+    total = exps.sum(dim=-2, keepdim=True)
+    acc = torch.matmul(exps.transpose(-1, -2), values)                               # [..., S, D]
+    return tuple((top[..., 0, s:s + 1], total[..., 0, s:s + 1], acc[..., s, :]) for s in range(len(queries)))
 
 
 def phase2(state: tuple[torch.Tensor, torch.Tensor, torch.Tensor], proj_weight: torch.Tensor,
@@ -127,7 +143,9 @@ def phase2(state: tuple[torch.Tensor, torch.Tensor, torch.Tensor], proj_weight: 
     old = torch.exp(running_max - top)
     new = torch.exp(logit - top)
     inverse = scale / (old * sum_exp + new)
-    return torch.addcmul((old * inverse) * acc, new * inverse, partial).to(first.dtype)
+    # Normalised last: onnxruntime fuses an Add followed by a LayerNormalization into its
+    # SkipLayerNormalization, which ran some 15x slower than the two apart (3.3 ms vs 0.2 ms per site).
+    return (torch.addcmul(old * acc, new, partial) * inverse).to(first.dtype)
 
 
 def phase2_alone(partial: torch.Tensor, *, scale: float) -> torch.Tensor:
