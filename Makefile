@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast fuzz bench bench-quick compare compare-quick clean
+.PHONY: venv demo test test-fast fuzz bench bench-quick gpu-check compare compare-quick clean
 
 venv: $(STAMP)
 
@@ -38,6 +38,10 @@ bench: venv
 
 bench-quick: venv
 	$(PY) benchmarks/bench.py --quick
+
+# On a CUDA machine (torch with CUDA installed in .venv): the Triton kernels' tests and the op benchmark there.
+gpu-check: venv
+	PYTHON=$(PY) bash benchmarks/gpu_check.sh
 
 # Training comparison (benchmarks/compare.py): about an hour on 2 CPU cores; results in benchmarks/results/compare.
 compare: venv

@@ -27,13 +27,14 @@ def test_the_kernels_in_the_interpreter():
                           capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=300,
                           cwd=os.path.dirname(__file__))
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
-    # Every kernel test ran there: the reference cases and the width check (this test skips itself).
-    assert f"{len(CASES) + 1} passed, 1 skipped" in done.stdout, done.stdout[-2000:]
+    # Every kernel test ran there: the reference cases and the width check (this test skips itself, and
+    # the operator's CUDA dispatch needs a GPU).
+    assert f"{len(CASES) + 1} passed, 3 skipped" in done.stdout, done.stdout[-2000:]
 
 
 def _on_device(implementation):
     def run(sources, proj, norm, preserve_scale, grad):
-        moved = [s.detach().to(DEVICE) for s in sources]
+        moved = [s.detach().to(DEVICE).requires_grad_() for s in sources]
         out, grads = implementation(moved, proj.to(DEVICE), norm.to(DEVICE), preserve_scale, grad.to(DEVICE))
         return out.cpu(), [g.cpu() for g in grads]
     return run
@@ -52,3 +53,15 @@ def test_rows_wider_than_a_program_are_left_to_pytorch():
     from attnres_fx.kernels import gpu
 
     assert gpu.supports([torch.empty(1, gpu.MAX_DIM)]) and not gpu.supports([torch.empty(1, gpu.MAX_DIM + 1)])
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the operator's CUDA dispatch needs a GPU")
+@pytest.mark.parametrize("k, shape", [(3, (8, 1, 1000)), (9, (2, 64, 128))])
+def test_the_operator_runs_the_triton_kernel_on_cuda(k, shape):
+    from test_ops import IMPLEMENTATIONS
+
+    _check(_on_device(IMPLEMENTATIONS["operator"]), k, shape, preserve_scale=True)
+    sources = [torch.randn(shape, device=DEVICE, requires_grad=True) for _ in range(k)]
+    proj = torch.randn(1, shape[-1], device=DEVICE, requires_grad=True)
+    norm = torch.rand(shape[-1], device=DEVICE, requires_grad=True)
+    torch.library.opcheck(torch.ops.attnres.aggregate.default, (sources, proj, norm, 1e-6, False))
