@@ -86,10 +86,9 @@ def phase1(proj_weights: tuple[torch.Tensor, ...], norm_weights: tuple[torch.Ten
     per-query reductions Inductor fuses into one pass over each block; otherwise (autograd, other
     devices) one matrix product of each block with the S stacked queries.
     """
-    queries = [folded_query(p, n) for p, n in zip(proj_weights, norm_weights)]
     if _runs_kernel(blocks, proj_weights, norm_weights):
-        acc, top, total = torch.ops.attnres_cpu.phase1(list(blocks), torch.stack(queries), eps)
-        return tuple((top[s], total[s], acc[s]) for s in range(len(queries)))
+        return tuple(zip(*torch.ops.attnres_cpu.phase1(list(blocks), list(proj_weights), list(norm_weights), eps)))
+    queries = [folded_query(p, n) for p, n in zip(proj_weights, norm_weights)]
     if torch.compiler.is_exporting():
         return _phase1_batched(queries, blocks, eps)
     values = [block.float() for block in blocks]
@@ -155,9 +154,10 @@ def phase2_alone(partial: torch.Tensor, *, scale: float) -> torch.Tensor:
 
 def _runs_kernel(sources, proj_weights, norm_weights, state=()) -> bool:
     """Whether the C++ phase kernels take this call: eager, CPU, no gradient wanted, uniform sources."""
-    tensors = (*sources, *proj_weights, *norm_weights, *state)
-    return (sources[0].device.type == "cpu" and not captured(sources[0]) and ops.uniform(list(sources))
-            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) and cpu.available())
+    if sources[0].device.type != "cpu" or (torch.is_grad_enabled() and any(
+            t.requires_grad for t in (*sources, *proj_weights, *norm_weights, *state))):
+        return False
+    return ops.uniform(sources) and not captured(sources[0]) and cpu.available()
 
 
 @dataclass

@@ -322,11 +322,27 @@ Rows check_sources(const at::TensorList sources, const char* what) {
   return {first.numel() / D, D};
 }
 
-// The pseudo-query with the key norm's weight folded in, fp32 [D] (attnres_fx/aggregation.py).
-at::Tensor folded_query(const at::Tensor& proj_weight, const at::Tensor& norm_weight, int64_t D, const char* what) {
+// The pseudo-query with the key norm's weight folded in, fp32 [D] (attnres_fx/aggregation.py), written to
+// `out` with a loop of its own: the few ATen ops it would otherwise take cost microseconds, a decoding
+// step's whole budget.
+void fold_query(const at::Tensor& proj_weight, const at::Tensor& norm_weight, int64_t D, const char* what,
+                float* out) {
   TORCH_CHECK(proj_weight.numel() == D && norm_weight.numel() == D, what, ": proj_weight [1, D] and norm_weight [D] "
               "must have D = ", D, " elements, got ", proj_weight.sizes(), " and ", norm_weight.sizes());
-  return (proj_weight.reshape({D}).to(at::kFloat) * norm_weight.to(at::kFloat)).contiguous();
+  const at::Tensor proj = proj_weight.contiguous(), norm = norm_weight.contiguous();
+  TORCH_CHECK(proj.scalar_type() == norm.scalar_type(), what, ": proj_weight and norm_weight must have one dtype, got ",
+              proj.scalar_type(), " and ", norm.scalar_type());
+  ATTNRES_DISPATCH(proj.scalar_type(), "attnres_fold_query", [&] {
+    const scalar_t* p = proj.const_data_ptr<scalar_t>();
+    const scalar_t* g = norm.const_data_ptr<scalar_t>();
+    for (int64_t d = 0; d < D; ++d) out[d] = static_cast<float>(p[d]) * static_cast<float>(g[d]);
+  });
+}
+
+at::Tensor folded_query(const at::Tensor& proj_weight, const at::Tensor& norm_weight, int64_t D, const char* what) {
+  at::Tensor query = at::empty({D}, proj_weight.options().dtype(at::kFloat));
+  fold_query(proj_weight, norm_weight, D, what, query.mutable_data_ptr<float>());
+  return query;
 }
 
 int64_t grain(int64_t elements_per_row) {
@@ -405,15 +421,20 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> aggregate_backward(const at::Ten
   return {grads, partial_dq.sum(0)};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> phase1(at::TensorList blocks_in, const at::Tensor& queries_in,
-                                                      double eps) {
+std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>> phase1(
+    at::TensorList blocks_in, at::TensorList proj_weights,
+                                                      at::TensorList norm_weights, double eps) {
   const Rows rows = check_sources(blocks_in, "attnres::phase1");
   const auto blocks = contiguous(blocks_in);
   const int64_t K = static_cast<int64_t>(blocks.size()), D = rows.dim, T = rows.count;
-  TORCH_CHECK(queries_in.dim() == 2 && queries_in.size(1) == D, "attnres::phase1: queries must be [S, D] with D = ", D,
-              ", got ", queries_in.sizes());
-  const at::Tensor queries = queries_in.to(at::kFloat).contiguous();
-  const int64_t S = queries.size(0);
+  TORCH_CHECK(!proj_weights.empty() && proj_weights.size() == norm_weights.size(),
+              "attnres::phase1: one proj_weight and one norm_weight per query, got ", proj_weights.size(), " and ",
+              norm_weights.size());
+  const int64_t S = static_cast<int64_t>(proj_weights.size());
+  at::Tensor queries = at::empty({S, D}, blocks[0].options().dtype(at::kFloat));
+  for (int64_t s = 0; s < S; ++s) {
+    fold_query(proj_weights[s], norm_weights[s], D, "attnres::phase1", queries.mutable_data_ptr<float>() + s * D);
+  }
   auto leading = blocks[0].sizes().vec();
   std::vector<int64_t> acc_shape{S}, stat_shape{S};
   acc_shape.insert(acc_shape.end(), leading.begin(), leading.end());
@@ -436,7 +457,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> phase1(at::TensorList blocks_in, 
                   end);
     });
   });
-  return {acc, top, sum};
+  return {top.unbind(0), sum.unbind(0), acc.unbind(0)};
 }
 
 at::Tensor phase2(const at::Tensor& acc_in, const at::Tensor& top_in, const at::Tensor& sum_in,
@@ -475,7 +496,8 @@ TORCH_LIBRARY(attnres_cpu, m) {
   m.def("aggregate(Tensor[] sources, Tensor proj_weight, Tensor norm_weight, float eps, bool preserve_scale) -> Tensor");
   m.def("aggregate_backward(Tensor grad, Tensor[] sources, Tensor proj_weight, Tensor norm_weight, float eps, "
         "bool preserve_scale) -> (Tensor[], Tensor)");
-  m.def("phase1(Tensor[] blocks, Tensor queries, float eps) -> (Tensor, Tensor, Tensor)");
+  m.def("phase1(Tensor[] blocks, Tensor[] proj_weights, Tensor[] norm_weights, float eps) -> (Tensor[], Tensor[], "
+        "Tensor[])");
   m.def("phase2(Tensor acc, Tensor max, Tensor sum, Tensor partial, Tensor proj_weight, Tensor norm_weight, "
         "float eps, float scale, ScalarType dtype) -> Tensor");
 }
