@@ -9,8 +9,9 @@ result in the sources' dtype.
 
 Implementations, by the device of the sources:
 
-- CPU: the C++ kernel (:mod:`attnres_fx.kernels.cpu`), one look at each source row per token with an
-  online softmax; where it cannot be built, the PyTorch formulation below (one warning says why);
+- CPU: the C++ kernel (:mod:`attnres_fx.kernels.cpu`): per token, the logits from one read of the
+  sources' rows, then the weighted sum from cache; where it cannot be built, the PyTorch formulation
+  (one warning says why);
 - CUDA: the Triton kernel (:mod:`attnres_fx.kernels.gpu`) where Triton is installed;
 - anything else, and CUDA without Triton: the PyTorch formulation.
 
@@ -19,9 +20,11 @@ of all sources and of the folded query (Note [backward] in :mod:`attnres_fx.aggr
 forward saves only its inputs, through ``ctx.save_for_backward`` (so ``saved_tensors_hooks``,
 activation offloading and checkpointing manage them), and the backward recomputes the per-token
 logits in the same look at each source that gives ``g . v``. Fake (meta) implementations let
-torch.export and AOTAutograd trace the operator; graph captures nevertheless see
-:func:`attnres_fx.aggregation.fusable`, plain ops Inductor fuses with their neighbours and exporters
-translate (see :func:`attnres_fx.block_attnres.aggregate`).
+torch.export and AOTAutograd trace the operator. Graph captures of :class:`attnres_fx.BlockAttnRes`
+nevertheless see plain ops (:func:`attnres_fx.block_attnres.aggregate`): Inductor treats a custom
+operator as an opaque call and fuses plain ops with their neighbours; exporters get the form
+onnxruntime runs fastest, into which :data:`EXPORT_DECOMPOSITIONS` also turns the operator where a
+model calls it itself.
 """
 
 from __future__ import annotations

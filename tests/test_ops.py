@@ -156,6 +156,16 @@ def test_non_contiguous_sources():
                                                         preserve_scale=False), rtol=1e-5, atol=1e-6)
 
 
+@needs_cpu_kernel
+def test_weights_of_another_dtype_than_the_sources_and_of_each_other():
+    proj, norm = _weights(24)
+    sources = [s.detach() for s in _sources((3, 4, 24), 4, torch.bfloat16)]
+    norm_bf16 = norm.weight.detach().to(torch.bfloat16)
+    got = torch.ops.attnres_cpu.aggregate(sources, proj.weight, norm_bf16, EPS, False)
+    want = aggregation.fusable(proj.weight, norm_bf16, sources, eps=EPS, preserve_scale=False)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=2 ** -7 * want.float().abs().max().item())
+
+
 @pytest.mark.parametrize("sources, message", [
     ([], "at least one source"),
     ([torch.randn(2, 8), torch.randn(3, 8)], "shape, dtype and device"),

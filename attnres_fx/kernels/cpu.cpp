@@ -329,9 +329,10 @@ void fold_query(const at::Tensor& proj_weight, const at::Tensor& norm_weight, in
                 float* out) {
   TORCH_CHECK(proj_weight.numel() == D && norm_weight.numel() == D, what, ": proj_weight [1, D] and norm_weight [D] "
               "must have D = ", D, " elements, got ", proj_weight.sizes(), " and ", norm_weight.sizes());
-  const at::Tensor proj = proj_weight.contiguous(), norm = norm_weight.contiguous();
-  TORCH_CHECK(proj.scalar_type() == norm.scalar_type(), what, ": proj_weight and norm_weight must have one dtype, got ",
-              proj.scalar_type(), " and ", norm.scalar_type());
+  // Weights of two dtypes (rare: both are one module's parameters) are read as fp32.
+  const bool same = proj_weight.scalar_type() == norm_weight.scalar_type();
+  const at::Tensor proj = (same ? proj_weight : proj_weight.to(at::kFloat)).contiguous();
+  const at::Tensor norm = (same ? norm_weight : norm_weight.to(at::kFloat)).contiguous();
   ATTNRES_DISPATCH(proj.scalar_type(), "attnres_fold_query", [&] {
     const scalar_t* p = proj.const_data_ptr<scalar_t>();
     const scalar_t* g = norm.const_data_ptr<scalar_t>();
