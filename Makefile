@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast fuzz bench bench-quick compare compare-quick clean
+.PHONY: venv demo test test-fast fuzz bench bench-quick gpu-check compare compare-quick clean
 
 venv: $(STAMP)
 
@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet torch==2.13.0
-	$(PIP) install --quiet -e '.[hf,onnx,test,viz,bench]'
+	$(PIP) install --quiet -e '.[hf,onnx,test,viz,bench,kernels,triton]'
 	touch $(STAMP)
 
 demo: venv
@@ -38,6 +38,10 @@ bench: venv
 
 bench-quick: venv
 	$(PY) benchmarks/bench.py --quick
+
+# On a CUDA machine (torch with CUDA installed in .venv): the Triton kernels' tests and the op benchmark there.
+gpu-check: venv
+	PYTHON=$(PY) bash benchmarks/gpu_check.sh
 
 # Training comparison (benchmarks/compare.py): about an hour on 2 CPU cores; results in benchmarks/results/compare.
 compare: venv

@@ -10,10 +10,12 @@ and accumulation run in fp32; the result takes the first source's dtype.
   every graph capture sees (Inductor, torch.export, ONNX).
 - :func:`stacked`: the sources in one tensor, a handful of ops whatever their number. For small
   sources (decoding one token at a time) the fixed cost of each op dominates, and fewer ops win.
-- :class:`PerSource`: :func:`fusable`'s forward with a hand-written backward (see Note [backward]), for
-  eager training: a few passes over each source instead of autograd's dozen small nodes.
+- :func:`reference_backward`: the gradients in a few passes over each source (Note [backward]) instead
+  of autograd's dozen small nodes through :func:`fusable`.
 
-:func:`eager` picks among them by size and by whether a gradient is needed.
+Eager calls run the operator of :mod:`attnres_fx.ops` (a C++ or Triton kernel); these formulations are
+what graph captures see and what the operator falls back to where no kernel is available
+(:func:`attnres_fx.ops.eager` picks).
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# Sources up to this many elements go through ``stacked`` (measured on CPU: below it the op count
-# dominates, e.g. 80 us stacked vs 140-450 us per source for 2-9 sources of [1, 1, 128]; above some
-# 16k elements the stacked copy costs more than it saves).
+# Without a kernel, sources up to this many elements go through ``stacked`` (measured on CPU: below it
+# the op count dominates, e.g. 80 us stacked vs 140-450 us per source for 2-9 sources of [1, 1, 128];
+# above some 16k elements the stacked copy costs more than it saves).
 STACKED_MAX_ELEMENTS = 16_384
 
 
@@ -99,6 +101,19 @@ def stacked(proj_weight, norm_weight, sources, *, eps: float, preserve_scale: bo
     return (weights * values).sum(0).to(sources[0].dtype)
 
 
+def batched(proj_weight, norm_weight, sources, *, eps: float, preserve_scale: bool) -> torch.Tensor:
+    """The aggregation as two batched matrix products over the sources stacked along ``-2``
+    (``[..., K, D]``): logits ``V q``, then ``softmax(...)^T V``. What ONNX graphs hold (measured
+    fastest in onnxruntime, which runs MatMul as one kernel and each elementwise op as a pass of its own:
+    ``benchmarks/bench.py``'s ``onnx_forms``)."""
+    values = torch.stack(sources, dim=-2).float()
+    scales = key_scale(values, eps).squeeze(-1)
+    weights = torch.softmax(torch.matmul(values, folded_query(proj_weight, norm_weight)) * scales, dim=-1)
+    if preserve_scale:
+        weights = weights * len(sources)
+    return torch.matmul(weights.unsqueeze(-2), values).squeeze(-2).to(sources[0].dtype)
+
+
 # Note [backward]
 # ~~~~~~~~~~~~~~~
 # With p_i the softmax weights, s the scale, l_i = d_i r_i (d_i = q . v_i, r_i the key scale) and
@@ -109,52 +124,32 @@ def stacked(proj_weight, norm_weight, sources, *, eps: float, preserve_scale: bo
 #   dL/dq   = sum_i sum_tokens dL/dd_i v_i;   dL/dproj = dL/dq * norm.weight;   dL/dnorm = dL/dq * proj
 # Per source that is one dot product with g, one full-size write and one reduction for dL/dq: a few
 # passes, where autograd through `fusable` runs a dozen nodes and accumulates the gradient of each
-# source from three of them.
-
-class PerSource(torch.autograd.Function):
-    """:func:`fusable` with the backward of Note [backward]."""
-
-    @staticmethod
-    def forward(ctx, proj_weight, norm_weight, eps, preserve_scale, *sources):
-        query = folded_query(proj_weight, norm_weight)
-        values, scales, dots, weights = _probabilities(query, sources, eps, preserve_scale)
-        ctx.save_for_backward(proj_weight, norm_weight, query, *sources)
-        ctx.small = (scales, dots, weights)
-        return weighted_sum(weights, sources).to(sources[0].dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        proj_weight, norm_weight, query, *sources = ctx.saved_tensors
-        scales, dots, weights = ctx.small
-        grad = grad.float()
-        dim = grad.shape[-1]
-        values = [value.float() for value in sources]
-        along = [torch.linalg.vecdot(grad, value).unsqueeze(-1) for value in values]
-        # weights already hold s * p_i: dL/dl_i = w_i (g . v_i - sum_j w_j / s g . v_j), and sum_j w_j = s.
-        mean_along = sum(w * a for w, a in zip(weights, along)) / sum(weights)
-        grad_query = torch.zeros_like(query)
-        grads = []
-        for needed, value, scale, dot, weight, a in zip(ctx.needs_input_grad[4:], values, scales, dots, weights, along):
-            grad_logit = weight * (a - mean_along)
-            grad_dot = grad_logit * scale
-            grad_query = grad_query + torch.matmul(grad_dot.reshape(1, -1), value.reshape(-1, dim)).reshape(dim)
-            if not needed:
-                grads.append(None)
-                continue
-            coefficient = -(grad_logit * dot) * scale.pow(3) / dim
-            grads.append(torch.addcmul(torch.addcmul(grad_dot * query, weight, grad), coefficient, value))
-        grad_proj = (grad_query * norm_weight.float()).unsqueeze(0).to(proj_weight.dtype)
-        grad_norm = (grad_query * proj_weight[0].float()).to(norm_weight.dtype)
-        return (grad_proj, grad_norm, None, None,
-                *(None if g is None else g.to(s.dtype) for g, s in zip(grads, sources)))
+# source from three of them. The kernels do it in two looks at each source row per token: the logit
+# (recomputed: nothing but the inputs is saved) with g . v_i, then dL/dv_i and the dL/dq sum.
 
 
-def eager(proj_weight, norm_weight, sources, *, eps: float, preserve_scale: bool) -> torch.Tensor:
-    """The aggregation as eager PyTorch runs it fastest: :func:`stacked` for small sources,
-    :class:`PerSource` when a gradient is needed, else :func:`fusable`'s plain per-source ops."""
-    if len(sources) > 1 and sources[0].numel() <= STACKED_MAX_ELEMENTS:
-        return stacked(proj_weight, norm_weight, sources, eps=eps, preserve_scale=preserve_scale)
-    if torch.is_grad_enabled() and (proj_weight.requires_grad or norm_weight.requires_grad
-                                    or any(s.requires_grad for s in sources)):
-        return PerSource.apply(proj_weight, norm_weight, eps, preserve_scale, *sources)
-    return fusable(proj_weight, norm_weight, sources, eps=eps, preserve_scale=preserve_scale)
+def reference_backward(grad, sources, proj_weight, norm_weight, eps: float, preserve_scale: bool):
+    """Note [backward] in PyTorch ops: the gradients of every source (in its dtype) and of the folded
+    query (fp32 ``[D]``). What ``attnres::aggregate_backward`` computes where no kernel does
+    (:mod:`attnres_fx.ops`); the per-token logits are recomputed here, not saved by the forward."""
+    query = folded_query(proj_weight, norm_weight)
+    values = [source.float() for source in sources]
+    grad = grad.float()
+    dim = grad.shape[-1]
+    scales = [key_scale(value, eps) for value in values]
+    dots = [torch.matmul(value, query).unsqueeze(-1) for value in values]
+    _, exps, total = softmax_parts([dot * scale for dot, scale in zip(dots, scales)])
+    scale_factor = len(sources) if preserve_scale else 1.0
+    weights = [e * (scale_factor / total) for e in exps]                          # s * p_i
+    along = [torch.linalg.vecdot(grad, value).unsqueeze(-1) for value in values]
+    # dL/dl_i = w_i (g . v_i - sum_j p_j g . v_j), with sum_j w_j = s.
+    mean_along = sum(w * a for w, a in zip(weights, along)) / scale_factor
+    grad_query = torch.zeros_like(query)
+    grads = []
+    for value, scale, dot, weight, a in zip(values, scales, dots, weights, along):
+        grad_logit = weight * (a - mean_along)
+        grad_dot = grad_logit * scale
+        grad_query = grad_query + torch.matmul(grad_dot.reshape(1, -1), value.reshape(-1, dim)).reshape(dim)
+        coefficient = -(grad_logit * dot) * scale.pow(3) / dim
+        grads.append(torch.addcmul(torch.addcmul(grad_dot * query, weight, grad), coefficient, value))
+    return [g.to(s.dtype) for g, s in zip(grads, sources)], grad_query

@@ -9,7 +9,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 
-from . import aggregation
+from . import aggregation, ops
 
 if TYPE_CHECKING:
     from attnres_fx.passes.plan import Site
@@ -24,17 +24,20 @@ def aggregate(proj_weight: torch.Tensor, norm_weight: torch.Tensor, sources, *, 
     The functional form of :class:`BlockAttnRes` (``proj_weight`` ``[1, D]``, ``norm_weight`` ``[D]``).
     The result has the first source's dtype; with ``preserve_scale`` it is multiplied by the number of
     sources. Under a graph capture (Dynamo, torch.export, fx) it is :func:`aggregation.fusable`, plain
-    ops Inductor fuses and exporters translate; run eagerly, :func:`aggregation.eager` picks the fastest
-    of three exact formulations.
+    ops Inductor fuses with their neighbours and exporters translate; run eagerly, :func:`ops.eager`
+    picks the fastest implementation: the fused operator ``attnres::aggregate`` (a C++ or Triton kernel)
+    where there is one.
     """
     if not sources:
         raise ValueError("BlockAttnRes needs at least one source")
-    if _captured(sources[0]):
+    if torch.compiler.is_exporting():
+        return aggregation.batched(proj_weight, norm_weight, sources, eps=eps, preserve_scale=preserve_scale)
+    if captured(sources[0]):
         return aggregation.fusable(proj_weight, norm_weight, sources, eps=eps, preserve_scale=preserve_scale)
-    return aggregation.eager(proj_weight, norm_weight, sources, eps=eps, preserve_scale=preserve_scale)
+    return ops.eager(proj_weight, norm_weight, sources, eps=eps, preserve_scale=preserve_scale)
 
 
-def _captured(value: torch.Tensor) -> bool:
+def captured(value: torch.Tensor) -> bool:
     """Whether a graph capture is tracing this call (its tensors are then fake or symbolic)."""
     return (torch.compiler.is_compiling() or torch.compiler.is_exporting() or is_fx_symbolic_tracing()
             or isinstance(value, FakeTensor) or not isinstance(value.numel(), int))

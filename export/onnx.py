@@ -23,6 +23,7 @@ import onnx
 import torch
 from torch import nn
 
+from attnres_fx import ops
 from attnres_fx.api import explicit_graph, is_converted, rewrite
 from attnres_fx.block_attnres import BlockAttnRes
 from attnres_fx.errors import AttnResWarning, ExportError
@@ -88,6 +89,9 @@ def to_onnx(module: nn.Module, example_inputs: Any, path: str | Path, *, example
     path = Path(path)
     with reraise_as_export_error("torch.export"):
         program = torch.export.export(module, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+        if any(node.target in ops.EXPORT_DECOMPOSITIONS for node in program.graph.nodes):
+            # A model that calls torch.ops.attnres.aggregate itself: its plain-op form, which ONNX holds.
+            program = program.run_decompositions(ops.EXPORT_DECOMPOSITIONS)
     with reraise_as_export_error("ONNX conversion"):
         onnx_program = torch.onnx.export(program, dynamo=True, input_names=names_in,
                                          output_names=names_out, opset_version=opset, verbose=False)

@@ -1,17 +1,18 @@
-"""The three formulations of one aggregation: equal forward, equal gradients, and which one runs when."""
+"""The PyTorch formulations of one aggregation: equal forward, equal gradients, and which implementation
+eager calls run."""
 
 import pytest
 import torch
 from torch import nn
 
-from attnres_fx import BlockAttnRes, aggregation
+from attnres_fx import BlockAttnRes, aggregation, ops
+from attnres_fx.kernels import cpu
 from attnres_fx.testing.reference import block_attn_res
 
 SMALL = (2, 1, 32)             # decoding: one token per sequence
 LARGE = (2, 256, 64)           # prefill / training: past aggregation.STACKED_MAX_ELEMENTS
 WIDE = (2, 512, 32)            # the same size per source with the small width
-FORMULATIONS = {"fusable": aggregation.fusable, "stacked": aggregation.stacked,
-                "per_source": lambda p, n, s, **kw: aggregation.PerSource.apply(p, n, kw["eps"], kw["preserve_scale"], *s)}
+FORMULATIONS = {"fusable": aggregation.fusable, "stacked": aggregation.stacked}
 
 
 def _module(dim, seed=0):
@@ -44,34 +45,55 @@ def test_every_formulation_matches_the_reference(name, k, preserve_scale):
 @pytest.mark.parametrize("preserve_scale", [False, True])
 def test_the_hand_written_backward_equals_autograd(dtype, preserve_scale):
     module = _module(LARGE[-1])
-    grads = {}
-    for name in ("fusable", "per_source"):
-        module.zero_grad()
-        sources = _sources(LARGE, 4, dtype)
-        out = FORMULATIONS[name](module.proj.weight, module.norm.weight, sources, eps=module.eps,
-                                 preserve_scale=preserve_scale)
-        (out.float() * torch.linspace(-1, 1, LARGE[-1])).square().sum().backward()
-        grads[name] = [module.proj.weight.grad.clone(), module.norm.weight.grad.clone(),
-                       *(s.grad.float() for s in sources)]
+    sources = _sources(LARGE, 4, dtype)
+    out = aggregation.fusable(module.proj.weight, module.norm.weight, sources, eps=module.eps,
+                              preserve_scale=preserve_scale)
+    grad = torch.linspace(-1, 1, LARGE[-1]).expand(LARGE).to(dtype)
+    want = torch.autograd.grad(out, [module.proj.weight, module.norm.weight, *sources], grad)
+    source_grads, query_grad = aggregation.reference_backward(grad, [s.detach() for s in sources], module.proj.weight,
+                                                              module.norm.weight, module.eps, preserve_scale)
+    got = [(query_grad * module.norm.weight).unsqueeze(0), query_grad * module.proj.weight[0], *source_grads]
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2      # bf16: the gradients are rounded to bf16
-    for want, got in zip(grads["fusable"], grads["per_source"]):
-        torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance * want.abs().max().item())
+    for w, g in zip(want, got):
+        assert g.dtype == w.dtype
+        torch.testing.assert_close(g.float(), w.float(), rtol=tolerance, atol=tolerance * w.float().abs().max().item())
 
 
-def test_eager_picks_stacked_for_small_sources_and_the_custom_backward_for_training(monkeypatch):
-    module = _module(SMALL[-1])
+def _count_calls(monkeypatch):
     calls = []
     for name in ("stacked", "fusable"):
         original = getattr(aggregation, name)
         monkeypatch.setattr(aggregation, name, lambda *a, _o=original, _n=name, **kw: calls.append(_n) or _o(*a, **kw))
-    monkeypatch.setattr(aggregation.PerSource, "apply",
-                        classmethod(lambda cls, *a, _o=aggregation.PerSource.apply: calls.append("per_source") or _o(*a)))
+    for namespace, name in ((torch.ops.attnres, "aggregate"), (torch.ops.attnres_cpu, "aggregate")):
+        original = getattr(namespace, name)
+        monkeypatch.setattr(namespace, name, lambda *a, _o=original, _n=namespace.name: calls.append(_n) or _o(*a))
+    return calls
+
+
+@pytest.mark.skipif(not cpu.available(), reason=f"the C++ kernel: {cpu.unavailable_reason()}")
+def test_eager_runs_the_cpu_kernel_directly_without_a_gradient_and_the_operator_with_one(monkeypatch):
+    module = _module(SMALL[-1])
+    calls = _count_calls(monkeypatch)
+    module(*_sources(SMALL, 3))
+    with torch.no_grad():
+        module(*_sources(SMALL, 3))
+        module(*_sources(WIDE, 3))
+    module(*_sources(SMALL, 2)[:1], torch.randn(1, 1, SMALL[-1]))        # mixed shapes: broadcasting
+    # With a gradient the operator (which runs the C++ function too); without one the C++ function alone.
+    assert calls == ["attnres", "attnres_cpu", "attnres_cpu", "attnres_cpu", "fusable"]
+
+
+def test_without_the_kernel_eager_picks_stacked_for_small_sources_and_the_operator_for_training(monkeypatch):
+    monkeypatch.setattr(cpu, "available", lambda: False)
+    module = _module(SMALL[-1])
+    calls = _count_calls(monkeypatch)
     module(*_sources(SMALL, 3))
     module(*_sources(WIDE, 3))
     with torch.no_grad():
         module(*_sources(WIDE, 3))
     module(*_sources(SMALL, 1))                    # one source: no stacking to do
-    assert calls == ["stacked", "per_source", "fusable", "per_source"]
+    # The operator's CPU implementation is then the PyTorch formulation (fusable, reference_backward).
+    assert calls == ["stacked", "attnres", "fusable", "fusable", "attnres", "fusable"]
 
 
 def test_graph_captures_see_the_fusable_form():
@@ -84,4 +106,4 @@ def test_graph_captures_see_the_fusable_form():
             return self.res(a, b)
 
     code = torch.fx.symbolic_trace(Holder()).code
-    assert "stack" not in code and "PerSource" not in code and "vector_norm" in code
+    assert "stack" not in code and "attnres" not in code and "vector_norm" in code

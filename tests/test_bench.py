@@ -42,13 +42,22 @@ def test_quick_eager_sections(tmp_path):
 @pytest.mark.slow
 def test_quick_memory_and_compiled_op(tmp_path):
     """The compiled forward and training step run the eager sections' code with Inductor as the backend
-    (``make bench-quick`` runs them); the op section compiles the aggregation itself."""
-    results, report = _run(tmp_path, "--sections", "memory,op", "--backends", "compiled")
+    (``make bench-quick`` runs them); the op section runs the aggregation eagerly and compiled, the choices
+    section every candidate."""
+    results, report = _run(tmp_path, "--sections", "memory,op,choices", "--backends", "compiled")
     memory = results["memory"]
     assert memory["budget_mb"] > 0 and set(memory["train"]) == {"original", "converted"}
+    assert "extra_mb" in memory["inference"]["extra_vs_model"]
     op = results["op"]
-    assert set(op["block_op"]) == {"2", "3"} and {"per_site_ms", "two_phase_ms", "bound_ms"} <= set(op["block_group"])
-    for heading in ("## Peak memory", "## Compiled op"):
+    assert set(op["block_op"]) == {"2", "3"} and op["block_op"]["2"]["kernel_fraction"] > 0
+    assert {"eager_two_phase_ms", "compiled_per_site_ms", "bound_ms"} <= set(op["block_group"])
+    choices = results["choices"]
+    assert {"stacked", "fusable", "operator"} <= set(choices["eager"][0]) and choices["training"]
+    assert {"inference decomposition", "training operator"} <= set(choices["inductor"][0])
+    assert {"per-source", "stacked", "batched"} <= set(choices["onnx"][0])
+    assert {"op / streaming bound, C++ kernel (fewest of its source counts)",
+            "inference peak memory: extra over original / N + 1 block sums"} <= set(results["targets"])
+    for heading in ("## Peak memory", "## The op against the streaming bound", "## Implementation choices"):
         assert heading in report
 
 

@@ -135,3 +135,53 @@ def test_compiles_with_inductor_fullgraph():
     gm = apply_two_phase(gm)
     with torch.no_grad():
         torch.testing.assert_close(torch.compile(gm, fullgraph=True)(ids), gm(ids), rtol=1e-5, atol=1e-5)
+
+
+def _phase_inputs(num_blocks, sites, shape, dtype, seed=0):
+    torch.manual_seed(seed)
+    dim = shape[-1]
+    projs = [nn.Linear(dim, 1, bias=False) for _ in range(sites)]
+    norms = [nn.RMSNorm(dim, eps=1e-6) for _ in range(sites)]
+    for proj, norm in zip(projs, norms):
+        nn.init.normal_(proj.weight, std=2.0 / dim ** 0.5)
+        nn.init.uniform_(norm.weight, 0.5, 1.5)
+    blocks = tuple((torch.randn(shape) * (1 + i)).to(dtype) for i in range(num_blocks))
+    partials = [torch.randn(shape).to(dtype) for _ in range(sites)]
+    return projs, norms, blocks, partials
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpp", "pytorch"])
+@pytest.mark.parametrize("num_blocks, sites, shape", [(1, 1, (2, 1, 7)), (4, 3, (3, 1, 1000)), (8, 4, (2, 33, 64)),
+                                                      (2, 2, (1, 5, 1))])
+def test_phase_functions_match_the_reference(monkeypatch, kernel, num_blocks, sites, shape):
+    from attnres_fx.kernels import cpu
+    from attnres_fx.passes.two_phase import phase1, phase2
+    from attnres_fx.testing.reference import block_attn_res
+
+    if kernel and not cpu.available():
+        pytest.skip(f"the C++ kernel: {cpu.unavailable_reason()}")
+    if not kernel:
+        monkeypatch.setattr(cpu, "available", lambda: False)
+    projs, norms, blocks, partials = _phase_inputs(num_blocks, sites, shape, torch.float32)
+    with torch.no_grad():
+        states = phase1(tuple(p.weight for p in projs), tuple(n.weight for n in norms), blocks, eps=1e-6)
+        for proj, norm, partial, state in zip(projs, norms, partials, states):
+            got = phase2(state, proj.weight, norm.weight, partial, blocks[0], eps=1e-6, scale=num_blocks + 1.0)
+            want = block_attn_res(list(blocks), partial, proj, norm, preserve_scale=True)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_phase_kernels_bf16_keep_dtype_and_fp32_state():
+    from attnres_fx.kernels import cpu
+    from attnres_fx.passes.two_phase import phase1, phase2
+
+    if not cpu.available():
+        pytest.skip(f"the C++ kernel: {cpu.unavailable_reason()}")
+    projs, norms, blocks, partials = _phase_inputs(3, 2, (2, 8, 64), torch.bfloat16)
+    with torch.no_grad():
+        states = phase1(tuple(p.weight for p in projs), tuple(n.weight for n in norms), blocks, eps=1e-6)
+        got = phase2(states[1], projs[1].weight, norms[1].weight, partials[1], blocks[0], eps=1e-6, scale=1.0)
+    assert all(t.dtype == torch.float32 for t in states[1]) and got.dtype == torch.bfloat16
+    want = attnres_fx.aggregation.fusable(projs[1].weight, norms[1].weight, [*blocks, partials[1]], eps=1e-6,
+                                          preserve_scale=False)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=2 ** -7 * want.float().abs().max().item())

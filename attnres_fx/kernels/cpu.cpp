@@ -1,0 +1,511 @@
+// CPU kernels of the AttnRes aggregation (attnres_fx/ops.py defines the operators and their maths).
+//
+// Every kernel works on rows: a source [..., D] is T = numel / D contiguous rows of D elements, and
+// token t of every source is row t. One token at a time, its K rows are read from memory once, for the
+// logits; the softmax is then exact over K scalars, and the weighted sum a second look at the same rows,
+// now in cache (K * D elements: 147 KB for 9 fp32 sources of 4096), accumulated in registers and stored
+// once. (An online softmax folding each row into an fp32 accumulator as it is read was measured too: its
+// load-rescale-store of the accumulator per source made it 1.3-2x slower at prefill shapes, and no
+// faster for one token.)
+// Arithmetic is fp32 whatever the storage type (fp32, bf16, fp16), through at::vec::Vectorized<float>.
+//
+// The loops over rows live in functions of their own with __restrict pointers, called from the
+// at::parallel_for lambdas: written inside the lambdas, the same loops ran 3.8x slower (the captured
+// pointers may alias, so the compiler neither keeps them in registers nor vectorises freely).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace attnres_cpu {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kLanes = Vec::size();
+// Tokens per parallel chunk: at least this many elements of work, so that waking a thread pays off
+// (decoding shapes, a few tokens, run on the calling thread).
+constexpr int64_t kMinChunkElements = 1 << 16;
+
+// The storage types the kernels take; arithmetic is fp32 for all three.
+#define ATTNRES_DISPATCH(TYPE, NAME, ...)                    \
+  AT_DISPATCH_SWITCH(TYPE, NAME,                             \
+                     AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
+                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__) \
+                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
+
+// ------------------------------------------------------------------------------------- fp32 loads
+template <typename T>
+inline Vec load_fp32(const T* p) {
+  Vec out;
+  at::vec::load_to_float(p, out);  // kLanes elements, converted with vector instructions
+  return out;
+}
+template <>
+inline Vec load_fp32<float>(const float* p) {
+  return Vec::loadu(p);
+}
+template <typename T>
+inline void store_fp32(T* p, const Vec& v) {
+  at::vec::convert_from_float<T>(v, v).store(p, kLanes);
+}
+template <>
+inline void store_fp32<float>(float* p, const Vec& v) {
+  v.store(p);
+}
+
+inline float sum_lanes(const Vec& v) {
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
+}
+
+// ------------------------------------------------------------------------------------- row helpers
+// q . v and v . v over one row.
+template <typename T>
+inline void dot_and_square(const T* __restrict v, const float* __restrict q, int64_t D, float& dot, float& square) {
+  Vec dot0(0.f), dot1(0.f), sq0(0.f), sq1(0.f);
+  int64_t d = 0;
+  for (; d + 2 * kLanes <= D; d += 2 * kLanes) {
+    Vec x0 = load_fp32(v + d), x1 = load_fp32(v + d + kLanes);
+    dot0 = at::vec::fmadd(x0, Vec::loadu(q + d), dot0);
+    dot1 = at::vec::fmadd(x1, Vec::loadu(q + d + kLanes), dot1);
+    sq0 = at::vec::fmadd(x0, x0, sq0);
+    sq1 = at::vec::fmadd(x1, x1, sq1);
+  }
+  for (; d + kLanes <= D; d += kLanes) {
+    Vec x = load_fp32(v + d);
+    dot0 = at::vec::fmadd(x, Vec::loadu(q + d), dot0);
+    sq0 = at::vec::fmadd(x, x, sq0);
+  }
+  dot = sum_lanes(dot0 + dot1);
+  square = sum_lanes(sq0 + sq1);
+  for (; d < D; ++d) {
+    float x = static_cast<float>(v[d]);
+    dot += x * q[d];
+    square += x * x;
+  }
+}
+
+// q . v over one row.
+template <typename T>
+inline float dot(const T* __restrict v, const float* __restrict q, int64_t D) {
+  Vec dot0(0.f), dot1(0.f);
+  int64_t d = 0;
+  for (; d + 2 * kLanes <= D; d += 2 * kLanes) {
+    dot0 = at::vec::fmadd(load_fp32(v + d), Vec::loadu(q + d), dot0);
+    dot1 = at::vec::fmadd(load_fp32(v + d + kLanes), Vec::loadu(q + d + kLanes), dot1);
+  }
+  for (; d + kLanes <= D; d += kLanes) dot0 = at::vec::fmadd(load_fp32(v + d), Vec::loadu(q + d), dot0);
+  float result = sum_lanes(dot0 + dot1);
+  for (; d < D; ++d) result += static_cast<float>(v[d]) * q[d];
+  return result;
+}
+
+// q . v, v . v and g . v over one row (the backward's first look at a source).
+template <typename T>
+inline void three_dots(const T* __restrict v, const float* __restrict q, const float* __restrict g, int64_t D,
+                       float& dot, float& square, float& along) {
+  Vec dot0(0.f), sq0(0.f), gv0(0.f);
+  int64_t d = 0;
+  for (; d + kLanes <= D; d += kLanes) {
+    Vec x = load_fp32(v + d);
+    dot0 = at::vec::fmadd(x, Vec::loadu(q + d), dot0);
+    sq0 = at::vec::fmadd(x, x, sq0);
+    gv0 = at::vec::fmadd(x, Vec::loadu(g + d), gv0);
+  }
+  dot = sum_lanes(dot0);
+  square = sum_lanes(sq0);
+  along = sum_lanes(gv0);
+  for (; d < D; ++d) {
+    float x = static_cast<float>(v[d]);
+    dot += x * q[d];
+    square += x * x;
+    along += x * g[d];
+  }
+}
+
+// out = sum_k w[k] * rows[k] (cast to T), accumulated in registers: K loads per store.
+template <typename T, typename Out>
+inline void weighted_rows(const T* const* __restrict rows, const float* __restrict w, int64_t K, int64_t D,
+                          Out* __restrict out) {
+  int64_t d = 0;
+  for (; d + 2 * kLanes <= D; d += 2 * kLanes) {
+    Vec w0(w[0]);
+    Vec acc0 = load_fp32(rows[0] + d) * w0, acc1 = load_fp32(rows[0] + d + kLanes) * w0;
+    for (int64_t k = 1; k < K; ++k) {
+      Vec wk(w[k]);
+      acc0 = at::vec::fmadd(load_fp32(rows[k] + d), wk, acc0);
+      acc1 = at::vec::fmadd(load_fp32(rows[k] + d + kLanes), wk, acc1);
+    }
+    store_fp32(out + d, acc0);
+    store_fp32(out + d + kLanes, acc1);
+  }
+  for (; d + kLanes <= D; d += kLanes) {
+    Vec acc = load_fp32(rows[0] + d) * Vec(w[0]);
+    for (int64_t k = 1; k < K; ++k) acc = at::vec::fmadd(load_fp32(rows[k] + d), Vec(w[k]), acc);
+    store_fp32(out + d, acc);
+  }
+  for (; d < D; ++d) {
+    float acc = 0.f;
+    for (int64_t k = 0; k < K; ++k) acc += w[k] * static_cast<float>(rows[k][d]);
+    out[d] = static_cast<Out>(acc);
+  }
+}
+
+inline float key_scale(float square, int64_t D, float eps) {
+  return 1.f / std::sqrt(square / static_cast<float>(D) + eps);
+}
+
+// ------------------------------------------------------------------------------------- row loops
+// Per token: the first look at the K rows (from memory) gives the logits and the softmax; the second
+// (from cache: K rows of D elements) the weighted sum, accumulated in registers and stored once.
+template <typename T>
+void aggregate_rows(const T* const* __restrict sources, int64_t K, const float* __restrict q, int64_t D, float eps,
+                    float scale, T* __restrict out, const T** __restrict rows, float* __restrict weights,
+                    int64_t begin, int64_t end) {
+  for (int64_t t = begin; t < end; ++t) {
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t k = 0; k < K; ++k) {
+      rows[k] = sources[k] + t * D;
+      float dot, square;
+      dot_and_square(rows[k], q, D, dot, square);
+      weights[k] = dot * key_scale(square, D, eps);
+      top = std::max(top, weights[k]);
+    }
+    float total = 0.f;
+    for (int64_t k = 0; k < K; ++k) {
+      weights[k] = std::exp(weights[k] - top);
+      total += weights[k];
+    }
+    const float inverse = scale / total;
+    for (int64_t k = 0; k < K; ++k) weights[k] *= inverse;
+    weighted_rows(rows, weights, K, D, out + t * D);
+  }
+}
+
+// Note [backward] of attnres_fx/aggregation.py, per token: the first look at each source gives its
+// logit and g . v; the second writes dL/dv and accumulates dL/dq.
+template <typename T>
+void backward_rows(const T* __restrict grad, const T* const* __restrict sources, T* const* __restrict grads,
+                   int64_t K, const float* __restrict q, int64_t D, float eps, float scale, float* __restrict g,
+                   float* __restrict stats, float* __restrict dq, int64_t begin, int64_t end) {
+  float* dot = stats;
+  float* scales = stats + K;
+  float* along = stats + 2 * K;
+  float* prob = stats + 3 * K;
+  for (int64_t t = begin; t < end; ++t) {
+    const T* grad_row = grad + t * D;
+    int64_t e = 0;
+    for (; e + kLanes <= D; e += kLanes) load_fp32(grad_row + e).store(g + e);
+    for (; e < D; ++e) g[e] = static_cast<float>(grad_row[e]);
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t k = 0; k < K; ++k) {
+      float square;
+      three_dots(sources[k] + t * D, q, g, D, dot[k], square, along[k]);
+      scales[k] = key_scale(square, D, eps);
+      prob[k] = dot[k] * scales[k];
+      top = std::max(top, prob[k]);
+    }
+    float total = 0.f;
+    for (int64_t k = 0; k < K; ++k) {
+      prob[k] = std::exp(prob[k] - top);
+      total += prob[k];
+    }
+    float mean_along = 0.f;
+    for (int64_t k = 0; k < K; ++k) {
+      prob[k] /= total;
+      mean_along += prob[k] * along[k];
+    }
+    for (int64_t k = 0; k < K; ++k) {
+      const T* __restrict v = sources[k] + t * D;
+      T* __restrict dv = grads[k] + t * D;
+      const float grad_logit = scale * prob[k] * (along[k] - mean_along);
+      const float grad_dot = grad_logit * scales[k];
+      const float coefficient = -grad_logit * dot[k] * scales[k] * scales[k] * scales[k] / static_cast<float>(D);
+      const float weight = scale * prob[k];
+      const Vec vw(weight), vgd(grad_dot), vc(coefficient);
+      int64_t d = 0;
+      for (; d + kLanes <= D; d += kLanes) {
+        Vec x = load_fp32(v + d);
+        Vec r = at::vec::fmadd(x, vc, at::vec::fmadd(Vec::loadu(q + d), vgd, Vec::loadu(g + d) * vw));
+        store_fp32(dv + d, r);
+        at::vec::fmadd(x, vgd, Vec::loadu(dq + d)).store(dq + d);
+      }
+      for (; d < D; ++d) {
+        float x = static_cast<float>(v[d]);
+        dv[d] = static_cast<T>(weight * g[d] + grad_dot * q[d] + coefficient * x);
+        dq[d] += grad_dot * x;
+      }
+    }
+  }
+}
+
+// Phase 1 of the two-phase schedule: S queries against the K completed blocks. Per token the blocks'
+// rows are read from memory once, each block's key scale computed once for all S queries; the states
+// stay un-normalised: acc [S, T, D] (the exponentials relative to the max), max and sum [S, T].
+template <typename T>
+void phase1_rows(const T* const* __restrict blocks, int64_t K, const float* __restrict queries, int64_t S, int64_t D,
+                 int64_t T_total, float eps, float* __restrict acc, float* __restrict top, float* __restrict sum,
+                 const T** __restrict rows, float* __restrict logits, int64_t begin, int64_t end) {
+  for (int64_t t = begin; t < end; ++t) {
+    for (int64_t k = 0; k < K; ++k) {
+      rows[k] = blocks[k] + t * D;
+      float first_dot, square;
+      dot_and_square(rows[k], queries, D, first_dot, square);
+      const float r = key_scale(square, D, eps);
+      logits[k] = first_dot * r;
+      for (int64_t s = 1; s < S; ++s) logits[s * K + k] = dot(rows[k], queries + s * D, D) * r;
+    }
+    for (int64_t s = 0; s < S; ++s) {
+      float* w = logits + s * K;
+      float m = -std::numeric_limits<float>::infinity(), l = 0.f;
+      for (int64_t k = 0; k < K; ++k) m = std::max(m, w[k]);
+      for (int64_t k = 0; k < K; ++k) {
+        w[k] = std::exp(w[k] - m);
+        l += w[k];
+      }
+      top[s * T_total + t] = m;
+      sum[s * T_total + t] = l;
+      weighted_rows(rows, w, K, D, acc + (s * T_total + t) * D);
+    }
+  }
+}
+
+// Phase 2: merge the partial sum into one query's phase-1 state; out in T.
+template <typename T>
+void phase2_rows(const float* __restrict acc, const float* __restrict top, const float* __restrict sum,
+                 const T* __restrict partial, const float* __restrict q, int64_t D, float eps, float scale,
+                 T* __restrict out, int64_t begin, int64_t end) {
+  for (int64_t t = begin; t < end; ++t) {
+    const T* v = partial + t * D;
+    float dot, square;
+    dot_and_square(v, q, D, dot, square);
+    const float z = dot * key_scale(square, D, eps);
+    const float m = std::max(top[t], z);
+    const float a = std::exp(top[t] - m), c = std::exp(z - m);
+    const float inverse = scale / (a * sum[t] + c);
+    const Vec va(a * inverse), vc(c * inverse);
+    const float* row = acc + t * D;
+    T* o = out + t * D;
+    int64_t d = 0;
+    for (; d + kLanes <= D; d += kLanes) store_fp32(o + d, at::vec::fmadd(load_fp32(v + d), vc, Vec::loadu(row + d) * va));
+    for (; d < D; ++d) o[d] = static_cast<T>(row[d] * a * inverse + static_cast<float>(v[d]) * c * inverse);
+  }
+}
+
+// ------------------------------------------------------------------------------------- operators
+struct Rows {
+  int64_t count;  // T
+  int64_t dim;    // D
+};
+
+Rows check_sources(const at::TensorList sources, const char* what) {
+  TORCH_CHECK(!sources.empty(), what, ": needs at least one source");
+  const at::Tensor& first = sources[0];
+  TORCH_CHECK(first.dim() >= 1 && first.size(-1) > 0, what, ": sources must be [..., D] with D > 0, got shape ",
+              first.sizes());
+  for (const auto& source : sources) {
+    TORCH_CHECK(source.device().is_cpu(), what, ": a source is on ", source.device(), ", expected the CPU");
+    TORCH_CHECK(source.sizes() == first.sizes(), what, ": every source must have the shape of the first, ",
+                first.sizes(), ", got ", source.sizes());
+    TORCH_CHECK(source.scalar_type() == first.scalar_type(), what, ": every source must have the dtype of the "
+                "first, ", first.scalar_type(), ", got ", source.scalar_type());
+  }
+  TORCH_CHECK(first.scalar_type() == at::kFloat || first.scalar_type() == at::kBFloat16 ||
+                  first.scalar_type() == at::kHalf,
+              what, ": sources must be float32, bfloat16 or float16, got ", first.scalar_type());
+  const int64_t D = first.size(-1);
+  return {first.numel() / D, D};
+}
+
+// The pseudo-query with the key norm's weight folded in, fp32 [D] (attnres_fx/aggregation.py), written to
+// `out` with a loop of its own: the few ATen ops it would otherwise take cost microseconds, a decoding
+// step's whole budget.
+void fold_query(const at::Tensor& proj_weight, const at::Tensor& norm_weight, int64_t D, const char* what,
+                float* out) {
+  TORCH_CHECK(proj_weight.numel() == D && norm_weight.numel() == D, what, ": proj_weight [1, D] and norm_weight [D] "
+              "must have D = ", D, " elements, got ", proj_weight.sizes(), " and ", norm_weight.sizes());
+  // Weights of two dtypes (rare: both are one module's parameters) are read as fp32.
+  const bool same = proj_weight.scalar_type() == norm_weight.scalar_type();
+  const at::Tensor proj = (same ? proj_weight : proj_weight.to(at::kFloat)).contiguous();
+  const at::Tensor norm = (same ? norm_weight : norm_weight.to(at::kFloat)).contiguous();
+  ATTNRES_DISPATCH(proj.scalar_type(), "attnres_fold_query", [&] {
+    const scalar_t* p = proj.const_data_ptr<scalar_t>();
+    const scalar_t* g = norm.const_data_ptr<scalar_t>();
+    for (int64_t d = 0; d < D; ++d) out[d] = static_cast<float>(p[d]) * static_cast<float>(g[d]);
+  });
+}
+
+at::Tensor folded_query(const at::Tensor& proj_weight, const at::Tensor& norm_weight, int64_t D, const char* what) {
+  at::Tensor query = at::empty({D}, proj_weight.options().dtype(at::kFloat));
+  fold_query(proj_weight, norm_weight, D, what, query.mutable_data_ptr<float>());
+  return query;
+}
+
+int64_t grain(int64_t elements_per_row) {
+  return std::max<int64_t>(1, kMinChunkElements / std::max<int64_t>(1, elements_per_row));
+}
+
+std::vector<at::Tensor> contiguous(const at::TensorList tensors) {
+  std::vector<at::Tensor> out;
+  out.reserve(tensors.size());
+  for (const auto& t : tensors) out.push_back(t.contiguous());
+  return out;
+}
+
+at::Tensor aggregate(at::TensorList sources_in, const at::Tensor& proj_weight, const at::Tensor& norm_weight,
+                     double eps, bool preserve_scale) {
+  const Rows rows = check_sources(sources_in, "attnres::aggregate");
+  const auto sources = contiguous(sources_in);
+  const int64_t K = static_cast<int64_t>(sources.size()), D = rows.dim;
+  const at::Tensor query = folded_query(proj_weight, norm_weight, D, "attnres::aggregate");
+  const float scale = preserve_scale ? static_cast<float>(K) : 1.f;
+  at::Tensor out = at::empty_like(sources[0]);
+  ATTNRES_DISPATCH(out.scalar_type(), "attnres_aggregate", [&] {
+    std::vector<const scalar_t*> pointers;
+    for (const auto& s : sources) pointers.push_back(s.const_data_ptr<scalar_t>());
+    const scalar_t* const* src = pointers.data();
+    const float* q = query.const_data_ptr<float>();
+    scalar_t* o = out.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, rows.count, grain(K * D), [&](int64_t begin, int64_t end) {
+      std::vector<const scalar_t*> rows_of_token(K);
+      std::vector<float> weights(K);
+      aggregate_rows(src, K, q, D, static_cast<float>(eps), scale, o, rows_of_token.data(), weights.data(), begin,
+                     end);
+    });
+  });
+  return out;
+}
+
+std::tuple<std::vector<at::Tensor>, at::Tensor> aggregate_backward(const at::Tensor& grad_in,
+                                                                   at::TensorList sources_in,
+                                                                   const at::Tensor& proj_weight,
+                                                                   const at::Tensor& norm_weight, double eps,
+                                                                   bool preserve_scale) {
+  const Rows rows = check_sources(sources_in, "attnres::aggregate_backward");
+  TORCH_CHECK(grad_in.sizes() == sources_in[0].sizes(), "attnres::aggregate_backward: grad must have the sources' "
+              "shape ", sources_in[0].sizes(), ", got ", grad_in.sizes());
+  const auto sources = contiguous(sources_in);
+  const at::Tensor grad = grad_in.to(sources[0].scalar_type()).contiguous();
+  const int64_t K = static_cast<int64_t>(sources.size()), D = rows.dim, T = rows.count;
+  const at::Tensor query = folded_query(proj_weight, norm_weight, D, "attnres::aggregate_backward");
+  const float scale = preserve_scale ? static_cast<float>(K) : 1.f;
+  std::vector<at::Tensor> grads;
+  for (const auto& s : sources) grads.push_back(at::empty_like(s));
+  // One partial dL/dq per chunk of tokens, summed at the end: deterministic, no atomics.
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), T / grain(K * D)));
+  at::Tensor partial_dq = at::zeros({chunks, D}, sources[0].options().dtype(at::kFloat));
+  ATTNRES_DISPATCH(grad.scalar_type(), "attnres_aggregate_backward", [&] {
+    std::vector<const scalar_t*> src;
+    std::vector<scalar_t*> dst;
+    for (int64_t k = 0; k < K; ++k) {
+      src.push_back(sources[k].const_data_ptr<scalar_t>());
+      dst.push_back(grads[k].mutable_data_ptr<scalar_t>());
+    }
+    const scalar_t* const* s = src.data();
+    scalar_t* const* gs = dst.data();
+    const scalar_t* g = grad.const_data_ptr<scalar_t>();
+    const float* q = query.const_data_ptr<float>();
+    float* dq = partial_dq.mutable_data_ptr<float>();
+    at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
+      std::vector<float> row(D), stats(4 * K);
+      for (int64_t c = first; c < last; ++c) {
+        backward_rows(g, s, gs, K, q, D, static_cast<float>(eps), scale, row.data(), stats.data(), dq + c * D,
+                      c * T / chunks, (c + 1) * T / chunks);
+      }
+    });
+  });
+  return {grads, partial_dq.sum(0)};
+}
+
+std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>> phase1(
+    at::TensorList blocks_in, at::TensorList proj_weights,
+                                                      at::TensorList norm_weights, double eps) {
+  const Rows rows = check_sources(blocks_in, "attnres::phase1");
+  const auto blocks = contiguous(blocks_in);
+  const int64_t K = static_cast<int64_t>(blocks.size()), D = rows.dim, T = rows.count;
+  TORCH_CHECK(!proj_weights.empty() && proj_weights.size() == norm_weights.size(),
+              "attnres::phase1: one proj_weight and one norm_weight per query, got ", proj_weights.size(), " and ",
+              norm_weights.size());
+  const int64_t S = static_cast<int64_t>(proj_weights.size());
+  at::Tensor queries = at::empty({S, D}, blocks[0].options().dtype(at::kFloat));
+  for (int64_t s = 0; s < S; ++s) {
+    fold_query(proj_weights[s], norm_weights[s], D, "attnres::phase1", queries.mutable_data_ptr<float>() + s * D);
+  }
+  auto leading = blocks[0].sizes().vec();
+  std::vector<int64_t> acc_shape{S}, stat_shape{S};
+  acc_shape.insert(acc_shape.end(), leading.begin(), leading.end());
+  stat_shape.insert(stat_shape.end(), leading.begin(), leading.end() - 1);
+  stat_shape.push_back(1);
+  const auto options = blocks[0].options().dtype(at::kFloat);
+  at::Tensor acc = at::empty(acc_shape, options), top = at::empty(stat_shape, options), sum = at::empty(stat_shape, options);
+  ATTNRES_DISPATCH(blocks[0].scalar_type(), "attnres_phase1", [&] {
+    std::vector<const scalar_t*> pointers;
+    for (const auto& b : blocks) pointers.push_back(b.const_data_ptr<scalar_t>());
+    const scalar_t* const* src = pointers.data();
+    const float* q = queries.const_data_ptr<float>();
+    float* a = acc.mutable_data_ptr<float>();
+    float* m = top.mutable_data_ptr<float>();
+    float* l = sum.mutable_data_ptr<float>();
+    at::parallel_for(0, T, grain(K * D * S), [&](int64_t begin, int64_t end) {
+      std::vector<const scalar_t*> rows_of_token(K);
+      std::vector<float> logits(K * S);
+      phase1_rows(src, K, q, S, D, T, static_cast<float>(eps), a, m, l, rows_of_token.data(), logits.data(), begin,
+                  end);
+    });
+  });
+  return {top.unbind(0), sum.unbind(0), acc.unbind(0)};
+}
+
+at::Tensor phase2(const at::Tensor& acc_in, const at::Tensor& top_in, const at::Tensor& sum_in,
+                  const at::Tensor& partial_in, const at::Tensor& proj_weight, const at::Tensor& norm_weight,
+                  double eps, double scale, at::ScalarType dtype) {
+  const Rows rows = check_sources({partial_in}, "attnres::phase2");
+  TORCH_CHECK(acc_in.sizes() == partial_in.sizes() && acc_in.scalar_type() == at::kFloat,
+              "attnres::phase2: the state's acc must be float32 of the partial's shape ", partial_in.sizes(),
+              ", got ", acc_in.scalar_type(), " ", acc_in.sizes());
+  TORCH_CHECK(top_in.numel() == rows.count && sum_in.numel() == rows.count, "attnres::phase2: the state's max and sum "
+              "must have one element per token (", rows.count, ")");
+  const at::Tensor acc = acc_in.contiguous(), top = top_in.to(at::kFloat).contiguous(),
+                   sum = sum_in.to(at::kFloat).contiguous(), partial = partial_in.contiguous();
+  const int64_t D = rows.dim;
+  const at::Tensor query = folded_query(proj_weight, norm_weight, D, "attnres::phase2");
+  TORCH_CHECK(dtype == partial.scalar_type(), "attnres::phase2: the result dtype must be the partial's, ",
+              partial.scalar_type(), ", got ", dtype);
+  at::Tensor out = at::empty_like(partial);
+  ATTNRES_DISPATCH(partial.scalar_type(), "attnres_phase2", [&] {
+    const scalar_t* p = partial.const_data_ptr<scalar_t>();
+    const float* a = acc.const_data_ptr<float>();
+    const float* m = top.const_data_ptr<float>();
+    const float* l = sum.const_data_ptr<float>();
+    const float* q = query.const_data_ptr<float>();
+    scalar_t* o = out.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, rows.count, grain(3 * D), [&](int64_t begin, int64_t end) {
+      phase2_rows(a, m, l, p, q, D, static_cast<float>(eps), static_cast<float>(scale), o, begin, end);
+    });
+  });
+  return out;
+}
+
+}  // namespace attnres_cpu
+
+TORCH_LIBRARY(attnres_cpu, m) {
+  m.def("aggregate(Tensor[] sources, Tensor proj_weight, Tensor norm_weight, float eps, bool preserve_scale) -> Tensor");
+  m.def("aggregate_backward(Tensor grad, Tensor[] sources, Tensor proj_weight, Tensor norm_weight, float eps, "
+        "bool preserve_scale) -> (Tensor[], Tensor)");
+  m.def("phase1(Tensor[] blocks, Tensor[] proj_weights, Tensor[] norm_weights, float eps) -> (Tensor[], Tensor[], "
+        "Tensor[])");
+  m.def("phase2(Tensor acc, Tensor max, Tensor sum, Tensor partial, Tensor proj_weight, Tensor norm_weight, "
+        "float eps, float scale, ScalarType dtype) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(attnres_cpu, CPU, m) {
+  m.impl("aggregate", &attnres_cpu::aggregate);
+  m.impl("aggregate_backward", &attnres_cpu::aggregate_backward);
+  m.impl("phase1", &attnres_cpu::phase1);
+  m.impl("phase2", &attnres_cpu::phase2);
+}

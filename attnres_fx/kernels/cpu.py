@@ -1,0 +1,107 @@
+"""Build and load the C++ CPU kernel (``cpu.cpp``): once per machine, at first use.
+
+The library is built with ``torch.utils.cpp_extension`` (a C++ compiler and ``ninja``; ``pip install
+'attnres-fx[kernels]'`` brings ninja) into ``$ATTNRES_FX_KERNEL_CACHE`` (default
+``~/.cache/attnres_fx/kernels``), under a name that hashes the source, the torch version and the
+instruction set, so that a change of any of them builds anew and an unchanged one loads in
+milliseconds, without compiler or ninja. Building prints one line and takes about a minute.
+
+Where it cannot be built (no compiler, no ninja, a compile error), :func:`available` is False and
+warns once, saying why; :mod:`attnres_fx.ops` then runs the PyTorch formulation, the same function.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+from attnres_fx.errors import AttnResWarning
+
+SOURCE = Path(__file__).with_name("cpu.cpp")
+CACHE_ENV = "ATTNRES_FX_KERNEL_CACHE"
+DEFAULT_CACHE = Path.home() / ".cache" / "attnres_fx" / "kernels"
+# What at::vec compiles to: the instruction set ATen itself dispatches to on this machine, with the
+# macro that selects its Vectorized<float> specialisation (the flags Inductor's C++ backend uses too).
+_ISA_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma", "-DCPU_CAPABILITY_AVX512"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2"],
+}
+_BUILT = "built"            # written beside the library once it built: the cache holds a whole library
+
+
+class _State:
+    loaded: bool | None = None
+    reason: str | None = None
+
+
+def available() -> bool:
+    """Whether the C++ kernel is loaded: built (or loaded from the cache) at the first call; if that
+    fails, False with one :class:`~attnres_fx.AttnResWarning` saying why."""
+    if _State.loaded is None:
+        try:
+            _load()
+            _State.loaded = True
+        except _Unavailable as err:
+            _State.loaded, _State.reason = False, str(err)
+            warnings.warn(f"attnres_fx: the C++ CPU kernel is not available ({err}); the aggregation runs as "
+                          "PyTorch ops, the same function, slower.", AttnResWarning, stacklevel=3)
+    return _State.loaded
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`available` returned False (``None`` when it was not asked, or the kernel loaded)."""
+    return _State.reason
+
+
+class _Unavailable(RuntimeError):
+    pass
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE)
+
+
+def _flags() -> list[str]:
+    # OpenMP: at::parallel_for is inline, and without -fopenmp its pragma compiles to a serial loop.
+    return ["-O3", "-fopenmp", *_ISA_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])]
+
+
+def library_name() -> str:
+    digest = hashlib.sha256("\0".join([SOURCE.read_text(), torch.__version__, *_flags()]).encode()).hexdigest()
+    return f"attnres_cpu_{digest[:16]}"
+
+
+def _load() -> None:
+    name = library_name()
+    directory = cache_dir() / name
+    library = directory / f"{name}.so"
+    if (directory / _BUILT).exists() and library.exists():
+        torch.ops.load_library(str(library))
+        return
+    from torch.utils import cpp_extension
+
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise _Unavailable(f"no C++ compiler: {compiler!r} (the CXX environment variable, else c++) is not found")
+    if not cpp_extension.is_ninja_available():
+        raise _Unavailable("ninja is not installed (pip install 'attnres-fx[kernels]')")
+    directory.mkdir(parents=True, exist_ok=True)
+    print(f"attnres_fx: building the C++ CPU kernel for this machine, once (about a minute), in {directory}",
+          file=sys.stderr, flush=True)
+    try:
+        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=_flags(), extra_ldflags=["-fopenmp"], build_directory=str(directory),
+                           is_python_module=False, verbose=False)
+    except (RuntimeError, OSError, subprocess.CalledProcessError) as err:
+        lines = str(err).splitlines()
+        first = next((line for line in lines if "error" in line.lower() and "Error building" not in line),
+                     lines[0] if lines else type(err).__name__)
+        raise _Unavailable(f"building it in {directory} failed: {first}") from err
+    (directory / _BUILT).write_text(name)
+

@@ -1,0 +1,210 @@
+"""The aggregation as one operator, ``torch.ops.attnres.aggregate``, with a fused backward.
+
+    out = torch.ops.attnres.aggregate(sources, proj_weight, norm_weight, eps, preserve_scale)
+
+``sources`` is a list of tensors of one shape ``[..., D]`` and one dtype (fp32, bf16 or fp16);
+``proj_weight`` ``[1, D]`` and ``norm_weight`` ``[D]`` are the pseudo-query and the key norm's weight.
+The function is :mod:`attnres_fx.aggregation`'s (its docstring gives the formula); fp32 inside, the
+result in the sources' dtype.
+
+Implementations, by the device of the sources:
+
+- CPU: the C++ kernel (:mod:`attnres_fx.kernels.cpu`): per token, the logits from one read of the
+  sources' rows, then the weighted sum from cache; where it cannot be built, the PyTorch formulation
+  (one warning says why);
+- CUDA: the Triton kernel (:mod:`attnres_fx.kernels.gpu`) where Triton is installed;
+- anything else, and CUDA without Triton: the PyTorch formulation.
+
+Autograd: the backward is one more operator, ``attnres::aggregate_backward``, returning the gradients
+of all sources and of the folded query (Note [backward] in :mod:`attnres_fx.aggregation`); the
+forward saves only its inputs, through ``ctx.save_for_backward`` (so ``saved_tensors_hooks``,
+activation offloading and checkpointing manage them), and the backward recomputes the per-token
+logits in the same look at each source that gives ``g . v``. Fake (meta) implementations let
+torch.export and AOTAutograd trace the operator. Graph captures of :class:`attnres_fx.BlockAttnRes`
+nevertheless see plain ops (:func:`attnres_fx.block_attnres.aggregate`): Inductor treats a custom
+operator as an opaque call and fuses plain ops with their neighbours; exporters get the form
+onnxruntime runs fastest, into which :data:`EXPORT_DECOMPOSITIONS` also turns the operator where a
+model calls it itself.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import aggregation
+from .kernels import cpu
+
+_LIBRARY = torch.library.Library("attnres", "DEF")
+_LIBRARY.define("aggregate(Tensor[] sources, Tensor proj_weight, Tensor norm_weight, float eps, "
+                "bool preserve_scale) -> Tensor")
+_LIBRARY.define("aggregate_backward(Tensor grad, Tensor[] sources, Tensor proj_weight, Tensor norm_weight, "
+                "float eps, bool preserve_scale) -> (Tensor[], Tensor)")
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_inputs(sources, proj_weight: torch.Tensor, norm_weight: torch.Tensor, what: str = "attnres::aggregate"):
+    """Raise ``ValueError`` naming the problem unless the inputs are what the operator takes."""
+    if not sources:
+        raise ValueError(f"{what}: needs at least one source")
+    first = sources[0]
+    if first.dim() < 1 or first.shape[-1] == 0:
+        raise ValueError(f"{what}: sources must be [..., D] with D > 0, got shape {tuple(first.shape)}")
+    for source in sources[1:]:
+        if source.shape != first.shape or source.dtype != first.dtype or source.device != first.device:
+            raise ValueError(f"{what}: every source must have the first's shape, dtype and device "
+                             f"({tuple(first.shape)}, {first.dtype}, {first.device}); got {tuple(source.shape)}, "
+                             f"{source.dtype}, {source.device}")
+    if first.dtype not in DTYPES:
+        raise ValueError(f"{what}: sources must be float32, bfloat16 or float16, got {first.dtype}")
+    dim = first.shape[-1]
+    if proj_weight.numel() != dim or norm_weight.numel() != dim:
+        raise ValueError(f"{what}: proj_weight [1, D] and norm_weight [D] must have D = {dim} elements, got "
+                         f"{tuple(proj_weight.shape)} and {tuple(norm_weight.shape)}")
+
+
+def uniform(sources) -> bool:
+    """Whether the operator takes these sources: one shape, dtype and device, a supported dtype."""
+    first = sources[0]
+    return first.dtype in DTYPES and all(
+        s.shape == first.shape and s.dtype == first.dtype and s.device == first.device for s in sources[1:])
+
+
+def reference_forward(sources, proj_weight, norm_weight, eps: float, preserve_scale: bool) -> torch.Tensor:
+    return aggregation.fusable(proj_weight, norm_weight, list(sources), eps=eps, preserve_scale=preserve_scale)
+
+
+reference_backward = aggregation.reference_backward
+
+
+# ------------------------------------------------------------------------------ registrations
+@torch.library.register_fake("attnres::aggregate")
+def _aggregate_fake(sources, proj_weight, norm_weight, eps, preserve_scale):
+    check_inputs(sources, proj_weight, norm_weight)
+    return torch.empty_like(sources[0])
+
+
+@torch.library.register_fake("attnres::aggregate_backward")
+def _aggregate_backward_fake(grad, sources, proj_weight, norm_weight, eps, preserve_scale):
+    check_inputs(sources, proj_weight, norm_weight, "attnres::aggregate_backward")
+    return [torch.empty_like(s) for s in sources], grad.new_empty(grad.shape[-1], dtype=torch.float32)
+
+
+@torch.library.impl("attnres::aggregate", "CPU")
+def _aggregate_cpu(sources, proj_weight, norm_weight, eps, preserve_scale):
+    check_inputs(sources, proj_weight, norm_weight)
+    if cpu.available():
+        return torch.ops.attnres_cpu.aggregate(sources, proj_weight, norm_weight, eps, preserve_scale)
+    return reference_forward(sources, proj_weight, norm_weight, eps, preserve_scale)
+
+
+@torch.library.impl("attnres::aggregate_backward", "CPU")
+def _aggregate_backward_cpu(grad, sources, proj_weight, norm_weight, eps, preserve_scale):
+    check_inputs(sources, proj_weight, norm_weight, "attnres::aggregate_backward")
+    if cpu.available():
+        return torch.ops.attnres_cpu.aggregate_backward(grad, sources, proj_weight, norm_weight, eps, preserve_scale)
+    return reference_backward(grad, sources, proj_weight, norm_weight, eps, preserve_scale)
+
+
+@torch.library.impl("attnres::aggregate", "CUDA")
+def _aggregate_cuda(sources, proj_weight, norm_weight, eps, preserve_scale):
+    check_inputs(sources, proj_weight, norm_weight)
+    gpu = _gpu_kernels()
+    if gpu is not None and gpu.supports(sources):
+        return gpu.aggregate(sources, proj_weight, norm_weight, eps, preserve_scale)
+    return reference_forward(sources, proj_weight, norm_weight, eps, preserve_scale)
+
+
+@torch.library.impl("attnres::aggregate_backward", "CUDA")
+def _aggregate_backward_cuda(grad, sources, proj_weight, norm_weight, eps, preserve_scale):
+    check_inputs(sources, proj_weight, norm_weight, "attnres::aggregate_backward")
+    gpu = _gpu_kernels()
+    if gpu is not None and gpu.supports(sources):
+        return gpu.aggregate_backward(grad, sources, proj_weight, norm_weight, eps, preserve_scale)
+    return reference_backward(grad, sources, proj_weight, norm_weight, eps, preserve_scale)
+
+
+# Every other device (MPS, XPU, ...): the PyTorch formulation.
+@torch.library.impl("attnres::aggregate", "CompositeExplicitAutograd")
+def _aggregate_any(sources, proj_weight, norm_weight, eps, preserve_scale):
+    check_inputs(sources, proj_weight, norm_weight)
+    return reference_forward(sources, proj_weight, norm_weight, eps, preserve_scale)
+
+
+@torch.library.impl("attnres::aggregate_backward", "CompositeExplicitAutograd")
+def _aggregate_backward_any(grad, sources, proj_weight, norm_weight, eps, preserve_scale):
+    check_inputs(sources, proj_weight, norm_weight, "attnres::aggregate_backward")
+    return reference_backward(grad, sources, proj_weight, norm_weight, eps, preserve_scale)
+
+
+def _gpu_kernels():
+    """:mod:`attnres_fx.kernels.gpu`, or ``None`` without Triton."""
+    try:
+        from .kernels import gpu
+    except ImportError:
+        return None
+    return gpu
+
+
+def _setup_context(ctx, inputs, output):
+    sources, proj_weight, norm_weight, eps, preserve_scale = inputs
+    ctx.save_for_backward(proj_weight, norm_weight, *sources)
+    ctx.eps, ctx.preserve_scale = eps, preserve_scale
+
+
+def _backward(ctx, grad):
+    proj_weight, norm_weight, *sources = ctx.saved_tensors
+    grads, grad_query = torch.ops.attnres.aggregate_backward(grad, sources, proj_weight, norm_weight, ctx.eps,
+                                                             ctx.preserve_scale)
+    grad_proj = (grad_query * norm_weight.float()).reshape(proj_weight.shape).to(proj_weight.dtype)
+    grad_norm = (grad_query * proj_weight.reshape(-1).float()).to(norm_weight.dtype)
+    return list(grads), grad_proj, grad_norm, None, None
+
+
+torch.library.register_autograd("attnres::aggregate", _backward, setup_context=_setup_context)
+
+
+def aggregate(sources, proj_weight: torch.Tensor, norm_weight: torch.Tensor, *, eps: float,
+              preserve_scale: bool) -> torch.Tensor:
+    """``torch.ops.attnres.aggregate``; inputs checked first (``ValueError`` naming the problem)."""
+    sources = list(sources)
+    check_inputs(sources, proj_weight, norm_weight)
+    return torch.ops.attnres.aggregate(sources, proj_weight, norm_weight, eps, preserve_scale)
+
+
+def eager(proj_weight: torch.Tensor, norm_weight: torch.Tensor, sources, *, eps: float,
+          preserve_scale: bool) -> torch.Tensor:
+    """The aggregation as eager PyTorch runs it fastest (``benchmarks/bench.py``'s ``kernels`` section
+    measures the choices):
+
+    - the kernel where there is one: on the CPU without a gradient the C++ function is called directly
+      (skipping the autograd layer's few microseconds, which are a decoding step's whole budget); with a
+      gradient the operator, for its fused backward;
+    - sources of mixed shapes or dtypes: :func:`~attnres_fx.aggregation.fusable` (broadcasting, promotion);
+    - no kernel (no compiler): :func:`~attnres_fx.aggregation.stacked` for small sources, where the op
+      count dominates, else the operator's PyTorch formulation with its fused backward, or
+      :func:`~attnres_fx.aggregation.fusable` without a gradient.
+    """
+    sources = list(sources)
+    if not uniform(sources):
+        return aggregation.fusable(proj_weight, norm_weight, sources, eps=eps, preserve_scale=preserve_scale)
+    needs_grad = torch.is_grad_enabled() and (proj_weight.requires_grad or norm_weight.requires_grad
+                                              or any(s.requires_grad for s in sources))
+    if sources[0].device.type == "cpu":
+        if cpu.available():
+            if not needs_grad:
+                return torch.ops.attnres_cpu.aggregate(sources, proj_weight, norm_weight, eps, preserve_scale)
+        elif len(sources) > 1 and sources[0].numel() <= aggregation.STACKED_MAX_ELEMENTS:
+            return aggregation.stacked(proj_weight, norm_weight, sources, eps=eps, preserve_scale=preserve_scale)
+        elif not needs_grad:
+            return aggregation.fusable(proj_weight, norm_weight, sources, eps=eps, preserve_scale=preserve_scale)
+    return torch.ops.attnres.aggregate(sources, proj_weight, norm_weight, eps, preserve_scale)
+
+
+def _aggregate_for_export(sources, proj_weight, norm_weight, eps, preserve_scale):
+    return aggregation.batched(proj_weight, norm_weight, list(sources), eps=eps, preserve_scale=preserve_scale)
+
+
+# What exporters turn the operator into: the plain-op form onnxruntime runs fastest
+# (:func:`attnres_fx.aggregation.batched`); ``ExportedProgram.run_decompositions(EXPORT_DECOMPOSITIONS)``.
+EXPORT_DECOMPOSITIONS = {torch.ops.attnres.aggregate.default: _aggregate_for_export}

@@ -1,0 +1,217 @@
+"""attnres::aggregate against the reference oracle: every implementation (the C++ kernel, the Triton kernel
+in Triton's CPU interpreter, the PyTorch formulation the operator falls back to, the decomposition graph
+captures see), forward and gradients, over source counts, widths, decoding and prefill shapes, dtypes;
+opcheck; saved tensors; failures and the fallback warning."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+from attnres_fx import aggregation, ops
+from attnres_fx.kernels import cpu
+from attnres_fx.testing.reference import block_attn_res
+
+EPS = 1e-6
+needs_cpu_kernel = pytest.mark.skipif(not cpu.available(), reason=f"the C++ kernel: {cpu.unavailable_reason()}")
+
+
+def _weights(dim, seed=0, dtype=torch.float32):
+    """A pseudo-query with logits of order one at any width, and a key-norm weight away from one."""
+    torch.manual_seed(seed)
+    proj = nn.Linear(dim, 1, bias=False, dtype=dtype)
+    nn.init.normal_(proj.weight, std=2.0 / dim ** 0.5)
+    norm = nn.RMSNorm(dim, eps=EPS, dtype=dtype)
+    nn.init.uniform_(norm.weight, 0.5, 1.5)
+    return proj, norm
+
+
+def _sources(shape, k, dtype=torch.float32, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randn(shape, generator=generator) * (1 + i % 3)).to(dtype).requires_grad_() for i in range(k)]
+
+
+def _reference(sources, proj, norm, preserve_scale, grad):
+    """The oracle's output and its gradients (sources, proj.weight, norm.weight), in fp32."""
+    values = [s.detach().float().requires_grad_() for s in sources]
+    out = block_attn_res(values[:-1], values[-1], proj, norm, preserve_scale=preserve_scale)
+    grads = torch.autograd.grad(out, [*values, proj.weight, norm.weight], grad.float())
+    return out, grads
+
+
+def _kernel_call(aggregate, backward):
+    """An implementation given as forward and backward functions, with the operator's signature."""
+    def run(sources, proj, norm, preserve_scale, grad):
+        detached = [s.detach() for s in sources]
+        out = aggregate(detached, proj.weight.detach(), norm.weight.detach(), EPS, preserve_scale)
+        source_grads, query_grad = backward(grad, detached, proj.weight.detach(), norm.weight.detach(), EPS,
+                                            preserve_scale)
+        return out, [*source_grads, (query_grad * norm.weight.detach().float()).unsqueeze(0),
+                     query_grad * proj.weight.detach()[0].float()]
+    return run
+
+
+def _autograd_call(function):
+    def run(sources, proj, norm, preserve_scale, grad):
+        out = function(sources, proj, norm, preserve_scale)
+        return out, torch.autograd.grad(out, [*sources, proj.weight, norm.weight], grad)
+    return run
+
+
+IMPLEMENTATIONS = {
+    "operator": _autograd_call(lambda s, p, n, ps: ops.aggregate(s, p.weight, n.weight, eps=EPS, preserve_scale=ps)),
+    "pytorch": _kernel_call(ops.reference_forward, aggregation.reference_backward),
+    "decomposition": _autograd_call(lambda s, p, n, ps: aggregation.fusable(p.weight, n.weight, s, eps=EPS,
+                                                                              preserve_scale=ps)),
+}
+# (count, shape): every count 1-9, widths 1, 7, 33, 1000 and 4096, decoding ([B, 1, D]) and prefill.
+CASES = [(1, (2, 3, 1)), (2, (1, 1, 7)), (3, (8, 1, 33)), (4, (2, 5, 1000)), (5, (1, 1, 4096)),
+         (6, (2, 64, 33)), (7, (1, 3, 7)), (8, (4, 1, 1000)), (9, (2, 16, 128)), (9, (1, 1, 4096)), (2, (1, 300, 1))]
+
+
+def _check(implementation, k, shape, preserve_scale, dtype=torch.float32, tolerance=1e-5):
+    proj, norm = _weights(shape[-1])
+    sources = _sources(shape, k, dtype)
+    grad = torch.randn(shape, generator=torch.Generator().manual_seed(2)).to(dtype)
+    want, want_grads = _reference(sources, proj, norm, preserve_scale, grad)
+    got, got_grads = implementation(sources, proj, norm, preserve_scale, grad)
+    assert got.dtype == dtype and got.shape == want.shape
+    # Relative to each tensor's magnitude: fp32 sums taken in another order differ by round-off only.
+    torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance * want.abs().max().item())
+    assert len(got_grads) == len(want_grads)
+    for index, (g, w) in enumerate(zip(got_grads, want_grads)):
+        torch.testing.assert_close(g.float(), w, rtol=tolerance, atol=tolerance * w.abs().max().item(),
+                                   msg=lambda m, index=index: f"gradient {index}: {m}")
+
+
+@pytest.mark.parametrize("name", IMPLEMENTATIONS)
+@pytest.mark.parametrize("k, shape", CASES, ids=[f"{k}x{'x'.join(map(str, s))}" for k, s in CASES])
+def test_matches_the_reference_fp32(name, k, shape):
+    if name == "operator" and not cpu.available():
+        pytest.skip(f"the C++ kernel: {cpu.unavailable_reason()}")
+    _check(IMPLEMENTATIONS[name], k, shape, preserve_scale=k % 2 == 0)
+
+
+# bf16 / fp16 sources, fp32 inside: the output is one rounding to the storage type away from the fp32
+# result (bf16 keeps 8 bits, fp16 11), the gradients as well.
+@needs_cpu_kernel
+@pytest.mark.parametrize("dtype, tolerance", [(torch.bfloat16, 2 ** -7), (torch.float16, 2 ** -10)])
+@pytest.mark.parametrize("k, shape", [(3, (2, 1, 1000)), (5, (2, 32, 64)), (9, (1, 4, 33))])
+def test_reduced_precision(dtype, tolerance, k, shape):
+    _check(IMPLEMENTATIONS["operator"], k, shape, preserve_scale=False, dtype=dtype, tolerance=tolerance)
+
+
+@needs_cpu_kernel
+def test_the_operator_equals_the_pytorch_formulation_on_the_same_bf16_inputs():
+    proj, norm = _weights(64)
+    sources = [s.detach() for s in _sources((4, 16, 64), 5, torch.bfloat16)]
+    got = torch.ops.attnres_cpu.aggregate(sources, proj.weight, norm.weight, EPS, True)
+    want = ops.reference_forward(sources, proj.weight, norm.weight, EPS, True)
+    # Both fp32 inside, then one rounding to bf16: at most one bf16 step apart.
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=2 ** -7 * want.float().abs().max().item())
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("k", [1, 3])
+def test_opcheck(k):
+    proj, norm = _weights(33)
+    sources = _sources((2, 5, 33), k)
+    torch.library.opcheck(torch.ops.attnres.aggregate.default, (sources, proj.weight, norm.weight, EPS, True))
+    grad = torch.randn(2, 5, 33)
+    torch.library.opcheck(torch.ops.attnres.aggregate_backward.default,
+                          (grad, [s.detach() for s in sources], proj.weight.detach(), norm.weight.detach(), EPS, False))
+
+
+@needs_cpu_kernel
+def test_saved_tensors_go_through_saved_tensors_hooks():
+    proj, norm = _weights(16)
+    sources = _sources((2, 4, 16), 3)
+    packed = []
+
+    def pack(tensor):
+        packed.append(tensor.shape)
+        return tensor.clone()
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = ops.aggregate(sources, proj.weight, norm.weight, eps=EPS, preserve_scale=False)
+    # The inputs only (both weights, every source): nothing kept beside them.
+    assert sorted(packed) == sorted([proj.weight.shape, norm.weight.shape, *(s.shape for s in sources)])
+    grads = torch.autograd.grad(out.square().sum(), sources)
+    want = torch.autograd.grad(aggregation.fusable(proj.weight, norm.weight, sources, eps=EPS,
+                                                   preserve_scale=False).square().sum(), sources)
+    for g, w in zip(grads, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+@needs_cpu_kernel
+def test_non_contiguous_sources():
+    proj, norm = _weights(8)
+    sources = [s.detach().transpose(0, 1) for s in _sources((6, 2, 8), 3)]
+    got = torch.ops.attnres_cpu.aggregate(sources, proj.weight, norm.weight, EPS, False)
+    torch.testing.assert_close(got, aggregation.fusable(proj.weight, norm.weight, sources, eps=EPS,
+                                                        preserve_scale=False), rtol=1e-5, atol=1e-6)
+
+
+@needs_cpu_kernel
+def test_weights_of_another_dtype_than_the_sources_and_of_each_other():
+    proj, norm = _weights(24)
+    sources = [s.detach() for s in _sources((3, 4, 24), 4, torch.bfloat16)]
+    norm_bf16 = norm.weight.detach().to(torch.bfloat16)
+    got = torch.ops.attnres_cpu.aggregate(sources, proj.weight, norm_bf16, EPS, False)
+    want = aggregation.fusable(proj.weight, norm_bf16, sources, eps=EPS, preserve_scale=False)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=2 ** -7 * want.float().abs().max().item())
+
+
+@pytest.mark.parametrize("sources, message", [
+    ([], "at least one source"),
+    ([torch.randn(2, 8), torch.randn(3, 8)], "shape, dtype and device"),
+    ([torch.randn(2, 8), torch.randn(2, 8, dtype=torch.bfloat16)], "shape, dtype and device"),
+    ([torch.randn(2, 8, dtype=torch.float64)], "float32, bfloat16 or float16"),
+    ([torch.randn(2, 0)], "D > 0"),
+    ([torch.randn(2, 7)], "D = 7 elements"),
+], ids=["empty", "shapes", "dtypes", "float64", "zero-width", "weights"])
+def test_bad_inputs_raise_a_clear_error(sources, message):
+    proj, norm = _weights(8)
+    with pytest.raises(ValueError, match=message):
+        ops.aggregate(sources, proj.weight, norm.weight, eps=EPS, preserve_scale=False)
+
+
+@needs_cpu_kernel
+def test_the_cpu_kernel_checks_its_inputs_too():
+    proj, norm = _weights(8)
+    with pytest.raises(RuntimeError, match="every source must have the shape of the first"):
+        torch.ops.attnres_cpu.aggregate([torch.randn(2, 8), torch.randn(3, 8)], proj.weight, norm.weight, EPS, False)
+    with pytest.raises(RuntimeError, match="must have D = 8 elements"):
+        torch.ops.attnres_cpu.aggregate([torch.randn(2, 8)], torch.ones(1, 7), norm.weight, EPS, False)
+
+
+def test_without_a_compiler_one_warning_and_the_same_result(tmp_path):
+    """A fresh cache and a compiler that does not exist: the PyTorch formulation, with one warning."""
+    script = textwrap.dedent("""
+        import warnings
+        import torch
+        from attnres_fx import BlockAttnRes, aggregation
+        from attnres_fx.kernels import cpu
+        module = BlockAttnRes(16)
+        torch.nn.init.normal_(module.proj.weight)
+        sources = [torch.randn(2, 40, 16) for _ in range(3)]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = [module(*sources), module(*sources)]
+        messages = [str(w.message) for w in caught]
+        assert len(messages) == 1, messages
+        print(messages[0])
+        want = aggregation.fusable(module.proj.weight, module.norm.weight, sources, eps=module.eps, preserve_scale=False)
+        for o in out:
+            torch.testing.assert_close(o, want, rtol=1e-5, atol=1e-6)
+        assert not cpu.available() and "no C++ compiler" in cpu.unavailable_reason()
+    """)
+    env = {**os.environ, "CXX": str(tmp_path / "missing-compiler"), cpu.CACHE_ENV: str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "C++ CPU kernel is not available (no C++ compiler" in done.stdout
+    assert "PyTorch ops" in done.stdout
