@@ -90,11 +90,10 @@ def attnresify(model: nn.Module, example_inputs: Any = None, *, example_kwargs: 
         # Something outside every block may be what Dynamo refuses (a warning, a data-dependent branch, a
         # cache utility): the layer route needs only the blocks' own graphs.
         inputs = plan_inputs(model, example_inputs, example_kwargs)
-        cause = graph_break(err)
-        if route == "model" or inputs is None or cause is None:
+        if route == "model" or inputs is None or graph_break(err) is None:
             raise
         traced = None
-        detection, spans = capture_by_blocks(model, *inputs, cause)
+        detection, spans = capture_by_blocks(model, *inputs, err)
         frontend = "dynamo per block"
     _check_detection(model, detection, allow_partial)
     _warn_raw_reads(detection, preserve_scale)

@@ -340,6 +340,12 @@ def _trace_export(model, example_inputs, example_kwargs, dynamic_shapes) -> fx.G
     with _config_cache_off(model, kwargs):
         program = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
     gm = program.module()
+    # torch.export's module re-checks its inputs' shapes with a guard function whose symbolic sizes a
+    # second trace cannot follow (torch.distributed.pipelining.pipeline(), a further export): the graph
+    # is traced again by whoever takes it, and the ops themselves still fail on shapes they cannot take.
+    for node in list(gm.graph.find_nodes(op="call_module", target="_guards_fn")):
+        gm.graph.erase_node(node)
+    gm.recompile()
     # The graph was traced in the model's mode (dropout, batch-norm statistics are baked in): record it.
     copy_training_flags(model, gm)
     return gm

@@ -29,7 +29,7 @@ from attnres_fx.passes.detect import Detection, ResidualStream, detect_residual_
 from attnres_fx.passes.layers import LayerSpan
 from attnres_fx.passes.node_kinds import owner_path
 
-from .capture import capture_dynamo, capturing, first_line
+from .capture import capture_dynamo, capturing
 from .errors import NoResidualStreamError, TraceError
 
 
@@ -85,10 +85,11 @@ def record_calls(model: nn.Module, args: tuple, kwargs: dict) -> list[Call]:
     return calls
 
 
-def capture_by_blocks(model: nn.Module, args: tuple, kwargs: dict, cause: BaseException
+def capture_by_blocks(model: nn.Module, args: tuple, kwargs: dict, whole: TraceError
                       ) -> tuple[Detection, list[tuple[LayerSpan, ...]]]:
-    """Detection and layer spans of ``model``'s streams from its blocks' own graphs; ``cause``: why the
-    whole model could not be captured (named if no chain of blocks is found)."""
+    """Detection and layer spans of ``model``'s streams from its blocks' own graphs; ``whole``: why the
+    whole model could not be captured (raised again, with a word on the blocks, if no chain of blocks
+    holds residual sites)."""
     calls = record_calls(model, args, kwargs)
     streams, spans, taken = [], [], []
     for chain in sorted(_chains(calls), key=len, reverse=True):
@@ -103,11 +104,9 @@ def capture_by_blocks(model: nn.Module, args: tuple, kwargs: dict, cause: BaseEx
     if streams:
         order = sorted(range(len(streams)), key=lambda k: [c.path for c in calls].index(spans[k][0].owner))
         return Detection(tuple(streams[k] for k in order), (), (), ()), [spans[k] for k in order]
-    raise TraceError(
-        f"TorchDynamo could not capture {type(model).__name__}.forward as one graph, and no chain of blocks "
-        f"(modules called in turn, each taking the tensor the one before returned) holds residual sites.\n"
-        f"Cause: {type(cause).__name__}: {first_line(cause)}",
-        {"dynamo": cause})
+    raise TraceError(f"{whole}\nNo chain of blocks (modules called in turn, each taking the tensor the one before "
+                     "returned) holds residual sites either, so the layer route cannot go around it.",
+                     whole.causes) from whole
 
 
 def _chains(calls: list[Call]) -> list[list[Call]]:

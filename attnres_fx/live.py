@@ -56,7 +56,8 @@ from attnres_fx.errors import AttnResError, RoutingError, StreamMismatchError, T
 from attnres_fx.passes.layers import LayerSpan
 from attnres_fx.passes.pipeline import LayerTarget, rewrite_captured
 from attnres_fx.passes.plan import Plan, StreamPlan
-from attnres_fx.passes.rewrite import Entry, ModuleCalls, ParameterInputs
+from attnres_fx.passes.rewrite import Entry, ModuleCalls, ParameterInputs, lift_attnres_weights
+from attnres_fx.passes.two_phase import apply_two_phase
 
 from . import compat
 from .capture import STATE, capturing, entry_function, first_line
@@ -87,7 +88,7 @@ class Router:
         # Dynamo entries by compiler (and layout of the stream's state): a temporary switch to eager
         # (:func:`eager_route`) keeps the compiled route's graphs, and the eager ones serve the next switch.
         self._entries: dict[Any, Any] = {}
-        # The rewritten graphs of this module's calls so far (eager route), to read.
+        # The rewritten graphs of this module's calls so far, to read.
         self.rewritten: list[fx.GraphModule] = []
 
     @property
@@ -368,10 +369,22 @@ def _rewritten(router: Router, gm: fx.GraphModule, example_inputs: list, compile
                                   prefix=router.path, layer=layer)
         router.rewritten.append(graph_module)
         return graph_module.forward, result
-    emitter = ParameterInputs(plan)
-    result = rewrite_captured(graph_module, plan, lambda g: emitter, where=_where(router), prefix=router.path,
-                              layer=layer)
-    weights = _WeightReader(router.root, emitter.names)
+    if torch.is_grad_enabled():
+        emitter = ParameterInputs(plan)
+        result = rewrite_captured(graph_module, plan, lambda g: emitter, where=_where(router), prefix=router.path,
+                                  layer=layer)
+        names = emitter.names
+    else:
+        # Dynamo guards on grad mode, so this graph serves calls without gradients only: inference, where
+        # the two-phase schedule scores each block's pseudo-queries against its completed blocks at once
+        # (:mod:`attnres_fx.passes.two_phase`); its weights then become inputs as in the training graph.
+        modules = {site.name: router.root.get_submodule(site.name) for site in plan.sites}
+        result = rewrite_captured(graph_module, plan, lambda g: ModuleCalls(g, modules), where=_where(router),
+                                  prefix=router.path, layer=layer)
+        apply_two_phase(graph_module)
+        names = lift_attnres_weights(graph_module)
+    router.rewritten.append(graph_module)
+    weights = _WeightReader(router.root, names)
     from torch._inductor.compile_fx import compile_fx
 
     state = [node.meta["example_value"] for node in result.rewrite.state_inputs]

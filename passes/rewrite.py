@@ -506,6 +506,11 @@ def _annotate(node: fx.Node, origin: fx.Node, name: str, role: str, *, with_modu
     ``inside``: the node belongs to the checkpointed region of ``origin``, if any."""
     stack = dict(origin.meta.get("nn_module_stack") or {})
     if with_module:
+        # The aggregation's module sits on its parent (a stream's final one on the stream's owner, not
+        # in the last layer whose add it replaces): the stack keeps the parent's ancestors only.
+        parent = name.rpartition(".")[0]
+        stack = {key: value for key, value in stack.items()
+                 if _within(nk._clean_path(str(value[0])), parent)}
         stack[name] = (name, _ATTNRES_CLASS if _stack_uses_strings(stack) else BlockAttnRes)
     if stack:
         node.meta["nn_module_stack"] = stack
@@ -516,11 +521,37 @@ def _annotate(node: fx.Node, origin: fx.Node, name: str, role: str, *, with_modu
     node.meta[ATTNRES_META] = {"name": name, "role": role, "replaces": origin.name}
 
 
+def _within(path: str, parent: str) -> bool:
+    """Whether ``path`` is ``parent`` or one of its ancestors (``""`` is every module's)."""
+    return not path or parent == path or parent.startswith(path + ".")
+
+
 def _stack_uses_strings(stack: dict) -> bool:
     """torch.export records module classes as qualified names, fx and Dynamo as classes."""
     for value in stack.values():
         return len(value) > 1 and isinstance(value[1], str)
     return False
+
+
+def lift_attnres_weights(gm: fx.GraphModule) -> list[str]:
+    """Make every ``get_attr`` of a ``BlockAttnRes`` weight in ``gm`` a new graph input, as
+    :class:`ParameterInputs` emits them (Inductor takes parameters as inputs), and drop the modules; in
+    place. Returns the weights' names in input order, for the caller to pass after the graph's inputs."""
+    graph = gm.graph
+    names = []
+    last = list(graph.find_nodes(op="placeholder"))[-1]
+    for node in list(graph.find_nodes(op="get_attr")):
+        holder = nk.get_submodule_or_none(gm, node.target.rsplit(".", 2)[0])
+        if not isinstance(holder, BlockAttnRes):
+            continue
+        with graph.inserting_after(last):
+            last = graph.placeholder(node.target.replace(".", "_"))
+        node.replace_all_uses_with(last)
+        graph.erase_node(node)
+        names.append(node.target)
+    gm.delete_all_unused_submodules()
+    gm.recompile()
+    return names
 
 
 def new_modules(plan: Plan, like: nn.Module) -> dict[str, BlockAttnRes]:

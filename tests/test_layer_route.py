@@ -235,3 +235,19 @@ def test_a_call_without_an_optional_sublayer_skips_its_site_on_both_routes():
     for use_memory in (True, False):
         torch.testing.assert_close(layer(src, tgt, use_memory), whole(src, tgt, use_memory), rtol=TIGHT, atol=TIGHT)
     assert not torch.allclose(layer(src, tgt, False), layer(src, tgt, True))
+
+
+def test_an_explicit_graph_splits_into_pipeline_stages_at_a_block():
+    """``torch.distributed.pipelining.pipeline()`` splits a :func:`attnres_fx.rewrite` graph before a
+    block's first aggregation: the boundary carries the completed blocks and the partial sum, nothing else."""
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    model = randomise_pseudo_queries(attnres_fx.attnresify(tiny(layers=4), block_size=3))
+    ids = example_ids(model.config)
+    graph = attnres_fx.rewrite(model, (ids,), tracer="export")
+    pipe = pipeline(graph, mb_args=(ids,), split_spec={"blocks.2.attn_res": SplitPoint.BEGINNING})
+    first, second = pipe.get_stage_module(0), pipe.get_stage_module(1)
+    boundary = first(ids)
+    # blocks.2 begins at site 4: b_0 and b_1 completed (block size 3), and the partial sum.
+    assert len(boundary) == attnres_fx.plan_of(model).streams[0].completed_before(4) + 1 == 3
+    torch.testing.assert_close(second(*boundary), model(ids), rtol=1e-5, atol=1e-5)

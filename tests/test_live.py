@@ -295,6 +295,13 @@ def test_eager_and_inductor_routes_agree(route):
     eager = model(x)[0]
     attnres_fx.compile(model)
     torch.testing.assert_close(model(x)[0], eager, rtol=1e-5, atol=1e-5)
+    # Without gradients (inference) the compiled graphs take the two-phase schedule: exact, to fp32
+    # reassociation.
+    with torch.no_grad():
+        torch.testing.assert_close(model(x)[0], eager, rtol=1e-5, atol=1e-5)
+    inference = [graph for router in attnres_fx.live.routers(model) for graph in router.rewritten
+                 if any(n.meta.get("attnres", {}).get("role") == "phase1" for n in graph.graph.nodes)]
+    assert inference, "a no-grad call compiles the two-phase schedule"
     attnres_fx.compile(model, backend="eager")
     torch.testing.assert_close(model(x)[0], eager)
 
