@@ -20,7 +20,7 @@ from torch import fx, nn
 from attnres_fx.passes.detect import Detection, detect_residual_streams
 from attnres_fx.passes.pipeline import rewrite_captured
 from attnres_fx.passes.plan import ROUTES, Plan, Site, make_plan
-from attnres_fx.passes.rewrite import ModuleCalls, ParameterInputs, new_modules
+from attnres_fx.passes.rewrite import ModuleCalls, new_modules
 
 from . import hf, live
 from .block_attnres import DEFAULT_EPS, BlockAttnRes
@@ -102,7 +102,8 @@ def attnresify(model: nn.Module, example_inputs: Any = None, *, example_kwargs: 
     if traced is not None:
         # The rewrite runs on the captured graph before the model is touched: a plan that cannot be
         # applied fails here, not at the model's first call.
-        rewrite_captured(traced.graph_module, plan, lambda g: ParameterInputs(plan), where=type(model).__name__)
+        rewrite_captured(traced.graph_module, plan, lambda g: ModuleCalls(g, new_modules(plan, g)),
+                         where=type(model).__name__)
     options = {"num_blocks": num_blocks, "block_size": block_size, "preserve_scale": preserve_scale, "eps": eps,
                "allow_partial": allow_partial, "route": route}
     live.install(model, plan, new_modules(plan, like=model), options)

@@ -284,7 +284,7 @@ class PipelineStageModule(nn.Module):
             return self._leave(exit_.carrier)
         finally:
             self._carrier = None
-        return out
+        return _tensors_of(out)
 
     def intercept(self, router, args, kwargs, proceed):
         index = [span.owner for span in self.planned.layers].index(router.path)
@@ -333,6 +333,15 @@ class PipelineStageModule(nn.Module):
         def resized(tensor: torch.Tensor) -> torch.Tensor:
             return tensor[:1].expand(batch, *tensor.shape[1:]).contiguous() if tensor.dim() else tensor
         return pytree.tree_map_only(torch.Tensor, resized, copy.copy(self.example))
+
+
+def _tensors_of(output):
+    """The last stage's result as pipelining takes it, tensors only: a ``ModelOutput`` or dict gives its
+    tensors in order (a Hugging Face language model without labels: its logits), one tensor alone."""
+    if isinstance(output, dict):
+        tensors = tuple(value for value in output.values() if isinstance(value, torch.Tensor))
+        return tensors[0] if len(tensors) == 1 else tensors
+    return output
 
 
 def _grad_to(state: StreamState, index: int) -> torch.Tensor:

@@ -115,6 +115,9 @@ def _decoder_with_cache(model: nn.Module, example_inputs: Any, example_kwargs: d
         ids = example_kwargs["input_ids"]
     else:
         raise ExportError("with_cache=True needs example input_ids (positional or keyword)")
+    # A slice of a larger batch (ids[:2, :8]) has the larger batch's strides, which torch.export would
+    # take for the model's.
+    ids = ids.contiguous()
     layers = decoding.cache_shape(model)[0]
     wrapper = decoding.DecoderWithCache(model).train(model.training)
     args, dynamic_shapes = decoding.example_call(model, ids)

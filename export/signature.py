@@ -46,7 +46,7 @@ def bind(module: nn.Module, example_inputs: Any, example_kwargs: dict | None) ->
     """Bind the example inputs to ``module.forward`` and move them to the module's device."""
     args = as_args(example_inputs) or ()
     device = module_device(module)
-    args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to(device),
+    args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to(device).contiguous(),
                                         (args, dict(example_kwargs or {})))
     signature = inspect.signature(module.forward)
     try:

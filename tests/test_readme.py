@@ -1,0 +1,115 @@
+"""Every Python code block of the README runs, as written, at reduced size: a snippet cannot rot.
+
+Each block is found by its first line; its setup (the names it takes as given) and the replacements
+that shrink it (model sizes, steps) are listed here. A block of the README this file does not know fails
+the test, so a new snippet gets a setup when it is written.
+"""
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import attnres_fx
+from hf_models import needs_hf
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+
+TINY_LLAMA = {"hidden_size=256": "hidden_size=32", "intermediate_size=1024": "intermediate_size=64",
+              "num_hidden_layers=16": "num_hidden_layers=2", "vocab_size=1024": "vocab_size=128",
+              "num_attention_heads=4, num_key_value_heads=4": "num_attention_heads=2, num_key_value_heads=2"}
+
+
+def _nanogpt():
+    from toy_models import NanoGPT, make_inputs
+
+    torch.manual_seed(0)
+    return {"model": NanoGPT(dropout=0.0), "idx": make_inputs(), "targets": make_inputs(seed=1)}
+
+
+def _converted_tiny():
+    from attnres_fx.models import TinyTransformer, example_ids
+
+    torch.manual_seed(0)
+    model = TinyTransformer(dim=32, num_layers=2, num_heads=4).eval()
+    ids = example_ids(model.config)
+    return {"model": attnres_fx.attnresify(model, (ids,)), "ids": ids, "torch": torch, "attnres_fx": attnres_fx}
+
+
+def _llama():
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                      num_attention_heads=2, num_key_value_heads=2, vocab_size=128)
+    return {"model": transformers.LlamaForCausalLM(config), "torch": torch, "attnres_fx": attnres_fx}
+
+
+def _pipeline():
+    namespace = _llama()
+    attnres_fx.attnresify(namespace["model"], block_size=2)
+    ids = torch.randint(0, 128, (4, 8), generator=torch.Generator().manual_seed(2))
+
+    def loss_fn(output, targets):
+        return torch.nn.functional.cross_entropy(output.flatten(0, 1), targets.flatten())
+    return {**namespace, "ids": ids, "targets": ids, "microbatch": 1, "world": 1, "rank": 0,
+            "device": torch.device("cpu"), "loss_fn": loss_fn}
+
+
+# first line -> (setup, replacements, what must hold afterwards)
+SNIPPETS = {
+    "import attnres_fx": (_nanogpt, {}, lambda ns: not attnres_fx.is_converted(ns["model"])),
+    "import torch, transformers, attnres_fx": (dict, {
+        **TINY_LLAMA, "torch.randint(0, 1024, (64, 64))": "torch.randint(0, 128, (16, 16))",
+        "max_steps=20": "max_steps=2", "per_device_train_batch_size=8": "per_device_train_batch_size=4",
+        "max_new_tokens=20": "max_new_tokens=4"}, lambda ns: bool(ns["same"])),
+    "weights = attnres_fx.depth_weights(model, ids)": (_converted_tiny, {},
+                                                        lambda ns: Path("depth.png").is_file()),
+    "optimizer = torch.optim.AdamW(attnres_fx.param_groups(": (_converted_tiny, {},
+                                                               lambda ns: len(ns["optimizer"].param_groups) >= 3),
+    "from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper": (
+        _llama, {"num_blocks=8": "num_blocks=2"}, lambda ns: attnres_fx.is_converted(ns["model"])),
+    "from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B": (
+        _pipeline, {'["model.layers.4", "model.layers.8", "model.layers.12"]': '["model.layers.2"]',
+                    "n_microbatches=4": "n_microbatches=4"}, lambda ns: len(ns["stages"]) == 2),
+    "from attnres_fx import export": (_converted_tiny, {}, lambda ns: ns["path"].is_file()),
+}
+
+
+def _snippet(block: str):
+    first = block.splitlines()[0]
+    for start, snippet in SNIPPETS.items():
+        if first.startswith(start):
+            return snippet
+    raise AssertionError(f"a README code block this test does not know: {first!r}; give it a setup")
+
+
+@pytest.fixture
+def process_group():
+    """One process over gloo: what the distributed snippets take as given."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"file://{os.path.abspath('store')}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@needs_hf
+@pytest.mark.parametrize("block", BLOCKS, ids=[b.splitlines()[0][:50] for b in BLOCKS])
+def test_readme_block_runs(block, tmp_path, monkeypatch, request):
+    setup, replacements, holds = _snippet(block)
+    monkeypatch.chdir(tmp_path)
+    if "torch.distributed" in block:
+        request.getfixturevalue("process_group")
+    code = block
+    for old, new in replacements.items():
+        assert old in code, f"the README block changed: {old!r} is gone"
+        code = code.replace(old, new)
+    namespace = {"__name__": "readme", **setup()}
+    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 - the README's own code
+    assert holds(namespace)
