@@ -48,30 +48,46 @@ def assert_untouched(model: torch.nn.Module, before: dict) -> None:
 
 @pytest.fixture
 def untouched():
-    """Usage: check = untouched(model); ...; check()"""
-    def factory(model):
+    """Usage: ``check = untouched(model, *inputs, **kwargs); ...; check()``: the state and the outputs on
+    those inputs (by default a Hugging Face model's dummy inputs, or token ids for a model with a
+    ``config.vocab_size``) are as they were. A model the fixture cannot make inputs for needs them
+    given: every check compares outputs."""
+    def factory(model, *inputs, **kwargs):
         before = snapshot(model)
-        probe = _probe_input(model)
-        out_before = _run(model, probe)
+        call = (inputs, kwargs) if inputs or kwargs else _probe_input(model)
+        out_before = _run(model, call)
 
         def check():
             assert_untouched(model, before)
-            if probe is not None:
-                assert torch.equal(_run(model, probe), out_before), "outputs changed"
+            assert _same(_run(model, call), out_before), "outputs changed"
         return check
     return factory
 
 
 def _probe_input(model):
+    from attnres_fx.capture import dummy_inputs
+
+    found = dummy_inputs(model)
+    if found is not None:
+        return found
     cfg = getattr(model, "config", None)
-    if cfg is not None and hasattr(cfg, "vocab_size") and hasattr(cfg, "max_seq_len"):
-        return torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
-    return None
+    if cfg is not None and hasattr(cfg, "vocab_size"):
+        return (torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1)),), {}
+    raise AssertionError(f"untouched({type(model).__name__}): pass the inputs to compare its outputs on")
 
 
-def _run(model, x):
+def _run(model, call):
+    args, kwargs = call
     with torch.no_grad():
-        return copy.deepcopy(model)(x) if x is not None else None
+        return copy.deepcopy(model)(*args, **kwargs)
+
+
+def _same(a, b) -> bool:
+    import torch.utils._pytree as pytree
+
+    left, right = pytree.tree_leaves(a), pytree.tree_leaves(b)
+    return len(left) == len(right) and all(
+        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(left, right))
 
 
 def converted(model: torch.nn.Module, *example_inputs, **options) -> torch.nn.Module:

@@ -57,7 +57,7 @@ def test_converting_twice_is_refused(model):
 
 def test_untraceable_model_raises_trace_error_with_the_cause(untouched):
     model = DataDependentModel()
-    check = untouched(model)
+    check = untouched(model, torch.randn(2, 3, 32))
     with pytest.raises(attnres_fx.TraceError, match="pass example_inputs") as without_inputs:
         attnres_fx.attnresify(model)
     assert set(without_inputs.value.causes) == {"fx"}
@@ -85,7 +85,7 @@ def test_a_model_that_fails_on_the_example_inputs_raises_the_root_cause(model, u
 
 def test_no_residual_stream_error_lists_the_adds(untouched):
     model = NoResidualModel()
-    check = untouched(model)
+    check = untouched(model, make_inputs())
     with pytest.raises(attnres_fx.NoResidualStreamError) as err:
         attnres_fx.attnresify(model, (make_inputs(),))
     message = str(err.value)
@@ -96,7 +96,7 @@ def test_no_residual_stream_error_lists_the_adds(untouched):
 
 def test_post_norm_raises_unsupported_architecture(untouched):
     model = PostNormModel()
-    check = untouched(model)
+    check = untouched(model, make_inputs())
     with pytest.raises(attnres_fx.UnsupportedArchitectureError, match="post-norm") as err:
         attnres_fx.attnresify(model, (make_inputs(),))
     assert "pre-norm" in str(err.value)

@@ -196,7 +196,7 @@ def test_an_add_on_the_stream_that_is_no_site_is_refused_unless_allowed(kind, ad
     detection = detect(model, ids)
     assert [(r.node, reason in r.reason) for r in detection.unconverted] == [(add, True)]
     assert f"{add}: " in str(detection) and "no residual site" in str(detection)
-    check = untouched(model)
+    check = untouched(model, ids)
     refusal = rf"(?s)no residual site:\n  - \w+: [^\n]*{reason}.*allow_partial=True"
     with pytest.raises(attnres_fx.UnsupportedArchitectureError, match=refusal):
         attnres_fx.attnresify(model, (ids,))
@@ -228,7 +228,7 @@ def test_a_fork_is_reported():
 
 def test_a_scaled_torch_add_is_named_in_the_error(untouched):
     model = LayerStack([ScaledAddLayer(0.5), ScaledAddLayer(0.5)])
-    check = untouched(model)
+    check = untouched(model, make_inputs())
     with pytest.raises(attnres_fx.NoResidualStreamError, match=r"torch\.add\(a, b, alpha=0\.5\)"):
         attnres_fx.attnresify(model, (make_inputs(),))
     check()

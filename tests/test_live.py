@@ -50,8 +50,13 @@ def test_same_object_class_submodules_methods_and_attributes():
     assert model.note == "a plain attribute" and model.num_params() == sum(p.numel() for p in model.parameters())
     assert model.h[0].attn_res.site.name == "h.0.attn_res"
     # repr: the original's lines, plus the AttnRes modules.
-    added = [line for line in repr(model).splitlines() if line not in before.splitlines()]
-    assert all(any(k in line for k in ("_res", "proj", "norm", "dim=", ")")) for line in added)
+    added = [line.strip() for line in repr(model).splitlines() if line not in before.splitlines()]
+    heads = [line for line in added if "BlockAttnRes(" in line]
+    # (repr folds identical layers: "(0-1): 2 x NanoBlock(")
+    assert {line.split(":")[0] for line in heads} == {f"({site.name.rsplit('.', 1)[-1]})"
+                                                      for site in attnres_fx.sites(model)}
+    assert all(line in heads or line == ")" or line.startswith(("(proj): Linear(", "(norm): RMSNorm(", "dim="))
+               for line in added), added
     assert set(before.splitlines()) <= set(repr(model).splitlines())
 
 
@@ -181,7 +186,7 @@ def test_remove_restores_the_original_exactly():
 
 def test_failing_conversions_leave_the_model_bit_identical(untouched):
     model = nano()
-    check = untouched(model)
+    check = untouched(model, make_inputs())
     with pytest.raises(ValueError):
         attnres_fx.attnresify(model, (make_inputs(),), block_size=1, num_blocks=1)
     with pytest.raises(attnres_fx.TraceError):

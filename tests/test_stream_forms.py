@@ -214,7 +214,7 @@ def test_without_example_inputs_a_scan_that_fx_cannot_trace_asks_for_them(untouc
     """fx symbolic tracing (the capture without example inputs) cannot trace ``y[:, t] = ...``: the error
     says so and asks for example inputs, with which the same model converts (the test above)."""
     model = T.LayerStack([T.MixerLayer(T.SelectiveScan()) for _ in range(2)])
-    check = untouched(model)
+    check = untouched(model, T.make_inputs())
     with pytest.raises(attnres_fx.TraceError, match=r"(?s)item assignment.*pass example_inputs"):
         attnres_fx.attnresify(model)
     check()

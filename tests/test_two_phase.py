@@ -107,7 +107,7 @@ def test_bf16_keeps_dtype_and_fp32_softmax():
 def test_rejects_a_model_that_was_not_rewritten(untouched):
     cfg = TinyConfig(dim=16, num_layers=2, num_heads=2)
     traced = fx.symbolic_trace(TinyTransformer(cfg))
-    check = untouched(traced)
+    check = untouched(traced, example_ids(cfg))
     code = traced.code
     assert not can_apply_two_phase(traced) and not can_apply_two_phase(TinyTransformer(cfg))
     with pytest.raises(ValueError, match="attnres_fx.rewrite"):
