@@ -10,8 +10,8 @@ Every figure is a ratio to the original model measured in the same process, the 
 Models: the built-in pre-norm TinyTransformer at three shapes (``bench``: d=512, 12 layers, batch 4 x
 256, N=8; ``mid``: d=256, 8 layers, batch 4 x 128, N=4; ``deep``: d=128, 24 layers, batch 4 x 128, N=8)
 and, for decoding, a Llama-style Hugging Face model built from its config (8 layers, hidden 256).
-Variants: ``original``; ``converted`` (``attnresify(num_blocks=N)``, the live route: eager, or
-``attnres_fx.compile``); ``graph`` (the explicit GraphModule of ``attnres_fx.rewrite``, eager or
+Variants: ``original``; ``converted`` (``attnresify(num_blocks=N)``, the live layer route: eager, or
+``attnres_fx.compile``); ``model_route`` (the same on the model route, ``route="model"``); ``graph`` (the explicit GraphModule of ``attnres_fx.rewrite``, eager or
 ``export.compile``, for comparison with the live route); ``full`` (``block_size=1``).
 
 Sections:
@@ -19,12 +19,17 @@ Sections:
 1. ``forward``: inference latency, eager, compiled (Inductor, fullgraph) and onnxruntime (CPU, its default
    graph optimisations, the benchmark's thread count).
 2. ``train``: one step (forward, cross-entropy, backward, AdamW), eager and compiled.
-3. ``first_call``: seconds to convert, and of the first call (capture and rewrite), at the ``bench`` shape.
-4. ``decode``: tokens/s of ``generate`` with the KV cache (greedy), batch 1 and 8, eager and compiled.
-5. ``memory``: peak resident memory of a training step and of a forward, each in a fresh process.
-6. ``op``: one aggregation, the kernel (eager) and compiled, against a compiled streaming sum of the same
+3. ``first_call``: seconds to convert, and of the first call (captures and rewrites), at the ``bench``
+   shape, on each route.
+4. ``decode``: tokens/s of ``generate`` with the KV cache (greedy), batch 1 and 8, eager and compiled, on
+   each route.
+5. ``stages``: bytes a microbatch sends across pipeline stage boundaries (``attnres_fx.pipeline_stages``,
+   four stages of the ``deep`` shape), with and without cross-stage caching over two ranks, and the state
+   held between two blocks of a forward against the N + 1 stream tensors it should be.
+6. ``memory``: peak resident memory of a training step and of a forward, each in a fresh process.
+7. ``op``: one aggregation, the kernel (eager) and compiled, against a compiled streaming sum of the same
    sources (the bandwidth bound), and the two-phase schedule of one block against its per-site form.
-7. ``choices``: the measurements behind the implementation choices: eager candidates per shape (decoding
+8. ``choices``: the measurements behind the implementation choices: eager candidates per shape (decoding
    and prefill), fused backward against autograd, Inductor's plain-op form against the opaque operator,
    and onnxruntime per ONNX form. ``--device cuda`` runs this section and ``op`` on a GPU.
 
@@ -62,7 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import traffic  # noqa: E402 - the memory-traffic model beside this script
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
-SECTIONS = ("forward", "train", "first_call", "decode", "memory", "op", "choices")
+SECTIONS = ("forward", "train", "first_call", "decode", "stages", "memory", "op", "choices")
 BACKENDS = ("eager", "compiled", "onnx")
 
 
@@ -162,7 +167,7 @@ def converted(shape: Shape, model: nn.Module, **options) -> nn.Module:
     plain mean show)."""
     from attnres_fx.testing import randomise_pseudo_queries
 
-    options = options or {"num_blocks": shape.num_blocks}
+    options = {"num_blocks": shape.num_blocks, **options} if "block_size" not in options else options
     return randomise_pseudo_queries(attnres_fx.attnresify(copy.deepcopy(model), (inputs(shape)[0],), **options))
 
 
@@ -173,6 +178,8 @@ def variants(shape: Shape, names: tuple[str, ...]) -> dict[str, nn.Module]:
         made["converted"] = converted(shape, base)
     if "graph" in names:
         made["graph"] = attnres_fx.rewrite(copy.deepcopy(made["converted"]), (inputs(shape)[0],))
+    if "model_route" in names:
+        made["model_route"] = converted(shape, base, route="model")
     if "full" in names:
         made["full"] = converted(shape, base, block_size=1)
     return {name: made[name] for name in names}
@@ -233,7 +240,7 @@ def forward_section(settings: Settings, backends: list[str]) -> dict:
     for name in settings.forward_shapes:
         shape = settings.shapes[name]
         ids, _ = inputs(shape)
-        models = variants(shape, ("original", "converted", "graph", "full"))
+        models = variants(shape, ("original", "converted", "model_route", "graph", "full"))
         result[name] = rows = {"shape": shape.describe()}
         with torch.no_grad():
             if "eager" in backends:
@@ -242,7 +249,7 @@ def forward_section(settings: Settings, backends: list[str]) -> dict:
                                                       settings.runs, settings.warmup), "original")
             if "compiled" in backends:
                 progress(f"forward {name} compiled (Inductor compiles each variant first)")
-                chosen = {v: compiled(models[v]) for v in ("original", "converted", "graph")}
+                chosen = {v: compiled(models[v]) for v in ("original", "converted", "model_route", "graph")}
                 rows["compiled"] = summarise(interleaved({v: functools.partial(m, ids) for v, m in chosen.items()},
                                                          settings.runs, settings.warmup), "original")
                 torch._dynamo.reset()
@@ -274,7 +281,8 @@ def train_section(settings: Settings, backends: list[str]) -> dict:
         result[name] = rows = {"shape": shape.describe()}
         for backend in (b for b in ("eager", "compiled") if b in backends):
             progress(f"train {name} {backend}")
-            names = ("original", "converted", "full") if backend == "eager" else ("original", "converted")
+            names = ("original", "converted", "model_route", "full") if backend == "eager" else \
+                ("original", "converted", "model_route")
             steps = {v: train_step(m.train(), ids, targets, backend == "compiled")
                      for v, m in variants(shape, names).items()}
             rows[backend] = summarise(interleaved(steps, settings.runs, settings.warmup), "original")
@@ -294,21 +302,25 @@ def train_step(model: nn.Module, ids: torch.Tensor, targets: torch.Tensor, compi
 
 
 def first_call_section(settings: Settings) -> dict:
+    """Seconds to convert, of the first call (captures and rewrites) and of the second, per route."""
     shape = settings.shapes["bench"]
     ids, _ = inputs(shape)
-    model = original(shape)
-    start = time.perf_counter()
-    attnres_fx.attnresify(model, (ids,), num_blocks=shape.num_blocks)
-    convert_s = time.perf_counter() - start
-    with torch.no_grad():
+    result: dict = {"shape": shape.describe()}
+    for route in ("layer", "model"):
+        model = original(shape)
         start = time.perf_counter()
-        model(ids)
-        first_s = time.perf_counter() - start
-        start = time.perf_counter()
-        model(ids)
-        second_s = time.perf_counter() - start
-    torch._dynamo.reset()
-    return {"shape": shape.describe(), "convert_s": convert_s, "first_call_s": first_s, "second_call_s": second_s}
+        attnres_fx.attnresify(model, (ids,), num_blocks=shape.num_blocks, route=route)
+        convert_s = time.perf_counter() - start
+        with torch.no_grad():
+            start = time.perf_counter()
+            model(ids)
+            first_s = time.perf_counter() - start
+            start = time.perf_counter()
+            model(ids)
+            second_s = time.perf_counter() - start
+        torch._dynamo.reset()
+        result[route] = {"convert_s": convert_s, "first_call_s": first_s, "second_call_s": second_s}
+    return result
 
 
 def decode_section(settings: Settings, backends: list[str]) -> dict:
@@ -319,10 +331,13 @@ def decode_section(settings: Settings, backends: list[str]) -> dict:
     for backend in (b for b in ("eager", "compiled") if b in backends):
         base = build_hf("llama", use_cache=True, **settings.decode)
         models = {"original": base,
-                  "converted": randomise_pseudo_queries(attnres_fx.attnresify(copy.deepcopy(base), num_blocks=4))}
+                  "converted": randomise_pseudo_queries(attnres_fx.attnresify(copy.deepcopy(base), num_blocks=4)),
+                  "model_route": randomise_pseudo_queries(attnres_fx.attnresify(copy.deepcopy(base), num_blocks=4,
+                                                                                route="model"))}
         if backend == "compiled":
             base.forward = torch.compile(base.forward, backend="inductor", fullgraph=True)
             attnres_fx.compile(models["converted"])
+            attnres_fx.compile(models["model_route"])
         result[backend] = {}
         for batch in (1, 8):
             progress(f"decode {backend} batch {batch}")
@@ -338,6 +353,47 @@ def decode_section(settings: Settings, backends: list[str]) -> dict:
                             max(3, settings.runs // 3), settings.warmup), "original", per_call=tokens)
         torch._dynamo.reset()
     return result
+
+
+def stages_section(settings: Settings) -> dict:
+    """What crosses pipeline stage boundaries per microbatch (the stages run in one process, in turn),
+    with and without cross-stage caching, and the state held between two blocks of a forward."""
+    from attnres_fx.stream_state import state_of
+
+    shape = settings.shapes["deep"]
+    ids, _ = inputs(shape)
+    model = converted(shape, original(shape))
+    count = 4
+    splits = [f"blocks.{k * shape.layers // count}" for k in range(1, count)]
+    sent = {}
+    for label, ranks in (("plain", None), ("cached", 2)):
+        stages = attnres_fx.pipeline_stages(model, splits, example_inputs=(ids,), ranks=ranks)
+        with torch.no_grad():
+            values = stages[0](ids)
+            tensors = [len(values)]
+            for stage in stages[1:-1]:
+                values = stage(*values)
+                tensors.append(len(values))
+            stages[-1](*values)
+        sent[label] = (sum(stage.sent_bytes for stage in stages), tensors)
+    held: list[tuple[int, int]] = []
+
+    def record(module, args, output):
+        state, _ = state_of(output, 0)
+        if state is not None:
+            distinct = {id(t): t for t in state.tensors}.values()
+            held.append((len(distinct), sum(t.numel() * t.element_size() for t in distinct)))
+    handles = [block.register_forward_hook(record) for block in model.blocks]
+    with torch.no_grad():
+        model(ids)
+    for handle in handles:
+        handle.remove()
+    stream_bytes = shape.batch * shape.seq * shape.dim * 4
+    return {"shape": shape.describe(), "stages": count, "ranks": 2, "microbatch": f"batch {shape.batch} x {shape.seq}",
+            "plain_bytes": sent["plain"][0], "cached_bytes": sent["cached"][0], "plain_tensors": sent["plain"][1],
+            "cached_tensors": sent["cached"][1], "num_blocks": shape.num_blocks,
+            "state_tensors": max(n for n, _ in held), "state_mb": max(b for _, b in held) / 1e6,
+            "state_predicted_mb": (shape.num_blocks + 1) * stream_bytes / 1e6}
 
 
 def memory_section(settings: Settings, config_name: str) -> dict:
@@ -694,17 +750,35 @@ def markdown(settings: Settings, results: dict) -> str:
             lines += [f"## {title}, {rows['shape']}", "", *_ratio_table(rows), ""]
     first = results.get("first_call")
     if first:
-        lines += ["## First call", "", f"{first['shape']}: conversion {first['convert_s']:.2f} s, first call "
-                  f"(capture and rewrite) {first['first_call_s']:.2f} s, second call {first['second_call_s']:.3f} s.", ""]
+        lines += [f"## First call ({first['shape']})", "", "| route | conversion, s | first call (captures and rewrites), s "
+                  "| second call, s |", "|---|---|---|---|"]
+        for route in ("layer", "model"):
+            e = first[route]
+            lines.append(f"| {route} | {e['convert_s']:.2f} | {e['first_call_s']:.2f} | {e['second_call_s']:.3f} |")
+        lines.append("")
     decode = results.get("decode")
     if decode:
         lines += [f"## Decoding with the KV cache ({decode['model']}, {decode['new_tokens']} new tokens, greedy)", "",
-                  "| backend | batch | original tokens/s | converted tokens/s | ratio (median / max) |", "|---|---|---|---|---|"]
+                  "| backend | batch | original tokens/s | layer route tokens/s (ratio median / max) | model route tokens/s "
+                  "(ratio) |", "|---|---|---|---|---|"]
         for backend in ("eager", "compiled"):
             for batch, rows in decode.get(backend, {}).items():
-                lines.append(f"| {backend} | {batch[5:]} | {rows['original']['rate']:.1f} | {rows['converted']['rate']:.1f} | "
-                             f"{rows['converted']['ratio']:.3f} / {rows['converted']['ratio_min']:.3f} |")
+                lines.append(f"| {backend} | {batch[5:]} | {rows['original']['rate']:.1f} | {rows['converted']['rate']:.1f} "
+                             f"({rows['converted']['ratio']:.3f} / {rows['converted']['ratio_min']:.3f}) | "
+                             f"{rows['model_route']['rate']:.1f} ({rows['model_route']['ratio']:.3f}) |")
         lines.append("")
+    stages = results.get("stages")
+    if stages:
+        lines += [f"## Pipeline stages and the state between blocks ({stages['shape']})", "",
+                  f"Bytes each microbatch sends across the stage boundaries of {stages['stages']} stages "
+                  f"({stages['microbatch']}): {stages['plain_bytes'] / 2**20:.2f} MiB without cross-stage caching, "
+                  f"{stages['cached_bytes'] / 2**20:.2f} MiB with it over {stages['ranks']} ranks "
+                  f"({stages['cached_bytes'] / stages['plain_bytes']:.3f}); per boundary "
+                  f"{', '.join(str(n) for n in stages['plain_tensors'])} tensors without, "
+                  f"{', '.join(str(n) for n in stages['cached_tensors'])} with.", "",
+                  f"State held between two blocks in one forward (the completed block sums and the partial sum, "
+                  f"no gradients): at most {stages['state_tensors']} tensors, {stages['state_mb']:.1f} MB measured, "
+                  f"{stages['state_predicted_mb']:.1f} MB predicted (N + 1 = {stages['num_blocks'] + 1} stream tensors).", ""]
     memory = results.get("memory")
     if memory:
         lines += [f"## Peak memory ({memory['shape']}; fresh process each, 64 KiB mmap threshold)", "",
@@ -777,6 +851,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     runners = {"forward": lambda: forward_section(settings, backends),
                "train": lambda: train_section(settings, backends),
                "first_call": lambda: first_call_section(settings),
+               "stages": lambda: stages_section(settings),
                "decode": lambda: decode_section(settings, backends),
                "memory": lambda: memory_section(settings, config_name),
                "op": lambda: op_section(settings, torch.device(args.device)),
