@@ -25,16 +25,23 @@ def _run(out: Path, *flags: str) -> tuple[dict, str]:
 
 
 def test_quick_eager_sections(tmp_path):
-    results, report = _run(tmp_path, "--backends", "eager", "--sections", "forward,train,first_call,decode")
+    results, report = _run(tmp_path, "--backends", "eager", "--sections", "forward,train,first_call,decode,stages")
     forward = results["forward"]["bench"]["eager"]
-    assert set(forward) == {"original", "converted", "graph", "full"} and forward["original"]["ratio"] == 1.0
+    assert set(forward) == {"original", "converted", "model_route", "graph", "full"}
+    assert forward["original"]["ratio"] == 1.0
     assert all(entry["min_ms"] > 0 for entry in forward.values())
-    assert set(results["train"]["bench"]["eager"]) == {"original", "converted", "full"}
-    assert results["first_call"]["first_call_s"] > 0 and results["first_call"]["convert_s"] > 0
+    assert set(results["train"]["bench"]["eager"]) == {"original", "converted", "model_route", "full"}
+    for route in ("layer", "model"):
+        assert results["first_call"][route]["first_call_s"] > 0 and results["first_call"][route]["convert_s"] > 0
     assert set(results["decode"]["eager"]) == {"batch1", "batch8"}
     assert results["decode"]["eager"]["batch8"]["converted"]["rate"] > 0
+    assert results["decode"]["eager"]["batch8"]["model_route"]["rate"] > 0
+    stages = results["stages"]
+    # Cross-stage caching sends each completed block once: never more bytes than the plain boundaries.
+    assert 0 < stages["cached_bytes"] < stages["plain_bytes"]
+    assert stages["state_tensors"] == stages["num_blocks"] and stages["state_mb"] > 0
     assert "eager forward, bench" in results["targets"]
-    for heading in ("## Forward latency", "## Training step", "## First call", "## Decoding", "## Memory-traffic model",
+    for heading in ("## Forward latency", "## Training step", "## First call", "## Decoding", "## Pipeline stages and the state between blocks", "## Memory-traffic model",
                     "## Targets"):
         assert heading in report
 
