@@ -82,7 +82,8 @@ def test_plugin_converts_every_model_built_and_records_it(pytester, mode):
 
 
 def test_plugin_counts_a_model_built_inside_another_as_covered(pytester):
-    """A model built inside another's __init__ is the outer conversion's part: only the outer one counts."""
+    """A model built inside another's __init__ is the outer conversion's part: only the outer one counts;
+    a model whose post_init runs again is counted once."""
     pytester.makepyfile(test_nested='''
         import attnres_fx.testing.hf_parity as parity
 
@@ -104,7 +105,9 @@ def test_plugin_counts_a_model_built_inside_another_as_covered(pytester):
             recorder = parity.hf._POLICY[0].__self__
             inner = Inner()
             recorder.policy(inner)
-            recorder.policy(Outer(inner))
+            outer = Outer(inner)
+            recorder.policy(outer)
+            assert recorder.policy(outer) is None, "post_init run again on a model built before"
             assert [(b.name, b.state) for b in recorder.current.built] == [("Inner", "inner"), ("Outer", "pending")]
     ''')
     result = pytester.runpytest_inprocess("-p", "attnres_fx.testing.hf_parity", "-p", "no:cacheprovider")

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from attnres_fx import hf
+from attnres_fx import hf, is_converted
 from attnres_fx.testing import randomise_pseudo_queries
 
 CONVERSION_OPTIONS = {"preserve_scale": True}
@@ -94,6 +94,8 @@ class ParityRecorder:
         record = self.current
         if record is None:
             return dict(CONVERSION_OPTIONS, after=self.randomise)
+        if is_converted(model) or any(built.model() is model for built in record.built):
+            return None         # post_init run again on a model already built (converted or not)
         inside = {id(m) for m in model.modules()}
         for built in record.built:
             if built.state == "pending" and id(built.model()) in inside:
