@@ -60,8 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--test-timeout", type=float, default=300.0, help="seconds one test may take (pytest-timeout)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the converted models' random pseudo-queries")
     parser.add_argument("--python", default=sys.executable, help="the interpreter that runs pytest")
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
-                        help="which runs to do (a run's earlier records in OUT are reused otherwise)")
+    parser.add_argument("--variants", nargs="*", choices=VARIANTS, default=list(VARIANTS),
+                        help="which runs to do; the records in OUT of the others are reused (none: only "
+                             "summarise what OUT holds)")
     return parser.parse_args(argv)
 
 
