@@ -183,6 +183,11 @@ def test_benchmark_runs_a_source_tree_twice_and_summarises(tmp_path):
     assert set(summary["runs"]) == {"original", "converted"}
     report = (out / "hf_parity.md").read_text()
     assert "| tiny | 3 | 3 | 2 | 1 | 1 | 0 |" in report
+    # No variant: the records already there are summarised again, nothing runs.
+    (out / "hf_parity.md").unlink()
+    assert bench.main(["--transformers-src", str(src), "--models", "tiny", "--out", str(out), "-k", "not subtests",
+                       "--variants"]) == 0
+    assert (out / "hf_parity.md").read_text() == report
 
 
 def test_benchmark_names_architectures_without_a_test_file(tmp_path):
