@@ -24,7 +24,7 @@ from attnres_fx.passes.rewrite import ModuleCalls, new_modules
 
 from . import hf, live
 from .block_attnres import DEFAULT_EPS, BlockAttnRes
-from .capture import as_args, capture_dynamo, capture_for_plan, graph_break, plan_inputs, trace, unwrap_compiled
+from .capture import as_args, ready_to_capture, capture_dynamo, capture_for_plan, graph_break, plan_inputs, trace, unwrap_compiled
 from .conversion import Conversion, conversion_of
 from .errors import AttnResWarning, NoResidualStreamError, RoutingError, TraceError, UnsupportedArchitectureError
 from .layered_capture import capture_by_blocks
@@ -82,19 +82,20 @@ def attnresify(model: nn.Module, example_inputs: Any = None, *, example_kwargs: 
     start = time.perf_counter()
     example_inputs = as_args(example_inputs)
     spans = None
-    try:
-        traced = capture_for_plan(model, example_inputs, example_kwargs)
-        detection = detect_residual_streams(traced.graph_module)
-        frontend = traced.frontend
-    except TraceError as err:
-        # Something outside every block may be what Dynamo refuses (a warning, a data-dependent branch, a
-        # cache utility): the layer route needs only the blocks' own graphs.
-        inputs = plan_inputs(model, example_inputs, example_kwargs)
-        if route == "model" or inputs is None or graph_break(err) is None:
-            raise
-        traced = None
-        detection, spans = capture_by_blocks(model, *inputs, err)
-        frontend = "dynamo per block"
+    with ready_to_capture(model):
+        try:
+            traced = capture_for_plan(model, example_inputs, example_kwargs)
+            detection = detect_residual_streams(traced.graph_module)
+            frontend = traced.frontend
+        except TraceError as err:
+            # Something outside every block may be what Dynamo refuses (a warning, a data-dependent branch,
+            # a cache utility): the layer route needs only the blocks' own graphs.
+            inputs = plan_inputs(model, example_inputs, example_kwargs)
+            if route == "model" or inputs is None or graph_break(err) is None:
+                raise
+            traced = None
+            detection, spans = capture_by_blocks(model, *inputs, err)
+            frontend = "dynamo per block"
     _check_detection(model, detection, allow_partial)
     _warn_raw_reads(detection, preserve_scale)
     plan = make_plan(detection, dict(model.named_modules()), num_blocks=num_blocks, block_size=block_size,

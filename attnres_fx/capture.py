@@ -245,6 +245,24 @@ def plan_inputs(model: nn.Module, example_inputs: tuple | None, example_kwargs: 
     return args, kwargs
 
 
+@contextlib.contextmanager
+def ready_to_capture(model: nn.Module):
+    """What a conversion's capture needs of a Hugging Face model: its output-recording hooks installed
+    (outside any trace), and ``config.use_cache`` off while it captures: a forward without a
+    ``use_cache`` argument (a question-answering head passes ``**kwargs`` on) falls back to the config,
+    and would build a cache of real tensors inside the capture."""
+    compat.install_output_recorders(model)
+    config = getattr(model, "config", None)
+    if not getattr(config, "use_cache", False):
+        yield
+        return
+    config.use_cache = False
+    try:
+        yield
+    finally:
+        config.use_cache = True
+
+
 def _is_cache(value: Any) -> bool:
     return any(cls.__name__ == "Cache" and cls.__module__.startswith("transformers.") for cls in type(value).__mro__)
 

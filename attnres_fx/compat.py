@@ -13,6 +13,7 @@ import sys
 
 import torch
 import torch._dynamo
+from torch import nn
 from torch._dynamo.exc import Unsupported as DynamoUnsupported  # noqa: F401 - errors.py builds on it
 
 
@@ -34,6 +35,21 @@ def output_recorders_traceable():
         yield
     finally:
         collector.global_var, collector.compiling = None, False
+
+
+def install_output_recorders(model: nn.Module) -> None:
+    """Install transformers' output-recording hooks on every model inside ``model`` now, as its first call
+    asking for attentions or hidden states would: installing them takes a ``threading.Lock``, which
+    Dynamo cannot trace. Relies on ``transformers.utils.output_capturing.maybe_install_capturing_hooks``
+    and ``_CAN_RECORD_REGISTRY``; without them, nothing happens."""
+    module = sys.modules.get("transformers.utils.output_capturing")
+    install = getattr(module, "maybe_install_capturing_hooks", None)
+    registry = getattr(module, "_CAN_RECORD_REGISTRY", None)
+    if install is None or registry is None:
+        return
+    for submodule in model.modules():
+        if registry.get(submodule):
+            install(submodule)
 
 
 @torch._dynamo.assume_constant_result

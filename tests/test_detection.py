@@ -264,3 +264,59 @@ def test_kinds_come_from_data_flow_not_names():
 
     detection = detect(Model(), make_inputs())
     assert [s.kind for s in detection.streams[0].sites] == ["attn", "mlp", "mixer"] * 2
+
+
+class _TransposeAttention(torch.nn.Module):
+    """Attention whose scores read the keys through a property: ``q @ k.mT``."""
+    def __init__(self, d=32):
+        super().__init__()
+        self.qkv, self.out = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return self.out(torch.softmax(q @ k.mT / 32 ** 0.5, dim=-1) @ v)
+
+
+class _InPlaceParallelLayer(torch.nn.Module):
+    """A parallel layer that sums its branches in place before the residual add (Falcon's form)."""
+    def __init__(self, d=32, in_place=True):
+        super().__init__()
+        self.norm, self.attn = torch.nn.LayerNorm(d), _TransposeAttention(d)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 2 * d), torch.nn.GELU(), torch.nn.Linear(2 * d, d))
+        self.drop, self.in_place = torch.nn.Dropout(0.1), in_place
+
+    def forward(self, x):
+        h = self.norm(x)
+        attn_out, mlp_out = self.attn(h), self.mlp(h)
+        if self.in_place:
+            mlp_out += attn_out
+        else:
+            mlp_out = mlp_out + attn_out
+        return x + self.drop(mlp_out)
+
+
+class _ParallelStack(torch.nn.Module):
+    def __init__(self, in_place=True):
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 32)
+        self.layers = torch.nn.ModuleList(_InPlaceParallelLayer(in_place=in_place) for _ in range(2))
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("tracer", ["fx", "dynamo"])
+def test_attention_through_a_transpose_property_and_in_place_branch_sums(tracer):
+    """``k.mT`` carries data (a ``getattr`` of a property is no shape query), so the scores' softmax is
+    attention; a layer that sums its branches in place gets one site branch per sublayer, as the same
+    layer written out of place does."""
+    ids = make_inputs()
+    found = {}
+    for in_place in (True, False):
+        model = _ParallelStack(in_place).eval()
+        detection = attnres_fx.detect(model, (ids,), tracer=tracer)
+        found[in_place] = [sorted(b.kind for b in s.branches) for s in detection.streams[0].sites]
+    assert found[True] == found[False] == [["attn", "mlp"]] * 2
