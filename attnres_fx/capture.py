@@ -58,12 +58,15 @@ def capturing():
     same computation, in the layer's own ops), and transformers' output recorders read their collector
 in a form Dynamo can trace (:func:`attnres_fx.compat.output_recorders_traceable`). Dynamo takes
 float attributes as constants (``specialize_float``), as it does without dynamic shapes: a dropout's ``p``
-or a norm's ``eps`` read from a module must look the same in every capture of the model."""
+or a norm's ``eps`` read from a module must look the same in every capture of the model. transformers'
+once-per-process logging calls are no-ops inside a capture (:func:`attnres_fx.compat.once_only_logging`)."""
     STATE.depth += 1
     fast_path = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)
     try:
-        with compat.output_recorders_traceable(), torch._dynamo.config.patch(specialize_float=True):
+        ignored = torch._dynamo.config.ignore_logging_functions | compat.once_only_logging()
+        with compat.output_recorders_traceable(), torch._dynamo.config.patch(specialize_float=True,
+                                                                              ignore_logging_functions=ignored):
             yield
     finally:
         torch.backends.mha.set_fastpath_enabled(fast_path)

@@ -9,6 +9,7 @@ import contextlib
 import functools
 import importlib.abc
 import importlib.machinery
+import logging
 import sys
 
 import torch
@@ -35,6 +36,14 @@ def output_recorders_traceable():
         yield
     finally:
         collector.global_var, collector.compiling = None, False
+
+
+def once_only_logging() -> set:
+    """transformers' once-per-process logging helpers (``logger.warning_once``, ``logger.info_once``, set on
+    ``logging.Logger`` when transformers is imported), for ``torch._dynamo.config.ignore_logging_functions``:
+    Dynamo cannot trace a logging call into a ``fullgraph`` graph, and these log at most once anyway (a
+    message logged inside a captured layer is not logged)."""
+    return {getattr(logging.Logger, name) for name in ("warning_once", "info_once") if hasattr(logging.Logger, name)}
 
 
 def install_output_recorders(model: nn.Module) -> None:

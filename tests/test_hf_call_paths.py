@@ -77,6 +77,15 @@ def test_hidden_states_and_attentions_collected_by_transformers_hooks(pairs, nam
     _close(got.logits, want.logits)
 
 
+def test_a_layer_that_logs_once_inside_the_capture():
+    """SDPA attention asked for attentions logs a ``warning_once`` inside the layer, which Dynamo cannot
+    take into a graph: the capture ignores transformers' once-only logging."""
+    model = build("llama", attn_implementation="sdpa")
+    original = copy.deepcopy(model)
+    attnres_fx.attnresify(model, preserve_scale=True)
+    _close(model(IDS, output_attentions=True).logits, original(IDS, output_attentions=True).logits)
+
+
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_inputs_embeds_and_a_config_that_asks_for_hidden_states(pairs, name):
     original, converted = pairs(name)
