@@ -12,8 +12,10 @@ Inspecting and training a converted model::
     optimizer = torch.optim.AdamW(attnres_fx.param_groups(model, lr=3e-4, weight_decay=0.1))
 """
 
-from .api import attnresify, compile, conversion_options, detect, is_converted, plan_of, remove, rewrite, sites
+from .api import attnresify, compile, detect, remove, rewrite
 from .block_attnres import BlockAttnRes
+from .config import AttnResConfig
+from .conversion import config_of, conversion_options, is_converted, plan_of, sites
 from .depth import DepthRecorder, DepthWeights, SiteWeights, depth_weights
 from .errors import (
     AttnResError,
@@ -32,6 +34,7 @@ from .errors import (
 from .hf import from_pretrained
 from .pipelining import pipeline_stages
 from .passes.plan import Site
+from .version import __version__
 from .training import (
     depth_metrics,
     depth_monitor_callback,
@@ -41,13 +44,12 @@ from .training import (
     unfreeze,
 )
 
-__version__ = "0.2.0"
 
 __all__ = [
-    "AttnResError", "AttnResWarning", "BlockAttnRes", "CheckpointMismatchError", "DepthRecorder", "DepthWeights",
+    "AttnResConfig", "AttnResError", "AttnResWarning", "BlockAttnRes", "CheckpointMismatchError", "DepthRecorder", "DepthWeights",
     "DepthWeightsError", "ExportError", "ForeignCompileError", "NoResidualStreamError", "PassContractError", "RoutingError", "Site", "SiteWeights",
     "StreamMismatchError", "TraceError", "UnsupportedArchitectureError", "attnresify", "compile",
-    "conversion_options", "depth_metrics", "depth_monitor_callback", "depth_weights", "detect", "freeze",
+    "config_of", "conversion_options", "depth_metrics", "depth_monitor_callback", "depth_weights", "detect", "freeze",
     "from_pretrained", "is_converted", "monitor_depth", "param_groups", "pipeline_stages", "plan_of", "remove",
     "rewrite", "sites",
     "unfreeze",

@@ -8,8 +8,8 @@ The pipeline: capture (:mod:`attnres_fx.capture`) -> detect (:mod:`attnres_fx.pa
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import math
 import time
 import warnings
 from typing import Any
@@ -19,13 +19,16 @@ from torch import fx, nn
 
 from attnres_fx.passes.detect import Detection, detect_residual_streams
 from attnres_fx.passes.pipeline import rewrite_captured
-from attnres_fx.passes.plan import ROUTES, Plan, Site, make_plan
+from attnres_fx.passes.plan import make_plan
 from attnres_fx.passes.rewrite import ModuleCalls, new_modules
 
-from . import hf, live
-from .block_attnres import DEFAULT_EPS, BlockAttnRes
-from .capture import as_args, ready_to_capture, capture_dynamo, capture_for_plan, graph_break, plan_inputs, trace, unwrap_compiled
-from .conversion import Conversion, conversion_of
+from . import live
+from .block_attnres import BlockAttnRes
+from .config import AttnResConfig
+from .capture import as_args, capture_dynamo, capture_for_plan, graph_break, plan_inputs, ready_to_capture, trace
+from .compat import unwrap_compiled
+from .conversion import conversion_of, require
+from .conversion import conversion_options, is_converted, plan_of, sites  # noqa: F401 - the public face
 from .errors import AttnResWarning, NoResidualStreamError, RoutingError, TraceError, UnsupportedArchitectureError
 from .layered_capture import capture_by_blocks
 
@@ -34,8 +37,7 @@ LOG = logging.getLogger("attnres_fx")
 
 
 def attnresify(model: nn.Module, example_inputs: Any = None, *, example_kwargs: dict | None = None,
-               num_blocks: int | None = None, block_size: int | None = None, preserve_scale: bool = False,
-               eps: float = DEFAULT_EPS, allow_partial: bool = False, route: str = "auto") -> nn.Module:
+               config: AttnResConfig | None = None, **options: Any) -> nn.Module:
     """Convert ``model`` in place to Block Attention Residuals and return it (the same object).
 
     The model keeps its class, submodules, methods, call signature and train/eval behaviour. It gains one
@@ -51,6 +53,10 @@ def attnresify(model: nn.Module, example_inputs: Any = None, *, example_kwargs: 
             Hugging Face model is captured with dummy inputs from its config, any other model with
             ``torch.fx`` symbolic tracing.
         example_kwargs: keyword inputs (a dict).
+        config: the options below as one :class:`~attnres_fx.AttnResConfig`; keyword options given
+            beside it replace its fields.
+
+    Options (keyword arguments, or fields of ``config``):
         num_blocks: target number of blocks N per stream (default 8); ``block_size = ceil(M / N)`` for
             the M residual sites of a stream.
         block_size: sites per block S; wins over the default ``num_blocks``; ``1`` is Full AttnRes.
@@ -74,8 +80,10 @@ def attnresify(model: nn.Module, example_inputs: Any = None, *, example_kwargs: 
 
     Conversion is atomic: on any error the model is exactly as before. Undo it with :func:`remove`.
     """
-    _check_arguments(model, example_inputs, example_kwargs, num_blocks, block_size, preserve_scale, eps,
-                     allow_partial, route)
+    config = _config(config, options)
+    _check_arguments(model, example_inputs, example_kwargs)
+    num_blocks, block_size, preserve_scale, eps = config.num_blocks, config.block_size, config.preserve_scale, config.eps
+    allow_partial, route = config.allow_partial, config.route
     if conversion_of(model) is not None:
         raise RoutingError(f"{type(model).__name__} is already converted (attnres_fx.sites(model) lists its "
                            "sites); call attnres_fx.remove(model) first to convert it again")
@@ -105,10 +113,7 @@ def attnresify(model: nn.Module, example_inputs: Any = None, *, example_kwargs: 
         # applied fails here, not at the model's first call.
         rewrite_captured(traced.graph_module, plan, lambda g: ModuleCalls(g, new_modules(plan, g)),
                          where=type(model).__name__)
-    options = {"num_blocks": num_blocks, "block_size": block_size, "preserve_scale": preserve_scale, "eps": eps,
-               "allow_partial": allow_partial, "route": route}
-    live.install(model, plan, new_modules(plan, like=model), options)
-    hf.attach(model)
+    live.install(model, plan, new_modules(plan, like=model), config)
     LOG.info("converted %s in %.1f s (%s capture): %d sites in %d stream(s), block sizes %s, routes %s",
              type(model).__name__, time.perf_counter() - start, frontend, len(plan.sites),
              len(plan.streams), ", ".join(map(str, plan.block_sizes)), ", ".join(plan.routes))
@@ -118,9 +123,7 @@ def attnresify(model: nn.Module, example_inputs: Any = None, *, example_kwargs: 
 def remove(model: nn.Module) -> nn.Module:
     """Undo :func:`attnresify` in place: the AttnRes modules and the routing go; forward, ``state_dict``
     keys and outputs are the original's again. Returns ``model``."""
-    conversion = _conversion(model, "remove")
-    live.uninstall(model, conversion)
-    hf.detach(model)
+    live.uninstall(model, require(model, "remove"))
     return model
 
 
@@ -132,7 +135,7 @@ def compile(model: nn.Module, **inductor_options) -> nn.Module:  # noqa: A001 - 
     so they get gradients. ``inductor_options`` are Inductor config patches (e.g. ``max_autotune=True``).
     ``attnres_fx.compile(model, backend="eager")`` switches back to eager execution.
     """
-    conversion = _conversion(model, "compile")
+    conversion = require(model, "compile")
     compiler = inductor_options.pop("backend", "inductor")
     live.set_compiler(model, conversion, compiler, inductor_options)
     return model
@@ -149,7 +152,7 @@ def rewrite(model: nn.Module, example_inputs: Any = None, *, example_kwargs: dic
     follows later training. A graph made by ``torch.export`` is fixed to the model's train/eval mode at
     the time of the call. The model is not modified.
     """
-    _conversion(model, "rewrite")
+    require(model, "rewrite")
     model = unwrap_compiled(model)
     return explicit_graph(model, model, "", example_inputs, example_kwargs, tracer, dynamic_shapes)
 
@@ -168,29 +171,6 @@ def explicit_graph(root: nn.Module, model: nn.Module, within: str, example_input
     gm.meta["attnres"] = {"frontend": traced.frontend, "block_sizes": [s.planned.block_size for s in rewrite.spans],
                           "preserve_scale": conversion.plan.preserve_scale}
     return gm
-
-
-def sites(module: nn.Module) -> list[Site]:
-    """Every injected aggregation of a converted model (or of a :func:`rewrite` graph), in execution
-    order, each stream's final one after its sites. ``module.get_submodule(site.name)`` is its
-    ``BlockAttnRes``."""
-    module = unwrap_compiled(module)
-    found = [m.site for m in module.modules() if isinstance(m, BlockAttnRes) and m.site is not None]
-    return sorted(found, key=lambda site: site.index)
-
-
-def conversion_options(model: nn.Module) -> dict[str, Any]:
-    """The ``attnresify`` arguments a converted model was converted with."""
-    return dict(_conversion(model, "conversion_options").options)
-
-
-def plan_of(model: nn.Module) -> Plan:
-    """The plan a converted model was converted with (block sizes, names, sources per site)."""
-    return _conversion(model, "plan_of").plan
-
-
-def is_converted(model: nn.Module) -> bool:
-    return conversion_of(model) is not None
 
 
 def detect(model: nn.Module, example_inputs: Any = None, *, example_kwargs: dict | None = None,
@@ -215,16 +195,19 @@ def detect(model: nn.Module, example_inputs: Any = None, *, example_kwargs: dict
     return detect_residual_streams(gm)
 
 
-def _conversion(model: nn.Module, caller: str) -> Conversion:
-    conversion = conversion_of(model)
-    if conversion is None:
-        raise ValueError(f"model: attnres_fx.{caller} needs a model converted by attnres_fx.attnresify "
-                         f"(got a {type(model).__name__} that is not converted)")
-    return conversion
+def _config(config: AttnResConfig | None, options: dict[str, Any]) -> AttnResConfig:
+    """One config from ``config`` and the keyword options given beside it (they win)."""
+    if config is not None and not isinstance(config, AttnResConfig):
+        raise TypeError(f"config must be an attnres_fx.AttnResConfig, got {type(config).__name__}")
+    known = AttnResConfig().options()
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise TypeError(f"attnresify() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; "
+                        f"its options are {', '.join(known)}")
+    return dataclasses.replace(config or AttnResConfig(), **options)
 
 
-def _check_arguments(model, example_inputs, example_kwargs, num_blocks, block_size, preserve_scale, eps,
-                     allow_partial, route) -> None:
+def _check_arguments(model, example_inputs, example_kwargs) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if any(isinstance(m, BlockAttnRes) for m in model.modules()) and conversion_of(model) is None:
@@ -235,16 +218,6 @@ def _check_arguments(model, example_inputs, example_kwargs, num_blocks, block_si
                         f"{type(example_inputs).__name__}")
     if example_kwargs is not None and not isinstance(example_kwargs, dict):
         raise TypeError(f"example_kwargs must be a dict of keyword inputs, got {type(example_kwargs).__name__}")
-    for name, value in (("block_size", block_size), ("num_blocks", num_blocks)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    for name, value in (("preserve_scale", preserve_scale), ("allow_partial", allow_partial)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
-        raise ValueError(f"eps must be a positive finite number, got {eps!r}")
-    if route not in ROUTES:
-        raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
 
 
 def _check_detection(model: nn.Module, detection: Detection, allow_partial: bool) -> None:

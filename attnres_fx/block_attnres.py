@@ -6,10 +6,9 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 
 from . import aggregation, ops
+from .compat import FakeTensor, is_fx_symbolic_tracing
 
 if TYPE_CHECKING:
     from attnres_fx.passes.plan import Site

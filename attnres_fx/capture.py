@@ -28,7 +28,6 @@ from unittest import mock
 
 import torch
 from torch import fx, nn
-from torch.nn.modules import transformer as transformer_modules
 
 from attnres_fx import compat
 from attnres_fx.passes.checkpoints import open_checkpoints
@@ -64,9 +63,7 @@ once-per-process logging calls are no-ops inside a capture (:func:`attnres_fx.co
     fast_path = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)
     try:
-        ignored = torch._dynamo.config.ignore_logging_functions | compat.once_only_logging()
-        with compat.output_recorders_traceable(), torch._dynamo.config.patch(specialize_float=True,
-                                                                              ignore_logging_functions=ignored):
+        with compat.output_recorders_traceable(), compat.dynamo_capture_config(compat.once_only_logging()):
             yield
     finally:
         torch.backends.mha.set_fastpath_enabled(fast_path)
@@ -93,11 +90,6 @@ def as_args(example_inputs: Any) -> tuple | None:
     if isinstance(example_inputs, list):
         return tuple(example_inputs)
     return (example_inputs,)
-
-
-def unwrap_compiled(module: nn.Module) -> nn.Module:
-    """The module inside a ``torch.compile`` wrapper (``OptimizedModule``), or ``module`` itself."""
-    return getattr(module, "_orig_mod", module)
 
 
 def copy_training_flags(source: nn.Module, target: nn.Module) -> None:
@@ -138,7 +130,8 @@ def _torch_transformers_traceable():
     """Within: fx can trace torch.nn's Transformer modules. Besides their fast path (off while
     :func:`capturing`), they read the sequence length with Python control flow on the input
     (``src.is_nested``): that helper is recorded as one call."""
-    return mock.patch.object(transformer_modules, "_get_seq_len", _recorded(transformer_modules._get_seq_len))
+    module, name = compat.transformer_seq_len_helper()
+    return mock.patch.object(module, name, _recorded(getattr(module, name)))
 
 
 @dataclass(frozen=True)
@@ -274,7 +267,7 @@ def graph_break(err: TraceError) -> BaseException | None:
     """The TorchDynamo graph break that made a capture fail (a construct Dynamo cannot take into one
     graph), or None when it failed otherwise (the model fails on its inputs, another tracer failed)."""
     cause = err.causes.get("dynamo")
-    if isinstance(cause, torch._dynamo.exc.Unsupported) and not _failed_on_inputs(cause):
+    if isinstance(cause, compat.DynamoUnsupported) and not _failed_on_inputs(cause):
         return cause
     return None
 
@@ -456,7 +449,7 @@ def _failed_on_inputs(err: BaseException) -> bool:
     """Whether Dynamo stopped because an op of the model failed on the (fake) inputs, as it would when
     run: a dtype or shape the model does not take, rather than a construct it cannot capture."""
     while err is not None:
-        if isinstance(err, torch._dynamo.exc.TorchRuntimeError):
+        if isinstance(err, compat.TorchRuntimeError):
             return True
         err = err.__cause__
     return False

@@ -14,7 +14,7 @@ import math
 import torch
 from torch import nn
 
-from .api import sites
+from .conversion import sites
 from .errors import RoutingError
 
 

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from . import __version__, api
+from . import api
+from .version import __version__
 from .checks import eps_bound, relative_error
 from .depth import depth_weights
 from .errors import AttnResError

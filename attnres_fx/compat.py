@@ -1,6 +1,7 @@
 """Where attnres_fx reaches into other libraries' internals, in one place.
 
-Each entry says what it relies on and why no public interface does.
+Each entry says what it relies on and why no public interface does. Importing it checks the torch
+version: the supported range is the one the tests run on (:data:`SUPPORTED_TORCH`).
 """
 
 from __future__ import annotations
@@ -12,10 +13,91 @@ import importlib.machinery
 import logging
 import sys
 
+import warnings
+
 import torch
 import torch._dynamo
 from torch import nn
-from torch._dynamo.exc import Unsupported as DynamoUnsupported  # noqa: F401 - errors.py builds on it
+
+# [minimum, first untested) of the torch releases attnres_fx runs on; pyproject.toml states the same.
+SUPPORTED_TORCH = ((2, 13), (2, 14))
+
+
+def _check_torch_version(version: str) -> None:
+    release = tuple(int(part) for part in version.split("+")[0].split(".")[:2])
+    low, high = SUPPORTED_TORCH
+    supported = f"torch>={low[0]}.{low[1]},<{high[0]}.{high[1]}"
+    if release < low:
+        raise ImportError(f"attnres_fx needs {supported}; this is torch {version} (pip install 'torch=={low[0]}.{low[1]}.*')")
+    if release >= high:
+        warnings.warn(f"attnres_fx is tested on {supported}; torch {version} is newer: the internals listed in "
+                      "attnres_fx.compat may have moved", UserWarning, stacklevel=3)
+
+
+_check_torch_version(torch.__version__)
+
+# torch internals with no public equivalent: Dynamo's exception types (a graph break, a failed run on fake
+# tensors, a backend failure), FakeTensor (what a capture's example values are), the op overload types
+# of aten graphs, Inductor's graph compiler, fake-mode discovery.
+from torch._dynamo.exc import BackendCompilerFailed, TorchDynamoException, TorchRuntimeError  # noqa: E402, F401
+from torch._dynamo.exc import Unsupported as DynamoUnsupported  # noqa: E402, F401
+from torch._guards import detect_fake_mode  # noqa: E402, F401
+from torch._ops import OpOverload, OpOverloadPacket  # noqa: E402, F401
+from torch._subclasses.fake_tensor import FakeTensor  # noqa: E402, F401
+from torch.fx._symbolic_trace import is_fx_symbolic_tracing  # noqa: E402, F401
+# torch.utils._pytree: the flattening torch.export and Dynamo apply to inputs and outputs (no public module).
+import torch.utils._pytree as pytree  # noqa: E402, F401
+
+# torch.nn's private base classes: what every dropout, batch/instance norm and convolution derives from.
+DropoutBase = nn.modules.dropout._DropoutNd
+NormBase = nn.modules.batchnorm._NormBase
+ConvBase = nn.modules.conv._ConvNd
+
+
+def transformer_seq_len_helper() -> tuple[object, str]:
+    """Where torch.nn's Transformer layers read the sequence length with Python control flow on the
+    input (``torch.nn.modules.transformer._get_seq_len``): (module, attribute), for fx to record as one call."""
+    from torch.nn.modules import transformer
+
+    return transformer, "_get_seq_len"
+
+
+def inductor_compile(graph_module, example_inputs, config_patches=None):
+    """Inductor on an fx graph inside a Dynamo backend (``torch._inductor.compile_fx.compile_fx``, what
+    ``torch.compile``'s default backend calls)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(graph_module, example_inputs, config_patches=config_patches)
+
+
+@contextlib.contextmanager
+def dynamo_capture_config(ignore_logging: set):
+    """Dynamo settings of every capture: float attributes as constants (``specialize_float``) and the
+    logging functions ``ignore_logging`` as no-ops (``ignore_logging_functions``)."""
+    ignored = torch._dynamo.config.ignore_logging_functions | ignore_logging
+    with torch._dynamo.config.patch(specialize_float=True, ignore_logging_functions=ignored):
+        yield
+
+
+def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The tensor a view was made from (``Tensor._base``), or None: how a stream value that a layer
+    returns as a view of its computed output is found again."""
+    return tensor._base
+
+
+def mark_hf_initialized(module: nn.Module) -> None:
+    """Tell transformers' ``init_weights`` that ``module`` is initialised already (its private
+    ``_is_hf_initialized`` flag): it would otherwise draw random weights over the AttnRes zeros."""
+    module._is_hf_initialized = True
+
+
+def set_nn_module_hook_guards(skip: bool | None) -> bool:
+    """Set ``torch._dynamo.config.skip_nnmodule_hook_guards`` (``None`` leaves it) and return what it was:
+    whether Dynamo guards a module's hooks (no public setting says it)."""
+    before = torch._dynamo.config.skip_nnmodule_hook_guards
+    if skip is not None:
+        torch._dynamo.config.skip_nnmodule_hook_guards = skip
+    return before
 
 
 @contextlib.contextmanager
@@ -36,6 +118,12 @@ def output_recorders_traceable():
         yield
     finally:
         collector.global_var, collector.compiling = None, False
+
+
+def unwrap_compiled(module: nn.Module) -> nn.Module:
+    """The module inside a ``torch.compile`` wrapper (``OptimizedModule``, which keeps it as ``_orig_mod``),
+    or ``module`` itself."""
+    return getattr(module, "_orig_mod", module)
 
 
 def once_only_logging() -> set:

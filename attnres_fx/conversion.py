@@ -1,18 +1,25 @@
-"""What a conversion is, and where it lives: the one owner of a converted model's AttnRes state.
+"""What a conversion is, and where it lives: the one owner of a converted model's AttnRes state and of
+every accessor of it.
 
 :func:`~attnres_fx.attnresify` leaves a :class:`Conversion` on the model it converted (an ordinary
 instance attribute: it follows ``copy.deepcopy``, ``pickle`` and ``torch.save`` of the model and never
-enters its ``state_dict``); every accessor of the public API reads it here.
+enters its ``state_dict``). :func:`sites`, :func:`plan_of`, :func:`conversion_options` and
+:func:`is_converted` read it here; integrations that act when a model is converted or restored (the
+Hugging Face one gives the model its ``save_pretrained``) register with :func:`on_convert`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from torch import nn
 
-from attnres_fx.passes.plan import Plan
+from attnres_fx.block_attnres import BlockAttnRes
+from attnres_fx.passes.plan import Plan, Site
+
+from .compat import unwrap_compiled
+from .config import AttnResConfig
 
 ATTRIBUTE = "_attnres_conversion"
 
@@ -23,7 +30,7 @@ class Conversion:
 
     plan: Plan
     routed: tuple[str, ...]                                    # modules whose forward is routed
-    options: dict[str, Any] = field(default_factory=dict)     # the attnresify arguments that made the plan
+    config: AttnResConfig = field(default_factory=AttnResConfig)   # the options that made the plan
     compiler: str = "eager"
     compile_options: dict[str, Any] = field(default_factory=dict)
     watched: tuple[str, ...] = ()                              # stream owners of the layer route
@@ -32,13 +39,63 @@ class Conversion:
 def conversion_of(model: nn.Module) -> Conversion | None:
     """The conversion of a converted model (``None`` for any other module, a submodule of a converted
     model included)."""
-    conversion = getattr(model, "_orig_mod", model).__dict__.get(ATTRIBUTE)
+    conversion = unwrap_compiled(model).__dict__.get(ATTRIBUTE)
     return conversion if isinstance(conversion, Conversion) else None
+
+
+def require(model: nn.Module, caller: str) -> Conversion:
+    """The conversion of ``model``, or the error ``attnres_fx.<caller>`` raises for a model not converted."""
+    conversion = conversion_of(model)
+    if conversion is None:
+        raise ValueError(f"model: attnres_fx.{caller} needs a model converted by attnres_fx.attnresify "
+                         f"(got a {type(model).__name__} that is not converted)")
+    return conversion
+
+
+_OBSERVERS: list[tuple[Callable[[nn.Module], None], Callable[[nn.Module], None]]] = []
+
+
+def on_convert(converted: Callable[[nn.Module], None], restored: Callable[[nn.Module], None]) -> None:
+    """Call ``converted(model)`` after every conversion is attached, ``restored(model)`` after it is undone."""
+    _OBSERVERS.append((converted, restored))
 
 
 def attach(model: nn.Module, conversion: Conversion) -> None:
     model.__dict__[ATTRIBUTE] = conversion
+    for converted, _ in _OBSERVERS:
+        converted(model)
 
 
 def detach(model: nn.Module) -> None:
     model.__dict__.pop(ATTRIBUTE, None)
+    for _, restored in _OBSERVERS:
+        restored(model)
+
+
+def is_converted(model: nn.Module) -> bool:
+    return conversion_of(model) is not None
+
+
+def sites(module: nn.Module) -> list[Site]:
+    """Every injected aggregation of a converted model (or of a :func:`~attnres_fx.rewrite` graph), in
+    execution order, each stream's final one after its sites. ``module.get_submodule(site.name)`` is its
+    ``BlockAttnRes``."""
+    module = unwrap_compiled(module)
+    found = [m.site for m in module.modules() if isinstance(m, BlockAttnRes) and m.site is not None]
+    return sorted(found, key=lambda site: site.index)
+
+
+def conversion_options(model: nn.Module) -> dict[str, Any]:
+    """The ``attnresify`` arguments a converted model was converted with (its :class:`AttnResConfig` as
+    keyword arguments)."""
+    return require(model, "conversion_options").config.options()
+
+
+def config_of(model: nn.Module) -> AttnResConfig:
+    """The :class:`AttnResConfig` a converted model was converted with."""
+    return require(model, "config_of").config
+
+
+def plan_of(model: nn.Module) -> Plan:
+    """The plan a converted model was converted with (block sizes, names, sources per site)."""
+    return require(model, "plan_of").plan

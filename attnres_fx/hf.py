@@ -33,8 +33,11 @@ from typing import Any
 
 from torch import nn
 
-from . import compat
+from . import api, compat, conversion
+from .config import AttnResConfig
+from .conversion import is_converted, plan_of, sites
 from .errors import CheckpointMismatchError
+from .version import __version__
 
 CONFIG_NAME = "attnres_config.json"
 WEIGHTS_NAME = "attnres.safetensors"
@@ -78,11 +81,9 @@ def attach(model: nn.Module) -> None:
         return
     if "save_pretrained" not in model.__dict__:
         model.save_pretrained = SavePretrained(model)
-    from . import api
-
-    for site in api.sites(model):
+    for site in sites(model):
         for module in model.get_submodule(site.name).modules():
-            module._is_hf_initialized = True
+            compat.mark_hf_initialized(module)
 
 
 def detach(model: nn.Module) -> None:
@@ -90,27 +91,27 @@ def detach(model: nn.Module) -> None:
         del model.__dict__["save_pretrained"]
 
 
+conversion.on_convert(attach, detach)
+
+
 def config_entry(model: nn.Module) -> dict[str, Any]:
-    """The ``"attnres"`` entry of a converted model's ``config.json``."""
-    from . import __version__, api
-
+    """The ``"attnres"`` entry of a converted model's ``config.json``: its :class:`AttnResConfig`, block
+    sizes and format."""
     return {"format": FORMAT_VERSION, "attnres_fx_version": __version__,
-            "options": dict(api.conversion_options(model)), "block_sizes": list(api.plan_of(model).block_sizes)}
+            "options": conversion.config_of(model).to_dict(), "block_sizes": list(plan_of(model).block_sizes)}
 
 
-def config_of(model: nn.Module) -> dict[str, Any]:
+def saved_config(model: nn.Module) -> dict[str, Any]:
     """What ``attnres_config.json`` holds for a converted model: the config entry and the site list."""
-    from . import api
-
     return {**config_entry(model),
             "sites": [{key: value for key, value in asdict(site).items() if key not in ("position", "branch")}
-                      for site in api.plan_of(model).sites]}
+                      for site in plan_of(model).sites]}
 
 
 def write_config(model: nn.Module, directory) -> Path:
     path = Path(directory) / CONFIG_NAME
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(config_of(model), indent=2) + "\n")
+    path.write_text(json.dumps(saved_config(model), indent=2) + "\n")
     return path
 
 
@@ -147,21 +148,19 @@ def construction_policy(policy: Callable[[nn.Module], dict | None] | None) -> No
 
 def convert_on_construction(model: nn.Module) -> None:
     """What transformers' ``post_init`` does for attnres_fx (see the module docstring)."""
-    from . import api
-
     entry = getattr(getattr(model, "config", None), CONFIG_ATTRIBUTE, None)
     options = None
     if isinstance(entry, dict):
         _check_format(entry, f"{type(model).__name__}.config.{CONFIG_ATTRIBUTE}")
-        options = dict(entry.get("options") or {})
+        options = {"config": AttnResConfig.from_dict(entry.get("options") or {})}
     elif _POLICY:
         options = _POLICY[0](model)
-    if options is None or api.is_converted(model) or not _outermost(model):
+    if options is None or is_converted(model) or not _outermost(model):
         return
     after = options.pop("after", None)
     api.attnresify(model, **options)
-    if isinstance(entry, dict) and list(api.plan_of(model).block_sizes) != list(entry.get("block_sizes", [])):
-        sizes = api.plan_of(model).block_sizes
+    if isinstance(entry, dict) and list(plan_of(model).block_sizes) != list(entry.get("block_sizes", [])):
+        sizes = plan_of(model).block_sizes
         api.remove(model)
         raise CheckpointMismatchError(f"{type(model).__name__}: its config was saved with AttnRes block sizes "
                                       f"{entry.get('block_sizes')}, the model built from it converts to {list(sizes)}")
@@ -197,20 +196,18 @@ def from_pretrained(model_or_cls, directory, **from_pretrained_kwargs) -> nn.Mod
     the saved ones: a model that converts to others raises :class:`~attnres_fx.CheckpointMismatchError`
     naming them, and an instance is left unconverted.
     """
-    from . import api
-
     saved = read_config(directory)
     if isinstance(model_or_cls, type):
         model = model_or_cls.from_pretrained(directory, **from_pretrained_kwargs)
-        if not api.is_converted(model):
+        if not is_converted(model):
             raise CheckpointMismatchError(f"{directory}: {type(model).__name__} was built without its AttnRes "
                                           f"conversion (config.json has no '{CONFIG_ATTRIBUTE}' entry?)")
-        _check_sites(saved, config_of(model), directory)
+        _check_sites(saved, saved_config(model), directory)
         return model
     model = model_or_cls
-    api.attnresify(model, **saved["options"])
+    api.attnresify(model, config=AttnResConfig.from_dict(saved["options"]))
     try:
-        _check_sites(saved, config_of(model), directory)
+        _check_sites(saved, saved_config(model), directory)
         _load_attnres_weights(model, directory)
     except BaseException:
         api.remove(model)
@@ -238,9 +235,7 @@ def _check_sites(saved: dict, now: dict, directory) -> None:
 
 
 def _attnres_weights(model: nn.Module) -> dict:
-    from . import api
-
-    return {f"{site.name}.{p}": tensor for site in api.sites(model)
+    return {f"{site.name}.{p}": tensor for site in sites(model)
             for p, tensor in model.get_submodule(site.name).state_dict().items()}
 
 

@@ -22,13 +22,13 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
 from attnres_fx.passes.detect import Detection, ResidualStream, detect_residual_streams
 from attnres_fx.passes.layers import LayerSpan
 from attnres_fx.passes.node_kinds import owner_path
 
+from .compat import pytree
 from .capture import capture_dynamo, capturing
 from .errors import NoResidualStreamError, TraceError
 

@@ -48,7 +48,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import fx, nn
 
 from attnres_fx.block_attnres import BlockAttnRes
@@ -60,7 +59,9 @@ from attnres_fx.passes.rewrite import Entry, ModuleCalls, ParameterInputs, lift_
 from attnres_fx.passes.two_phase import apply_two_phase
 
 from . import compat
+from .compat import pytree
 from .capture import STATE, capturing, entry_function, first_line
+from .config import AttnResConfig
 from .conversion import Conversion, attach, conversion_of, detach
 from .stream_state import StreamState, bundle, register, state_of, unbundle
 
@@ -147,11 +148,11 @@ class Router:
         with capturing():
             try:
                 return entry(self.module, *args, **kwargs)
-            except torch._dynamo.exc.BackendCompilerFailed as err:
+            except compat.BackendCompilerFailed as err:
                 if isinstance(err.inner_exception, AttnResError):
                     raise err.inner_exception.with_traceback(None) from err
                 raise
-            except torch._dynamo.exc.Unsupported as err:
+            except compat.DynamoUnsupported as err:
                 raise TraceError(_graph_break_message(self, err), {"dynamo": err}) from err
             finally:
                 _HookGuards.restore()
@@ -160,7 +161,7 @@ class Router:
         self._entries.clear()
         self.rewritten.clear()
 
-    @torch._dynamo.disable(reason=(
+    @torch.compiler.disable(reason=(
         "a model converted by attnres_fx runs its AttnRes rewrite through its own TorchDynamo route; "
         "torch.compile(model) cannot include it in its graph. Use attnres_fx.compile(model) for Inductor "
         "(without fullgraph=True, torch.compile(model) works too: this call then runs the AttnRes route)"))
@@ -385,10 +386,8 @@ def _rewritten(router: Router, gm: fx.GraphModule, example_inputs: list, compile
         names = lift_attnres_weights(graph_module)
     router.rewritten.append(graph_module)
     weights = _WeightReader(router.root, names)
-    from torch._inductor.compile_fx import compile_fx
-
     state = [node.meta["example_value"] for node in result.rewrite.state_inputs]
-    compiled = compile_fx(graph_module, [*example_inputs, *state, *weights.fake(example_inputs)],
+    compiled = compat.inductor_compile(graph_module, [*example_inputs, *state, *weights.fake(example_inputs)],
                           config_patches=router.conversion.compile_options or None)
     return _RoutedGraph(compiled, weights), result
 
@@ -429,13 +428,12 @@ class _HookGuards:
     @classmethod
     def enable(cls) -> None:
         if cls.saved is None:
-            cls.saved = torch._dynamo.config.skip_nnmodule_hook_guards
-            torch._dynamo.config.skip_nnmodule_hook_guards = False
+            cls.saved = compat.set_nn_module_hook_guards(False)
 
     @classmethod
     def restore(cls) -> None:
         if cls.saved is not None:
-            torch._dynamo.config.skip_nnmodule_hook_guards = cls.saved
+            compat.set_nn_module_hook_guards(cls.saved)
             cls.saved = None
 
 
@@ -452,7 +450,7 @@ class _WeightReader:
         return [getattr(getattr(module, child), attr) for module, child, attr in self.holders]
 
     def fake(self, example_inputs: list) -> list[torch.Tensor]:
-        fake_mode = torch._guards.detect_fake_mode(example_inputs)
+        fake_mode = compat.detect_fake_mode(example_inputs)
         tensors = self.read()
         return [fake_mode.from_tensor(t, static_shapes=True) for t in tensors] if fake_mode else tensors
 
@@ -480,11 +478,11 @@ class _StreamWatch:
         self.conversion = conversion
         self.stream = stream
 
-    @torch._dynamo.disable
+    @torch.compiler.disable
     def enter(self, module, args):
         _WATCHED.__dict__.setdefault("stack", []).append([self.conversion, self.stream, False, False])
 
-    @torch._dynamo.disable
+    @torch.compiler.disable
     def leave(self, module, args, output):
         stack = _WATCHED.__dict__.get("stack") or []
         record = next((r for r in reversed(stack) if r[0] is self.conversion and r[1] == self.stream), None)
@@ -558,7 +556,7 @@ def routers(model: nn.Module) -> list[Router]:
     return [m.__dict__["forward"] for m in model.modules() if isinstance(m.__dict__.get("forward"), Router)]
 
 
-def install(model: nn.Module, plan: Plan, modules: dict[str, BlockAttnRes], options: dict[str, Any]) -> Conversion:
+def install(model: nn.Module, plan: Plan, modules: dict[str, BlockAttnRes], config: AttnResConfig) -> Conversion:
     """Register the AttnRes modules, the routers and the stream watches on ``model``; all or nothing."""
     model_routed = [stream.owner for stream in plan.streams if stream.route == "model"]
     routed = {path: None for path in ([""] if model_routed else []) + model_routed}
@@ -573,7 +571,7 @@ def install(model: nn.Module, plan: Plan, modules: dict[str, BlockAttnRes], opti
                 f"{module.__dict__['forward']!r}); attnres_fx routes calls through forward itself. Convert "
                 "the model before adding such wrappers.")
     watched = tuple(stream.owner for stream in plan.streams if stream.route == "layer")
-    conversion = Conversion(plan, tuple(routed), dict(options), watched=watched)
+    conversion = Conversion(plan, tuple(routed), config, watched=watched)
     registered: list[tuple[nn.Module, str]] = []
     handles = []
     try:
@@ -595,6 +593,7 @@ def install(model: nn.Module, plan: Plan, modules: dict[str, BlockAttnRes], opti
                 handles.append(owner.register_forward_hook(watch.leave, always_call=True))
         attach(model, conversion)
     except BaseException:
+        detach(model)
         for handle in handles:
             handle.remove()
         for holder, attribute in registered:

@@ -36,9 +36,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
+from .compat import pytree
 from . import live
 from .capture import as_args, dummy_inputs
 from .conversion import conversion_of

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .compat import view_base
+
 
 @dataclass(eq=False)
 class StreamState:
@@ -85,7 +87,7 @@ def state_of(tensor: torch.Tensor, stream: int) -> tuple[StreamState | None, str
     """The state registered on ``tensor`` for ``stream``, and how it was found: ``"carrier"`` (the
     tensor itself, or an autograd alias of it such as FSDP2's view of a module's inputs), ``"storage"``
     (a detached copy: reentrant checkpointing's recomputation), or ``""`` (none)."""
-    for candidate in (tensor, tensor._base):
+    for candidate in (tensor, view_base(tensor)):
         if candidate is not None:
             state = _STATES.get(candidate)
             if state is not None and state.stream == stream:

@@ -7,8 +7,9 @@ import functools
 import torch
 from torch import nn
 
+from attnres_fx import compat
 from attnres_fx.api import compile as compile_converted
-from attnres_fx.api import is_converted
+from attnres_fx.conversion import is_converted
 
 from .failures import export_error
 from .schedule import inference_form
@@ -54,6 +55,6 @@ def _reporting_failures(forward):
     def run(*args, **kwargs):
         try:
             return forward(*args, **kwargs)
-        except torch._dynamo.exc.TorchDynamoException as err:
+        except compat.TorchDynamoException as err:
             raise export_error("torch.compile", err) from err
     return run

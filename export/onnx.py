@@ -24,10 +24,12 @@ import torch
 from torch import nn
 
 from attnres_fx import ops
-from attnres_fx.api import explicit_graph, is_converted, rewrite
+from attnres_fx.api import explicit_graph, rewrite
 from attnres_fx.block_attnres import BlockAttnRes
 from attnres_fx.errors import AttnResWarning, ExportError
-from attnres_fx.capture import default_dynamic_shapes, unwrap_compiled
+from attnres_fx.capture import default_dynamic_shapes
+from attnres_fx.compat import unwrap_compiled
+from attnres_fx.conversion import is_converted
 
 from . import decoding
 from .failures import reraise_as_export_error

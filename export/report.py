@@ -11,7 +11,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from attnres_fx.api import is_converted, rewrite
+from attnres_fx.api import rewrite
+from attnres_fx.conversion import is_converted
 from attnres_fx.checks import max_abs_diff, relative_error
 from attnres_fx.text import format_table
 

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
 from attnres_fx.capture import as_args
+from attnres_fx.compat import pytree
 from attnres_fx.errors import ExportError
 
 

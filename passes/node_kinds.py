@@ -16,7 +16,9 @@ from collections.abc import Iterable
 import torch
 from torch import fx, nn
 
-NORM_MODULES = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase,
+from attnres_fx import compat
+
+NORM_MODULES = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, compat.NormBase,
                 nn.LocalResponseNorm)
 ACTIVATION_MODULES = (nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Mish, nn.Softplus, nn.ELU,
                       nn.LeakyReLU, nn.Hardswish, nn.GLU)
@@ -76,9 +78,9 @@ def op_name(node: fx.Node) -> str:
     if node.op != "call_function":
         return ""
     target = node.target
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, compat.OpOverload):
         return target._schema.name.split("::")[-1]
-    if isinstance(target, torch._ops.OpOverloadPacket):
+    if isinstance(target, compat.OpOverloadPacket):
         return target._qualified_op_name.split("::")[-1]
     return getattr(target, "__name__", str(target))
 
@@ -159,7 +161,7 @@ def is_inactive_dropout(node: fx.Node, gm: fx.GraphModule) -> bool:
     """A dropout that is the identity: eval-mode module, ``training=False`` or ``p == 0``."""
     module = submodule(gm, node)
     if module is not None:
-        return isinstance(module, nn.modules.dropout._DropoutNd) and (not module.training or module.p == 0)
+        return isinstance(module, compat.DropoutBase) and (not module.training or module.p == 0)
     if op_name(node) not in DROPOUT_OPS:
         return False
     p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
@@ -178,7 +180,7 @@ def is_transparent(node: fx.Node, gm: fx.GraphModule) -> bool:
 def is_dropout(node: fx.Node, gm: fx.GraphModule) -> bool:
     module = submodule(gm, node)
     if module is not None:
-        return isinstance(module, nn.modules.dropout._DropoutNd)
+        return isinstance(module, compat.DropoutBase)
     return op_name(node) in DROPOUT_OPS
 
 
@@ -250,7 +252,7 @@ def mutated_input(node: fx.Node) -> fx.Node | None:
         return None
     if node.op == "call_function" and (node.target is operator.setitem or node.target in IN_PLACE_OPERATORS):
         return node.args[0]
-    if isinstance(node.target, torch._ops.OpOverload):
+    if isinstance(node.target, compat.OpOverload):
         arguments = node.target._schema.arguments
         writes = bool(arguments) and arguments[0].alias_info is not None and arguments[0].alias_info.is_write
         return node.args[0] if writes else None
@@ -372,7 +374,7 @@ def is_scan(node: fx.Node, gm: fx.GraphModule) -> bool:
     if op_name(node) in SCAN_OPS:
         return True
     module = submodule(gm, node)
-    if isinstance(module, nn.modules.conv._ConvNd):
+    if isinstance(module, compat.ConvBase):
         return any(k > 1 for k in module.kernel_size)
     if op_name(node) in CONV_OPS and len(node.args) > 1 and isinstance(node.args[1], fx.Node):
         kernel = shape_of(node.args[1])

@@ -54,6 +54,7 @@ import torch
 from torch import fx, nn
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
+from attnres_fx import compat
 from attnres_fx.aggregation import fusable
 from attnres_fx.block_attnres import BlockAttnRes
 from attnres_fx.errors import PassContractError
@@ -230,7 +231,7 @@ class _StreamSurgery:
         self.span = span
         self.planned = span.planned
         self.records = records
-        aten = isinstance(stream.end.target, torch._ops.OpOverload)
+        aten = isinstance(stream.end.target, compat.OpOverload)
         self.partial_add = torch.ops.aten.add.Tensor if aten else operator.add
         self.reshape_as = torch.ops.aten.reshape_as.default if aten else torch.Tensor.reshape_as
         self.layout_of: dict[fx.Node, str] = {stream.start: stream.layout}

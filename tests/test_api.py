@@ -42,6 +42,47 @@ def test_bad_arguments_raise_naming_them(model, untouched, kwargs, error, match)
     check()
 
 
+def test_a_typed_config_is_the_same_call_as_its_keyword_options(model, untouched):
+    config = attnres_fx.AttnResConfig(block_size=2, preserve_scale=True, allow_partial=True)
+    ids = example_ids(model.config)
+    twin = TinyTransformer(num_layers=2, dim=32).eval()
+    twin.load_state_dict(model.state_dict())
+    attnres_fx.attnresify(model, (ids,), config=config)
+    attnres_fx.attnresify(twin, (ids,), block_size=2, preserve_scale=True, allow_partial=True)
+    assert attnres_fx.config_of(model) == attnres_fx.config_of(twin) == config
+    assert attnres_fx.conversion_options(model) == {"num_blocks": None, "block_size": 2, "preserve_scale": True,
+                                                     "eps": 1e-6, "allow_partial": True, "route": "auto"}
+    assert attnres_fx.plan_of(model).block_sizes == attnres_fx.plan_of(twin).block_sizes
+    # Keyword options beside a config replace its fields.
+    other = TinyTransformer(num_layers=2, dim=32).eval()
+    attnres_fx.attnresify(other, (ids,), config=config, block_size=1)
+    assert attnres_fx.config_of(other).block_size == 1 and attnres_fx.config_of(other).allow_partial
+    assert attnres_fx.AttnResConfig.from_dict(config.to_dict()) == config
+
+
+@pytest.mark.parametrize("make, error, match", [
+    (lambda: attnres_fx.AttnResConfig(block_size=0), ValueError, "block_size"),
+    (lambda: attnres_fx.AttnResConfig(route="stage"), ValueError, "route"),
+    (lambda: attnres_fx.AttnResConfig(version=99), ValueError, "version"),
+    (lambda: attnres_fx.AttnResConfig.from_dict({"block_sise": 2}), ValueError, "block_sise"),
+])
+def test_a_config_is_validated_when_it_is_made(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
+
+
+def test_a_config_is_frozen_and_unknown_options_are_refused(model, untouched):
+    config = attnres_fx.AttnResConfig()
+    with pytest.raises(AttributeError):
+        config.block_size = 2
+    check = untouched(model)
+    with pytest.raises(TypeError, match="'blocksize'.*block_size"):
+        attnres_fx.attnresify(model, blocksize=2)
+    with pytest.raises(TypeError, match="AttnResConfig"):
+        attnres_fx.attnresify(model, config={"block_size": 2})
+    check()
+
+
 def test_block_size_and_num_blocks_that_disagree_are_refused(model, untouched):
     check = untouched(model)
     with pytest.raises(ValueError, match=r"block_size=1 and num_blocks=1 disagree: stream 0 has 4 residual"):

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from attnres_fx.api import sites
-from attnres_fx.capture import unwrap_compiled
+from attnres_fx.compat import unwrap_compiled
 from attnres_fx.models import HF_MODELS, LAYERS, hf_model, main_output
 
 
