@@ -18,7 +18,8 @@ sum out). So:
 Contract: ``open_checkpoints`` changes the graph only if it has checkpointed regions and preserves the
 computation (not the memory savings, until ``close_checkpoints`` restores them); ``close_checkpoints``
 requires every region's nodes to form a convex set (no path leaves the region and comes back) and
-preserves the computation.
+preserves the computation. :class:`OpenCheckpoints` and :class:`CloseCheckpoints` are the two as
+``torch.fx`` passes (:class:`~torch.fx.passes.infra.pass_base.PassBase`), for the pipeline.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import fx
+from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from attnres_fx.errors import UnsupportedArchitectureError
+from attnres_fx.errors import PassContractError, UnsupportedArchitectureError
 
 REGION = "attnres_checkpoint"
 _HOP = torch.ops.higher_order.tag_activation_checkpoint
@@ -43,9 +45,10 @@ class CheckpointRegion:
 
 
 def open_checkpoints(gm: fx.GraphModule) -> tuple[CheckpointRegion, ...]:
-    """Inline every checkpointed body of ``gm``, in place; see the module docstring. Nested checkpoints
-    raise :class:`~attnres_fx.AttnResError`."""
-    regions: list[CheckpointRegion] = []
+    """Inline every checkpointed body of ``gm``, in place; see the module docstring. Returns every region
+    open in ``gm`` (opened now or by an earlier call, as ``gm.meta`` records). Nested checkpoints raise
+    :class:`~attnres_fx.AttnResError`."""
+    regions: list[CheckpointRegion] = list(gm.meta.get(REGION, ()))
     graph = gm.graph
     for node in list(graph.nodes):
         if not (node.op == "call_function" and node.target is _HOP):
@@ -80,12 +83,14 @@ def open_checkpoints(gm: fx.GraphModule) -> tuple[CheckpointRegion, ...]:
         if not body_attr.users:
             graph.erase_node(body_attr)
     if regions:
+        gm.meta[REGION] = tuple(regions)
         gm.recompile()
     return tuple(regions)
 
 
 def close_checkpoints(gm: fx.GraphModule, regions: tuple[CheckpointRegion, ...]) -> None:
     """Outline each region of ``gm`` again as a checkpointed body, in place."""
+    gm.meta.pop(REGION, None)
     graph = gm.graph
     for region in regions:
         nodes = [n for n in graph.nodes if n.meta.get(REGION) == region.index]
@@ -93,6 +98,45 @@ def close_checkpoints(gm: fx.GraphModule, regions: tuple[CheckpointRegion, ...])
             _outline(gm, nodes, region)
     graph.lint()
     gm.recompile()
+
+
+class OpenCheckpoints(PassBase):
+    """:func:`open_checkpoints` as a pass; ``regions`` holds what is open, for :class:`CloseCheckpoints`:
+    what it opened, and what a capture opened before (:func:`open_checkpoints` records those in the
+    graph's ``meta``, so that a graph opened for detection closes again after its rewrite).
+
+    ensures: no checkpointed body is left (every region's nodes are in the graph, tagged)."""
+
+    def __init__(self):
+        super().__init__()
+        self.regions: tuple[CheckpointRegion, ...] = ()
+
+    def call(self, graph_module: fx.GraphModule) -> PassResult:
+        opened_before = len(graph_module.meta.get(REGION, ()))
+        self.regions = open_checkpoints(graph_module)
+        return PassResult(graph_module, len(self.regions) > opened_before)
+
+    def ensures(self, graph_module: fx.GraphModule) -> None:
+        if graph_module.graph.find_nodes(op="call_function", target=_HOP):
+            raise PassContractError("OpenCheckpoints left a checkpointed body closed")
+
+
+class CloseCheckpoints(PassBase):
+    """:func:`close_checkpoints` of the regions an :class:`OpenCheckpoints` pass opened.
+
+    ensures: one checkpointed body per region that still has nodes, none of them left in the graph."""
+
+    def __init__(self, opened: OpenCheckpoints):
+        super().__init__()
+        self.opened = opened
+
+    def call(self, graph_module: fx.GraphModule) -> PassResult:
+        close_checkpoints(graph_module, self.opened.regions)
+        return PassResult(graph_module, bool(self.opened.regions))
+
+    def ensures(self, graph_module: fx.GraphModule) -> None:
+        if any(REGION in node.meta for node in graph_module.graph.nodes):
+            raise PassContractError("CloseCheckpoints left nodes of a checkpointed region outside its body")
 
 
 def _outline(gm: fx.GraphModule, nodes: list[fx.Node], region: CheckpointRegion) -> None:

@@ -1,5 +1,6 @@
-"""The rewrite pipeline every route runs on a captured graph: open checkpointed regions -> detect -> match
-the plan -> rewrite -> close the regions again.
+"""The rewrite pipeline every route runs on a captured graph, as three passes: open checkpointed regions
+(:class:`~attnres_fx.passes.checkpoints.OpenCheckpoints`) -> detect, match the plan and rewrite -> close
+the regions again (:class:`~attnres_fx.passes.checkpoints.CloseCheckpoints`).
 
 - the model route (:mod:`attnres_fx.live`): one graph of a whole call, every stream in it matched by
   its signature (:func:`~attnres_fx.passes.plan.match_streams`);
@@ -24,10 +25,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import fx
+from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from attnres_fx.errors import StreamMismatchError
 
-from .checkpoints import close_checkpoints, open_checkpoints
+from .checkpoints import CloseCheckpoints, OpenCheckpoints
 from .detect import detect_residual_streams
 from .layers import LayerSpan
 from .node_kinds import is_stream_op
@@ -62,30 +64,50 @@ def rewrite_captured(graph_module: fx.GraphModule, plan: Plan, emitter: Callable
                      where: str, prefix: str = "", within: str = "", layer: LayerTarget | None = None) -> Rewritten:
     """Rewrite ``graph_module`` in place; see the module docstring. ``prefix`` / ``within``: where the
     captured module sits in the converted model, and the model in the captured module
-    (:func:`~attnres_fx.passes.plan.signature`)."""
-    regions = open_checkpoints(graph_module)
-    if layer is None:
-        detection = detect_residual_streams(graph_module)
-        spans = [StreamSpan(m.planned, m.positions)
-                 for m in match_streams(detection, plan, prefix=prefix, within=within, where=where)]
-    else:
-        detection = detect_residual_streams(graph_module, min_sites=1)
-        stream, positions = match_layer(detection, layer.planned, layer.span, where=where)
-        detection = dataclasses.replace(detection, streams=(stream,))
-        spans = [StreamSpan(layer.planned, positions, layer=True, entry=layer.entry, ends=layer.ends)]
-    rewrite = BlockAttnResRewrite(plan, detection, emitter(graph_module), spans=spans)
-    rewrite(graph_module)
-    result = Rewritten(rewrite)
-    if layer is not None:
-        # Before the checkpointed regions close: they may take the stream's last value inside them.
-        stream = detection.streams[0]
-        # The graph that ends the stream hands nothing on: its result may hold the final aggregation
-        # in any form (normalised, in a ModelOutput).
-        carrier = None if layer.ends else _output_index(graph_module, rewrite.carriers[0], where)
-        result = Rewritten(rewrite, carrier, _start_index(graph_module, stream) if layer.entry is None else None,
-                           positions[-1] + 1)
-    close_checkpoints(graph_module, regions)
-    return result
+    (:func:`~attnres_fx.passes.plan.signature`). The passes run in order, each checking its contract,
+    and the graph is linted after each."""
+    opening = OpenCheckpoints()
+    rewriting = _RewriteStreams(plan, emitter, where, prefix, within, layer)
+    for step in (opening, rewriting, CloseCheckpoints(opening)):
+        step(graph_module)
+        graph_module.graph.lint()
+    return rewriting.result
+
+
+class _RewriteStreams(PassBase):
+    """Detect the streams of an opened graph, match them to the plan and rewrite them
+    (:class:`~attnres_fx.passes.rewrite.BlockAttnResRewrite`); for a layer's graph also find where its
+    stream leaves and enters, before the checkpointed regions close (they may take the stream's last
+    value inside them)."""
+
+    def __init__(self, plan: Plan, emitter: Callable[[fx.GraphModule], Emitter], where: str, prefix: str,
+                 within: str, layer: LayerTarget | None):
+        super().__init__()
+        self.plan, self.emitter, self.where, self.prefix, self.within, self.layer = (
+            plan, emitter, where, prefix, within, layer)
+        self.result: Rewritten | None = None
+
+    def call(self, graph_module: fx.GraphModule) -> PassResult:
+        layer, where = self.layer, self.where
+        if layer is None:
+            detection = detect_residual_streams(graph_module)
+            spans = [StreamSpan(m.planned, m.positions)
+                     for m in match_streams(detection, self.plan, prefix=self.prefix, within=self.within, where=where)]
+        else:
+            detection = detect_residual_streams(graph_module, min_sites=1)
+            stream, positions = match_layer(detection, layer.planned, layer.span, where=where)
+            detection = dataclasses.replace(detection, streams=(stream,))
+            spans = [StreamSpan(layer.planned, positions, layer=True, entry=layer.entry, ends=layer.ends)]
+        rewrite = BlockAttnResRewrite(self.plan, detection, self.emitter(graph_module), spans=spans)
+        rewrite(graph_module)
+        self.result = Rewritten(rewrite)
+        if layer is not None:
+            # The graph that ends the stream hands nothing on: its result may hold the final aggregation
+            # in any form (normalised, in a ModelOutput).
+            carrier = None if layer.ends else _output_index(graph_module, rewrite.carriers[0], where)
+            start = _start_index(graph_module, detection.streams[0]) if layer.entry is None else None
+            self.result = Rewritten(rewrite, carrier, start, positions[-1] + 1)
+        return PassResult(graph_module, True)
 
 
 def _output_index(graph_module: fx.GraphModule, carrier: fx.Node, where: str) -> int:

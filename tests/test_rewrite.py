@@ -281,3 +281,26 @@ def test_an_explicit_graph_follows_the_model_it_was_made_from():
     assert gm.get_parameter("blocks.0.attn.qkv.weight") is new.blocks[0].attn.qkv.weight
     assert not any(n.op == "call_module" and "Router" in str(n.target) for n in gm.graph.nodes)
     assert copy.deepcopy(gm)(ids()).shape == run(new, ids()).shape
+
+
+def test_checkpointed_regions_open_for_the_rewrite_and_close_again_as_passes():
+    """The pipeline's checkpoint passes: opening inlines every checkpointed body (its nodes tagged), the
+    rewrite then sees the residual adds inside, closing outlines each region again with the rewrite's
+    nodes in it; each pass checks its contract. A graph a capture opened closes again too."""
+    from toy_models import NanoGPT
+
+    from attnres_fx.capture import capture_dynamo
+    from attnres_fx.passes.checkpoints import REGION, CloseCheckpoints, OpenCheckpoints
+
+    model = NanoGPT(dropout=0.0, checkpoint=True).train()
+    ids_ = torch.randint(0, 64, (2, 8))
+    graph_module, _ = capture_dynamo(model, (ids_,), {})          # opened by the capture
+    hop = torch.ops.higher_order.tag_activation_checkpoint
+    assert not graph_module.graph.find_nodes(op="call_function", target=hop)
+    opening = OpenCheckpoints()
+    assert not opening(graph_module).modified                     # nothing left to open ...
+    assert len(opening.regions) == len(model.h)                  # ... but the capture's regions are known
+    assert any(REGION in node.meta for node in graph_module.graph.nodes)
+    result = CloseCheckpoints(opening)(graph_module)
+    assert result.modified and len(graph_module.graph.find_nodes(op="call_function", target=hop)) == len(model.h)
+    assert not any(REGION in node.meta for node in graph_module.graph.nodes) and REGION not in graph_module.meta
