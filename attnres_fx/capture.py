@@ -20,8 +20,6 @@ import contextlib
 import copy
 import inspect
 import itertools
-import os
-import re
 from dataclasses import dataclass
 from typing import Any, Callable
 from unittest import mock
@@ -33,11 +31,11 @@ from attnres_fx import compat
 from attnres_fx.passes.checkpoints import open_checkpoints
 from attnres_fx.passes.node_kinds import is_norm_module
 
+from .diagnostics import first_line, reported_user_frame, root_cause
 from .errors import TraceError
 
 TRACERS = ("auto", "fx", "export")
 # Frames that are not the model's code: torch's, and this module's entry function.
-_NOT_THE_MODEL = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep, os.path.abspath(__file__))
 
 
 class _CaptureState:
@@ -90,6 +88,18 @@ def as_args(example_inputs: Any) -> tuple | None:
     if isinstance(example_inputs, list):
         return tuple(example_inputs)
     return (example_inputs,)
+
+
+def copy_graph_module(graph_module: fx.GraphModule, class_name: str) -> fx.GraphModule:
+    """A GraphModule with its own copy of ``graph_module``'s graph and ``meta`` and the same submodules
+    and parameters: what a pass may edit while the original stays as it is (Dynamo's own graph, a
+    user's explicit graph). ``meta`` dicts are copied (a pass records in them), their values shared (the
+    nodes' captured example values among them)."""
+    # Graph.__deepcopy__ copies the nodes (their meta one level deep) and the code generator (which
+    # rebuilds the output structure of a torch.export graph).
+    copied = fx.GraphModule(graph_module, copy.deepcopy(graph_module.graph), class_name=class_name)
+    copied.meta = {key: dict(value) if isinstance(value, dict) else value for key, value in graph_module.meta.items()}
+    return copied
 
 
 def copy_training_flags(source: nn.Module, target: nn.Module) -> None:
@@ -171,7 +181,7 @@ def capture_dynamo(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.Grap
             if not graphs:
                 raise TraceError(_dynamo_message(model, err), {"dynamo": err}) from err
     gm, example_inputs = graphs[0]
-    graph_module = fx.GraphModule(gm, copy.deepcopy(gm.graph), type(model).__name__)
+    graph_module = copy_graph_module(gm, type(model).__name__)
     # Checkpointed layers are subgraphs in Dynamo's IR: open them, as the routed calls do.
     open_checkpoints(graph_module)
     return graph_module, example_inputs
@@ -407,42 +417,11 @@ def default_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict):
     return {name: spec(value) for name, value in bound.arguments.items()}
 
 
-def first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else repr(err)
-
-
 def _fx_message(model, err) -> str:
     return (f"torch.fx symbolic tracing could not trace {type(model).__name__}: "
             f"{type(err).__name__}: {first_line(err)}\n"
             "Try tracer='export' with example inputs (handles Python control flow on shapes and "
             "keyword-only forwards), or remove data-dependent control flow from forward().")
-
-
-def _root_cause(err: BaseException) -> BaseException:
-    """The innermost exception ``err`` was raised from (Dynamo wraps a failing op twice)."""
-    seen = {id(err)}
-    while (inner := err.__cause__ or err.__context__) is not None and id(inner) not in seen:
-        seen.add(id(inner))
-        err = inner
-    return err
-
-
-_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in \S+$')
-
-
-def _user_frame(err: BaseException) -> str | None:
-    """``file:line (code)`` of the innermost line of the model's own code in a Dynamo report."""
-    lines = str(err).splitlines()
-    found = None
-    for number, text in enumerate(lines):
-        frame = _FRAME.match(text)
-        if frame and not frame.group(1).startswith(_NOT_THE_MODEL):
-            code = lines[number + 1].strip() if number + 1 < len(lines) else ""
-            found = f"{os.path.basename(frame.group(1))}:{frame.group(2)}"
-            if code and not _FRAME.match(lines[number + 1]):
-                found += f" ({code})"
-    return found
 
 
 def _failed_on_inputs(err: BaseException) -> bool:
@@ -457,8 +436,8 @@ def _failed_on_inputs(err: BaseException) -> bool:
 
 def _dynamo_message(model, err) -> str:
     name = type(model).__name__
-    cause = _root_cause(err)
-    where = _user_frame(err)
+    cause = root_cause(err)
+    where = reported_user_frame(err)
     at = f" at {where}" if where else ""
     if _failed_on_inputs(err):
         return (f"{name} fails on the example inputs{at}: {type(cause).__name__}: {first_line(cause)}\n"

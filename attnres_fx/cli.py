@@ -16,7 +16,6 @@ import argparse
 import copy
 import json
 import logging
-import statistics
 import sys
 import time
 import warnings
@@ -26,13 +25,14 @@ from pathlib import Path
 import torch
 
 from . import api
-from .version import __version__
 from .checks import eps_bound, relative_error
 from .depth import depth_weights
 from .errors import AttnResError
 from .models import (HF_MODELS, HF_NAMES, LAYERS, HIDDEN, TinyConfig, TinyTransformer, build_hf, example_ids,
                      hf_example_inputs, hf_model, main_output)
 from .passes.plan import DEFAULT_NUM_BLOCKS
+from .timing import interleaved, median_ms
+from .version import __version__
 
 MODELS = ("tiny", *HF_NAMES)
 NORMS = ("layernorm", "rmsnorm", "functional_layernorm", "functional_rmsnorm", "manual_rmsnorm")
@@ -118,18 +118,6 @@ def step(what: str):
     print(f" done in {time.perf_counter() - start:.1f} s", flush=True)
 
 
-def interleaved_medians(first, second, runs: int = TIMED_RUNS) -> tuple[float, float]:
-    """Median ms of ``first()`` and ``second()``, timed alternately after one warm-up call each."""
-    first(), second()
-    times: tuple[list, list] = ([], [])
-    for _ in range(runs):
-        for fn, bucket in ((first, times[0]), (second, times[1])):
-            start = time.perf_counter()
-            fn()
-            bucket.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times[0]), statistics.median(times[1])
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
     model, inputs, kwargs = build_model(args.model, args)
     original = copy.deepcopy(model)
@@ -170,8 +158,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"{'PASS' if same else 'FAIL'} same model: {type(model).__name__}, every original submodule in place, "
           f"{len(plan.sites)} BlockAttnRes added")
     with torch.no_grad():
-        before_ms, after_ms = interleaved_medians(lambda: original(*inputs, **kwargs),
-                                                  lambda: model(*inputs, **kwargs))
+        ms = median_ms(interleaved({"original": lambda: original(*inputs, **kwargs),
+                                    "converted": lambda: model(*inputs, **kwargs)}, TIMED_RUNS))
+    before_ms, after_ms = ms["original"], ms["converted"]
     print(f"Forward time, eager, {torch.get_num_threads()} thread(s), median of {TIMED_RUNS} interleaved runs: "
           f"original {before_ms:.2f} ms, converted {after_ms:.2f} ms (ratio {after_ms / before_ms:.2f})")
     code_path = out_dir / "rewritten_graph.py"

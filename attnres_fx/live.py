@@ -60,7 +60,8 @@ from attnres_fx.passes.two_phase import apply_two_phase
 
 from . import compat
 from .compat import pytree
-from .capture import STATE, capturing, entry_function, first_line
+from .capture import STATE, capturing, copy_graph_module, entry_function
+from .diagnostics import first_line
 from .config import AttnResConfig
 from .conversion import Conversion, attach, conversion_of, detach
 from .stream_state import StreamState, bundle, register, state_of, unbundle
@@ -363,7 +364,7 @@ def _rewritten(router: Router, gm: fx.GraphModule, example_inputs: list, compile
     and then get gradients through AOTAutograd). Returns the runnable and what the rewrite did."""
     _HookGuards.enable()
     plan = router.conversion.plan
-    graph_module = fx.GraphModule(gm, _copy_graph(gm.graph), class_name=type(router.module).__name__)
+    graph_module = copy_graph_module(gm, type(router.module).__name__)
     if compiler == "eager":
         modules = {site.name: router.root.get_submodule(site.name) for site in plan.sites}
         result = rewrite_captured(graph_module, plan, lambda g: ModuleCalls(g, modules), where=_where(router),
@@ -539,13 +540,6 @@ def _has_sharded_submodules(module: nn.Module) -> bool:
     except ImportError:
         return False
     return any(isinstance(m, FSDPModule) for m in module.modules() if m is not module)
-
-
-def _copy_graph(graph: fx.Graph) -> fx.Graph:
-    copied = fx.Graph()
-    output = copied.graph_copy(graph, {})
-    copied.output(output)
-    return copied
 
 
 def _where(router: Router) -> str:

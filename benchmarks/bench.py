@@ -62,6 +62,7 @@ from torch import nn
 import attnres_fx
 from attnres_fx.models import TinyConfig, TinyTransformer, example_ids
 from attnres_fx.passes.two_phase import phase1, phase2
+from attnres_fx.timing import interleaved
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import traffic  # noqa: E402 - the memory-traffic model beside this script
@@ -197,21 +198,6 @@ def compiled(model: nn.Module) -> nn.Module:
 
 
 # --------------------------------------------------------------------------------------------- timing
-def interleaved(fns: dict[str, Callable[[], object]], runs: int, warmup: int) -> dict[str, list[float]]:
-    """Seconds per call of each function, timed round-robin (order reversed every other round)."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    names = list(fns)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for round_ in range(runs):
-        for name in names if round_ % 2 == 0 else names[::-1]:
-            start = time.perf_counter()
-            fns[name]()
-            times[name].append(time.perf_counter() - start)
-    return times
-
-
 def summarise(times: dict[str, list[float]], reference: str, per_call: float = 1.0) -> dict[str, dict]:
     """Median and minimum ms per call of each entry, and their ratios to ``reference``'s.
 
@@ -493,17 +479,6 @@ def _random_site(dim: int, device: torch.device | str = "cpu") -> attnres_fx.Blo
     return module
 
 
-def _synchronised(fn: Callable[[], object], device: torch.device) -> Callable[[], object]:
-    if device.type != "cuda":
-        return fn
-
-    def run():
-        out = fn()
-        torch.cuda.synchronize(device)
-        return out
-    return run
-
-
 def op_against_bound(settings: Settings, dims: tuple[int, ...], count: int, stream_bytes: int,
                      device: torch.device) -> dict:
     sources = [torch.randn(dims, device=device) for _ in range(count)]
@@ -512,8 +487,8 @@ def op_against_bound(settings: Settings, dims: tuple[int, ...], count: int, stre
     bound = torch.compile(lambda *xs: functools.reduce(torch.add, xs), fullgraph=True, dynamic=False)
     fns = {"kernel": functools.partial(site, *sources), "compiled": functools.partial(compiled_site, *sources),
            "bound": functools.partial(bound, *sources)}
-    times = summarise(interleaved({k: _synchronised(f, device) for k, f in fns.items()}, settings.op_runs,
-                                  settings.warmup), "bound")
+    times = summarise(interleaved(fns, settings.op_runs,
+                                  settings.warmup, device=device), "bound")
     entry = {"sources": count, "bound_ms": times["bound"]["median_ms"], "bytes_moved_mb": (count + 1) * stream_bytes / 1e6}
     for kind in ("kernel", "compiled"):
         entry[f"{kind}_ms"] = times[kind]["median_ms"]
@@ -549,8 +524,7 @@ def group_against_bound(settings: Settings, dims: tuple[int, ...], shape: Shape,
         fns[f"eager_{name}"] = functools.partial(fn, blocks, partials)
         fns[f"compiled_{name}"] = functools.partial(torch.compile(fn, fullgraph=True), blocks, partials)
     fns["bound"] = functools.partial(torch.compile(bound, fullgraph=True), blocks, partials)
-    ms = {k: 1e3 * statistics.median(v) for k, v in interleaved(
-        {k: _synchronised(f, device) for k, f in fns.items()}, settings.op_runs, settings.warmup).items()}
+    ms = {k: 1e3 * statistics.median(v) for k, v in interleaved(fns, settings.op_runs, settings.warmup, device=device).items()}
     return {"completed_blocks": len(blocks), "sites": len(partials), **{f"{k}_ms": v for k, v in ms.items()},
             **{f"{k}_fraction": ms["bound"] / v for k, v in ms.items() if k != "bound"}}
 
@@ -577,8 +551,7 @@ def choices_section(settings: Settings, device: torch.device) -> dict:
                 if device.type == "cpu":
                     candidates["cpp direct"] = lambda: torch.ops.attnres_cpu.aggregate(sources, proj, norm, 1e-6, False)
             with torch.no_grad():
-                times = interleaved({k: _synchronised(f, device) for k, f in candidates.items()},
-                                    settings.op_runs, settings.warmup)
+                times = interleaved(candidates, settings.op_runs, settings.warmup, device=device)
             result["eager"].append({"shape": list(dims), "sources": count,
                                     **{k: 1e6 * statistics.median(v) for k, v in times.items()}})
             if dims[1] == 1:
@@ -590,8 +563,8 @@ def choices_section(settings: Settings, device: torch.device) -> dict:
                                                                              preserve_scale=False).sum().backward()}
             steps["operator (fused backward)"] = lambda: ops.aggregate(leaves, *weights, eps=1e-6,
                                                                        preserve_scale=False).sum().backward()
-            times = interleaved({k: _synchronised(f, device) for k, f in steps.items()}, settings.op_runs // 2 or 1,
-                                settings.warmup)
+            times = interleaved(steps, settings.op_runs // 2 or 1,
+                                settings.warmup, device=device)
             result["training"].append({"shape": list(dims), "sources": count,
                                        **{k: 1e6 * statistics.median(v) for k, v in times.items()}})
     result["inductor"] = inductor_choice(settings, device)
@@ -627,16 +600,16 @@ def inductor_choice(settings: Settings, device: torch.device) -> list[dict]:
         with torch.no_grad():
             fns = {k: functools.partial(torch.compile(f, fullgraph=True), *sources)
                    for k, f in (("decomposition", decomposition), ("operator", operator))}
-            for k, v in interleaved({k: _synchronised(f, device) for k, f in fns.items()}, settings.op_runs,
-                                    settings.warmup).items():
+            for k, v in interleaved(fns, settings.op_runs,
+                                    settings.warmup, device=device).items():
                 row[f"inference {k}"] = 1e6 * statistics.median(v)
         torch._dynamo.reset()
         leaves = [s.clone().requires_grad_() for s in sources]
         compiled_fns = {k: torch.compile(f, fullgraph=True) for k, f in (("decomposition", decomposition),
                                                                           ("operator", operator))}
         steps = {k: (lambda f=f: f(*leaves).sum().backward()) for k, f in compiled_fns.items()}
-        for k, v in interleaved({k: _synchronised(f, device) for k, f in steps.items()}, settings.op_runs // 2 or 1,
-                                settings.warmup).items():
+        for k, v in interleaved(steps, settings.op_runs // 2 or 1,
+                                settings.warmup, device=device).items():
             row[f"training {k}"] = 1e6 * statistics.median(v)
         torch._dynamo.reset()
         rows.append(row)

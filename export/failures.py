@@ -8,15 +8,10 @@ of the ``__cause__`` / ``__context__`` chain is the one that names the problem.
 
 from __future__ import annotations
 
-import os
-import traceback
 from contextlib import contextmanager
 
-import torch
-
+from attnres_fx.diagnostics import chain, describe, user_frame
 from attnres_fx.errors import ExportError
-
-MAX_CAUSE_LINES = 12
 
 # (substrings looked for in the type names and messages of the whole chain, hint). First match wins.
 _HINTS = (
@@ -37,46 +32,8 @@ _HINTS = (
 _DEFAULT_HINT = "the exporter's full traceback is this error's __cause__."
 
 
-def _chain(err: BaseException):
-    """``err`` and the exceptions it was raised from or during, outermost first."""
-    seen = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        yield err
-        err = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
-
-
-def root_cause(err: BaseException) -> BaseException:
-    """The innermost exception of ``err``'s chain."""
-    *_, innermost = _chain(err)
-    return innermost
-
-
-def describe(err: BaseException) -> str:
-    """``Type: first paragraph of the message`` of the root cause, at most MAX_CAUSE_LINES lines."""
-    cause = root_cause(err)
-    text = str(cause).strip().split("\n\n")[0]
-    lines = text.splitlines() or [repr(cause)]
-    if len(lines) > MAX_CAUSE_LINES:
-        lines = lines[:MAX_CAUSE_LINES] + ["..."]
-    return f"{type(cause).__name__}: " + "\n".join(lines)
-
-
-def user_frame(err: BaseException) -> str | None:
-    """``file:line: code`` of the innermost frame, where the root cause was raised, that is the model's
-    own code (neither torch nor this package); ``None`` when no such frame is known."""
-    cause = root_cause(err)
-    skip = (os.path.dirname(torch.__file__), os.path.dirname(__file__), "<")
-    # Dynamo raises from its own frames; the user frames it was tracing are in ``real_stack``.
-    frames = [*traceback.extract_tb(cause.__traceback__), *(getattr(cause, "real_stack", None) or [])]
-    frames = [f for f in frames if not f.filename.startswith(skip)]
-    if not frames:
-        return None
-    return f"{frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}"
-
-
 def hint(err: BaseException) -> str:
-    texts = [f"{type(e).__module__}.{type(e).__qualname__}: {e}" for e in _chain(err)]
+    texts = [f"{type(e).__module__}.{type(e).__qualname__}: {e}" for e in chain(err)]
     for needles, advice in _HINTS:
         if any(needle in text for needle in needles for text in texts):
             return advice

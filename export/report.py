@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -15,6 +14,7 @@ from attnres_fx.api import rewrite
 from attnres_fx.conversion import is_converted
 from attnres_fx.checks import max_abs_diff, relative_error
 from attnres_fx.text import format_table
+from attnres_fx.timing import interleaved, median_ms
 
 from .inductor import compile
 from .onnx import to_onnx
@@ -26,7 +26,7 @@ def three_way_report(model_rewritten: nn.Module, inputs: Any, tmpdir: str | Path
                      example_kwargs: dict | None = None, runs: int = 5) -> str:
     """Compile ``model_rewritten``, export it to ``<tmpdir>/model.onnx``, run all three on ``inputs`` and
     return a printable table: agreement with eager (max absolute difference over all outputs, and
-    that relative to the largest eager magnitude), median time of ``runs`` calls after one warm-up, and
+    that relative to the largest eager magnitude), median time of ``runs`` calls, interleaved, after one warm-up, and
     the one-off compile / export times. onnxruntime runs on the model's device when it can.
     """
     if is_converted(model_rewritten):
@@ -37,19 +37,21 @@ def three_way_report(model_rewritten: nn.Module, inputs: Any, tmpdir: str | Path
     def forward(module):
         return lambda: tensor_outputs(module(*call.args, **call.kwargs))
 
-    with torch.no_grad():
-        reference, eager_ms = _timed(forward(model_rewritten), runs, device)
-        compiled = compile(model_rewritten)
-        start = time.perf_counter()
-        forward(compiled)()
-        compile_s = time.perf_counter() - start
-        compiled_out, compiled_ms = _timed(forward(compiled), runs, device)
     start = time.perf_counter()
     path = to_onnx(model_rewritten, call.args, Path(tmpdir) / "model.onnx", example_kwargs=call.kwargs)
     export_s = time.perf_counter() - start
     sess = session(path, device="auto" if device.type == "cuda" else "cpu")
-    ort_out, ort_ms = _timed(lambda: [torch.from_numpy(np.asarray(o)) for o in run_session(sess, call)],
-                             runs, device)
+    with torch.no_grad():
+        compiled = compile(model_rewritten)
+        start = time.perf_counter()
+        forward(compiled)()
+        compile_s = time.perf_counter() - start
+        runners = {"eager": forward(model_rewritten), "compiled": forward(compiled),
+                   "onnxruntime": lambda: [torch.from_numpy(np.asarray(o)) for o in run_session(sess, call)]}
+        outputs = {name: run() for name, run in runners.items()}
+        ms = median_ms(interleaved(runners, runs, warmup=0, device=device))
+    reference, compiled_out, ort_out = outputs["eager"], outputs["compiled"], outputs["onnxruntime"]
+    eager_ms, compiled_ms, ort_ms = ms["eager"], ms["compiled"], ms["onnxruntime"]
 
     shapes = ", ".join(f"{name} {list(t.shape)}" for name, t in zip(call.names, call.tensors))
     rows = [("eager", "-", "-", f"{eager_ms:.2f}", ""),
@@ -58,25 +60,6 @@ def three_way_report(model_rewritten: nn.Module, inputs: Any, tmpdir: str | Path
              f"export {export_s:.1f} s, {sess.get_providers()[0]}")]
     return (f"eager vs compiled vs onnxruntime ({shapes}; {device}; median of {runs} runs)\n"
             + format_table(("backend", "max |diff|", "relative", "median ms", "one-off"), rows, indent="  "))
-
-
-def _timed(fn: Callable[[], list[torch.Tensor]], runs: int, device: torch.device):
-    """``fn()``'s result and its median wall time in ms over ``runs`` calls, after one warm-up call."""
-    result = fn()
-    times = []
-    for _ in range(runs):
-        _synchronize(device)
-        start = time.perf_counter()
-        result = fn()
-        _synchronize(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return result, statistics.median(times)
-
-
-def _synchronize(device: torch.device) -> None:
-    # CUDA kernels run asynchronously: without this the timer would stop before they finish.
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _difference(outputs: list[torch.Tensor], reference: list[torch.Tensor]) -> tuple[str, str]:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import copy
+from torch import nn
 
-from torch import fx, nn
-
-from attnres_fx.capture import copy_training_flags
+from attnres_fx.capture import copy_graph_module, copy_training_flags
 from attnres_fx.passes.two_phase import apply_two_phase, can_apply_two_phase
 
 
@@ -19,7 +17,6 @@ def inference_form(module: nn.Module, two_phase: bool) -> nn.Module:
     """
     if not two_phase or not can_apply_two_phase(module):
         return module
-    twin = fx.GraphModule(module, copy.deepcopy(module.graph), class_name=type(module).__name__)
-    twin.meta = copy.deepcopy(module.meta)
+    twin = copy_graph_module(module, type(module).__name__)
     copy_training_flags(module, twin)
     return apply_two_phase(twin)

@@ -13,7 +13,6 @@ import operator
 import re
 from collections.abc import Iterable
 
-import torch
 from torch import fx, nn
 
 from attnres_fx import compat

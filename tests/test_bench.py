@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from attnres_fx.timing import interleaved, median_ms
 from conftest import load_script
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench.py"
@@ -69,12 +70,14 @@ def test_quick_memory_and_compiled_op(tmp_path):
 
 
 def test_interleaved_alternates_order_and_summarise_takes_ratios():
+    """The one timing helper (:mod:`attnres_fx.timing`, which the CLI and the export report use too)."""
     bench = _module()
     calls = []
     fns = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
-    times = bench.interleaved(fns, runs=3, warmup=1)
+    times = interleaved(fns, runs=3, warmup=1)
     assert calls == ["a", "b"] + ["a", "b", "b", "a", "a", "b"]
     assert {k: len(v) for k, v in times.items()} == {"a": 3, "b": 3}
+    assert set(median_ms(times)) == {"a", "b"}
     summary = bench.summarise({"a": [1.0, 3.0, 2.0], "b": [4.0, 2.0, 8.0]}, "a")
     assert summary["a"]["ratio"] == 1.0 and summary["b"]["ratio"] == 2.0 and summary["b"]["ratio_min"] == 2.0
     assert summary["b"]["median_ms"] == 4000.0

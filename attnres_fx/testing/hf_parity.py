@@ -26,15 +26,15 @@ Options:
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import weakref
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 
-from attnres_fx import hf, is_converted
+from attnres_fx import diagnostics, hf, is_converted
 from attnres_fx.testing import randomise_pseudo_queries
 
 CONVERSION_OPTIONS = {"preserve_scale": True}
@@ -166,13 +166,7 @@ def describe_failure(error: BaseException, test_file: str | None = None) -> dict
     """The exception, its root cause, and where it arises: the deepest frame of attnres_fx, of
     transformers and of the tests (``test_file``, or a module of the ``tests`` package: transformers'
     mixins), and the line of user code TorchDynamo was tracing."""
-    chain = [error]
-    while len(chain) < 16:
-        last = chain[-1]
-        following = last.__cause__ or (None if last.__suppress_context__ else last.__context__)
-        if following is None or following in chain:
-            break
-        chain.append(following)
+    chain = list(itertools.islice(diagnostics.chain(error), 16))
     frames = [frame for exc in reversed(chain) for frame in _frames(exc)]
 
     def deepest(prefix: str, exclude: str = "\0", path: str | None = None) -> str | None:

@@ -1,0 +1,43 @@
+"""The one way attnres_fx times code (the CLI's demo, the three-way export report, the benchmarks):
+round-robin over the candidates, so that a shared, noisy machine slows them alike, and medians."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def interleaved(fns: dict[str, Callable[[], object]], runs: int, warmup: int = 1,
+                device: torch.device | None = None) -> dict[str, list[float]]:
+    """Seconds per call of each function, after ``warmup`` calls each, timed round-robin with the order
+    reversed every other round. On a CUDA ``device`` each call is synchronised (kernels run
+    asynchronously: the timer would stop before they finish)."""
+    if device is not None and device.type == "cuda":
+        fns = {name: _synchronised(fn, device) for name, fn in fns.items()}
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    names = list(fns)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(runs):
+        for name in names if round_ % 2 == 0 else names[::-1]:
+            start = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def median_ms(times: dict[str, list[float]]) -> dict[str, float]:
+    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+
+
+def _synchronised(fn: Callable[[], object], device: torch.device) -> Callable[[], object]:
+    def run():
+        torch.cuda.synchronize(device)
+        result = fn()
+        torch.cuda.synchronize(device)
+        return result
+    return run
