@@ -134,6 +134,39 @@ def once_only_logging() -> set:
     return {getattr(logging.Logger, name) for name in ("warning_once", "info_once") if hasattr(logging.Logger, name)}
 
 
+def hf_layer_checkpointing(module: nn.Module):
+    """``(checkpoint function, the layer's own forward)`` when transformers' gradient checkpointing will
+    checkpoint this call of ``module`` (a ``GradientCheckpointingLayer``: ``gradient_checkpointing`` on,
+    training, gradients enabled), else None. Relies on the class ``forward`` being transformers'
+    ``forward_with_checkpointing`` wrapper (``__wrapped__``: the layer's own forward) and on the private
+    ``_gradient_checkpointing_func`` it calls."""
+    forward = type(module).forward
+    inner = getattr(forward, "__wrapped__", None)
+    function = getattr(module, "_gradient_checkpointing_func", None)
+    if (inner is None or function is None or getattr(forward, "__name__", "") != "forward"
+            or forward.__code__.co_name != "forward_with_checkpointing"):
+        return None
+    if not (getattr(module, "gradient_checkpointing", False) and module.training and torch.is_grad_enabled()):
+        return None
+    return function, inner
+
+
+@contextlib.contextmanager
+def hf_checkpoint_function(module: nn.Module, function):
+    """Within: ``module._gradient_checkpointing_func`` is ``function`` (an instance attribute, as
+    transformers' ``gradient_checkpointing_enable`` sets it)."""
+    had = "_gradient_checkpointing_func" in module.__dict__
+    before = module.__dict__.get("_gradient_checkpointing_func")
+    module._gradient_checkpointing_func = function
+    try:
+        yield
+    finally:
+        if had:
+            module._gradient_checkpointing_func = before
+        else:
+            del module._gradient_checkpointing_func
+
+
 def install_output_recorders(model: nn.Module) -> None:
     """Install transformers' output-recording hooks on every model inside ``model`` now, as its first call
     asking for attentions or hidden states would: installing them takes a ``threading.Lock``, which

@@ -39,13 +39,14 @@ without its compiled state and compiles again at its first call.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import fx, nn
@@ -131,17 +132,20 @@ class Router:
     def route(self, *args, **kwargs):
         raise NotImplementedError
 
-    def entry(self, key, backend):
-        """The Dynamo-compiled entry of this module for the conversion's compiler and ``key``: built at
-        its first call, again after a pickle or :func:`set_compiler`."""
+    def entry(self, key, backend, forward: Callable | None = None):
+        """The Dynamo-compiled entry of this module's ``forward`` (its class's, by default) for the
+        conversion's compiler and ``key``: built at its first call, again after a pickle or
+        :func:`set_compiler`."""
         compiler = self.conversion.compiler
+        forward = forward or type(self.module).forward
+        key = (key, forward)
         if (compiler, key) not in self._entries:
             # Eager runs gain nothing from static shapes: capture with dynamic ones from the start, so
             # that a new length or batch reuses the graph (generate: prefill, then every decode step).
             # Inductor specialises first and makes a dimension dynamic once it changes.
             dynamic = True if compiler == "eager" else None
             self._entries[compiler, key] = torch.compile(
-                entry_function(type(self.module).forward), backend=backend(compiler), fullgraph=True,
+                entry_function(forward), backend=backend(compiler), fullgraph=True,
                 dynamic=dynamic, recompile_limit=RECOMPILE_LIMIT)
         return self._entries[compiler, key]
 
@@ -265,12 +269,31 @@ class LayerRouter(Router):
         return self.span.stop == self.planned.num_positions
 
     def route(self, *args, **kwargs):
+        checkpointing = compat.hf_layer_checkpointing(self.module)
+        if checkpointing is not None:
+            return self._checkpointed(*checkpointing, args, kwargs)
+        return self._intercepted(args, kwargs, self.proceed)
+
+    def _intercepted(self, args, kwargs, proceed):
         for interceptor in reversed(_INTERCEPTORS.__dict__.get("stack") or ()):
             if interceptor.conversion is self.conversion:
-                return interceptor.intercept(self, args, kwargs, self.proceed)
-        return self.proceed(*args, **kwargs)
+                return interceptor.intercept(self, args, kwargs, proceed)
+        return proceed(*args, **kwargs)
 
-    def proceed(self, *args, **kwargs):
+    def _checkpointed(self, checkpoint: Callable, forward: Callable, args, kwargs):
+        """transformers' gradient checkpointing of this layer, with the checkpoint outside the Dynamo
+        graph: its wrapper runs as written (it settles the cache arguments and calls the checkpoint
+        function, which may be anything: a test's ``Mock``, a user's own), and the function checkpointed
+        runs this layer's route on the layer's own ``forward``, inside the checkpoint as under
+        ``checkpoint_wrapper``."""
+        def checkpoint_routed(function, *inputs):
+            keywords = function.keywords          # transformers passes partial(forward, layer, **kwargs)
+            proceed = functools.partial(self.proceed, _checkpointed_forward=forward)
+            return checkpoint(lambda *xs: self._intercepted(xs, keywords, proceed), *inputs)
+        with compat.hf_checkpoint_function(self.module, checkpoint_routed):
+            return type(self.module).forward(self.module, *args, **kwargs)
+
+    def proceed(self, *args, _checkpointed_forward: Callable | None = None, **kwargs):
         carrier, state, via = _find_state((args, kwargs), self.stream)
         if state is None:
             if self.span.start:
@@ -288,7 +311,8 @@ class LayerRouter(Router):
         layout = _Layout(state.position, len(state.blocks), state.partial is not None, tuple(
             (t.dtype, t.requires_grad, None if t.shape == carrier.shape else tuple(t.shape)) for t in tensors))
         with _active(_LayerCall(tensors)) as call:
-            out = self.run(self.entry(layout, lambda compiler: self._backend(compiler, layout)), *args, **kwargs)
+            out = self.run(self.entry(layout, lambda compiler: self._backend(compiler, layout), _checkpointed_forward),
+                           *args, **kwargs)
         _note_progress(self.conversion, self.stream, self.ends)
         if self.ends:
             return out

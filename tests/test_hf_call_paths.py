@@ -11,6 +11,7 @@ outputs, 1e-4 on gradients (they sum over the batch and sequence); token sequenc
 from __future__ import annotations
 
 import copy
+import unittest.mock
 import warnings
 
 import pytest
@@ -146,8 +147,18 @@ def test_gradient_checkpointing_as_transformers_enables_it(pairs, name, reentran
     want = _gradients(copy.deepcopy(original).train())
     model = copy.deepcopy(converted).train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    # As transformers' own test counts the recomputation: the function handed to the checkpoint function
+    # replaced by a Mock wrapping it (Dynamo cannot trace a Mock: the checkpoint runs outside the graph).
+    layer = next(m for m in model.modules() if isinstance(m, transformers.modeling_layers.GradientCheckpointingLayer))
+    checkpoint, forward_mock = layer._gradient_checkpointing_func, unittest.mock.Mock()
+
+    def checkpoint_with_forward_mock(forward, *args):
+        forward_mock.side_effect = forward
+        return checkpoint(forward_mock, *args)
+    layer._gradient_checkpointing_func = checkpoint_with_forward_mock
     # use_cache=True with checkpointing: transformers warns in the outer forward and turns the cache off.
     got = _gradients(model, use_cache=True)
+    assert forward_mock.call_count == 2             # the forward, and its recomputation in the backward
     assert set(want) <= set(got)
     for key, grad in want.items():
         _close(got[key], grad, GRAD_TOL)
