@@ -91,6 +91,22 @@ def mark_hf_initialized(module: nn.Module) -> None:
     module._is_hf_initialized = True
 
 
+@contextlib.contextmanager
+def compiling_despite_force_eager():
+    """Within: ``torch.compile``'d functions compile even under the user's
+    ``torch.compiler.set_stance("force_eager")``: a converted model's routes run its AttnRes rewrite
+    through Dynamo, and without it they would run the unrewritten layers. Other stances are kept. Reads
+    the current stance from ``torch._dynamo.eval_frame._stance`` (no public getter)."""
+    from torch._dynamo import eval_frame
+
+    current = getattr(getattr(eval_frame, "_stance", None), "stance", "default")
+    if current != "force_eager":
+        yield
+        return
+    with torch.compiler.set_stance("default"):
+        yield
+
+
 def set_nn_module_hook_guards(skip: bool | None) -> bool:
     """Set ``torch._dynamo.config.skip_nnmodule_hook_guards`` (``None`` leaves it) and return what it was:
     whether Dynamo guards a module's hooks (no public setting says it)."""

@@ -33,7 +33,7 @@ from typing import Any
 
 from torch import nn
 
-from . import api, compat, conversion
+from . import api, compat, conversion, live
 from .config import AttnResConfig
 from .conversion import is_converted, plan_of, sites
 from .errors import CheckpointMismatchError
@@ -73,6 +73,30 @@ class SavePretrained:
         return f"<attnres_fx save_pretrained of {type(self.model).__name__}>"
 
 
+class CompiledCall:
+    """``model.get_compiled_call`` of a converted model, which transformers' ``generate`` asks for the
+    compiled forward of its decoding steps (a static cache, ``compile_config``): the model's own call on
+    attnres_fx's route with Inductor (``compile_config.backend`` "inductor", the default) or eagerly (any
+    other backend). A ``torch.compile`` of the whole call, transformers' own answer, cannot include the
+    AttnRes route; ``fullgraph``, ``dynamic`` and ``mode`` have no counterpart on it."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __call__(self, compile_config=None):
+        backend = getattr(compile_config, "backend", "inductor")
+        compiler = "inductor" if backend == "inductor" else "eager"
+        model = self.model
+
+        def call(*args, **kwargs):
+            with live.compiler_route(model, compiler):
+                return model(*args, **kwargs)
+        return call
+
+    def __repr__(self) -> str:
+        return f"<attnres_fx get_compiled_call of {type(self.model).__name__}>"
+
+
 def attach(model: nn.Module) -> None:
     """After conversion: a Hugging Face model gets its ``save_pretrained``, and its AttnRes modules count
     as initialised for transformers (whose ``init_weights`` would otherwise draw random pseudo-queries
@@ -81,6 +105,8 @@ def attach(model: nn.Module) -> None:
         return
     if "save_pretrained" not in model.__dict__:
         model.save_pretrained = SavePretrained(model)
+    if callable(getattr(type(model), "get_compiled_call", None)) and "get_compiled_call" not in model.__dict__:
+        model.get_compiled_call = CompiledCall(model)
     for site in sites(model):
         for module in model.get_submodule(site.name).modules():
             compat.mark_hf_initialized(module)
@@ -89,6 +115,8 @@ def attach(model: nn.Module) -> None:
 def detach(model: nn.Module) -> None:
     if isinstance(model.__dict__.get("save_pretrained"), SavePretrained):
         del model.__dict__["save_pretrained"]
+    if isinstance(model.__dict__.get("get_compiled_call"), CompiledCall):
+        del model.__dict__["get_compiled_call"]
 
 
 conversion.on_convert(attach, detach)

@@ -121,11 +121,7 @@ class Router:
         if torch.compiler.is_exporting():
             return self._under_foreign_compiler(*args, **kwargs)
         if torch.compiler.is_compiling():
-            compat.refuse_fullgraph_trace(
-                f"torch.compile(..., fullgraph=True) reached {_where(self)}, which runs the AttnRes rewrite "
-                "through attnres_fx's own TorchDynamo route and cannot be part of another compilation's single "
-                "graph. Use attnres_fx.compile(model) for Inductor (it compiles each block's rewritten graph), "
-                "or drop fullgraph=True (this call then runs the AttnRes route between the compiled graphs).")
+            _refuse_foreign_fullgraph(_where(self))
             return self._under_foreign_compiler(*args, **kwargs)
         return self.route(*args, **kwargs)
 
@@ -150,7 +146,7 @@ class Router:
         return self._entries[compiler, key]
 
     def run(self, entry, *args, **kwargs):
-        with capturing():
+        with capturing(), compat.compiling_despite_force_eager():
             try:
                 return entry(self.module, *args, **kwargs)
             except compat.BackendCompilerFailed as err:
@@ -503,8 +499,13 @@ class _StreamWatch:
         self.conversion = conversion
         self.stream = stream
 
-    @torch.compiler.disable
     def enter(self, module, args):
+        if torch.compiler.is_compiling():
+            _refuse_foreign_fullgraph(f"{type(module).__name__} (the owner of residual stream {self.stream})")
+        self._enter()
+
+    @torch.compiler.disable
+    def _enter(self):
         _WATCHED.__dict__.setdefault("stack", []).append([self.conversion, self.stream, False, False])
 
     @torch.compiler.disable
@@ -527,6 +528,17 @@ class _StreamWatch:
 
 
 _WATCHED = threading.local()
+
+
+def _refuse_foreign_fullgraph(where: str) -> None:
+    """Raise :class:`~attnres_fx.ForeignCompileError` while another ``torch.compile(..., fullgraph=True)``
+    traces ``where`` (a routed module or a stream's owner): nothing of a converted model's route can be
+    part of its single graph."""
+    compat.refuse_fullgraph_trace(
+        f"torch.compile(..., fullgraph=True) reached {where}, which runs the AttnRes rewrite through "
+        "attnres_fx's own TorchDynamo route and cannot be part of another compilation's single graph. Use "
+        "attnres_fx.compile(model) for Inductor (it compiles each block's rewritten graph), or drop "
+        "fullgraph=True (this call then runs the AttnRes route between the compiled graphs).")
 
 
 def _note_progress(conversion: Conversion, stream: int, ends: bool) -> None:
@@ -643,15 +655,25 @@ def eager_route(model: nn.Module):
     """Within: the calls of the converted ``model`` take the eager route, whatever its compiler, so that
     its ``BlockAttnRes`` modules run as modules (their hooks fire). The compiled route's graphs are
     kept: after the block the model runs them again without recompiling."""
+    with compiler_route(model, "eager"):
+        yield model
+
+
+@contextlib.contextmanager
+def compiler_route(model: nn.Module, compiler: str):
+    """Within: the calls of the converted ``model`` run their rewritten graphs with ``compiler``
+    (``"eager"`` or ``"inductor"``); each compiler's graphs are kept for the next time."""
     conversion = conversion_of(model)
     if conversion is None:
-        raise ValueError(f"model: eager_route needs a converted model, got a {type(model).__name__}")
-    compiler = conversion.compiler
-    conversion.compiler = "eager"
+        raise ValueError(f"model: compiler_route needs a converted model, got a {type(model).__name__}")
+    if compiler not in COMPILERS:
+        raise ValueError(f"compiler must be one of {COMPILERS}, got {compiler!r}")
+    before = conversion.compiler
+    conversion.compiler = compiler
     try:
         yield model
     finally:
-        conversion.compiler = compiler
+        conversion.compiler = before
 
 
 def set_compiler(model: nn.Module, conversion: Conversion, compiler: str, options: dict[str, Any]) -> None:

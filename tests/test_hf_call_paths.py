@@ -316,3 +316,28 @@ def test_plans_are_stable_across_shapes_modes_and_the_cache(name):
         inputs = _call_inputs(kind, 1, 5)
         want = original.generate(**inputs, max_new_tokens=3, min_new_tokens=3, pad_token_id=0)
         assert torch.equal(model.generate(**inputs, max_new_tokens=3, min_new_tokens=3, pad_token_id=0), want)
+
+
+def test_a_force_eager_stance_still_runs_the_attnres_route(pairs):
+    """``torch.compiler.set_stance("force_eager")`` (transformers' tests compare with it) skips compilation;
+    the converted model's route must still compile its rewrite, or its layers would run unconverted."""
+    original, converted = pairs("llama")
+    with torch.compiler.set_stance("force_eager"):
+        _close(converted(IDS).logits, original(IDS).logits)
+        assert torch.equal(_generate(converted), _generate(original))
+
+
+@pytest.mark.slow
+def test_generate_compiles_its_decoding_steps_on_the_attnres_route(pairs):
+    """With a static cache and a ``compile_config``, generate compiles the forward of its decoding steps
+    (on a GPU by default; here forced): a converted model gives the compiled call of its own route, with
+    Inductor, and the same tokens. A foreign fullgraph compilation of the whole call is refused by name."""
+    original, converted = pairs("llama")
+    model = copy.deepcopy(converted)
+    config = transformers.CompileConfig(fullgraph=True, dynamic=False)
+    config._compile_all_devices = True               # transformers' switch for compiling on CPU too
+    got = _generate(model, cache_implementation="static", compile_config=config)
+    assert torch.equal(got, _generate(original))
+    assert attnres_fx.conversion_options(model) == attnres_fx.conversion_options(converted)
+    with pytest.raises(attnres_fx.ForeignCompileError, match="LlamaModel"):
+        torch.compile(model.forward, fullgraph=True)(IDS)

@@ -113,8 +113,10 @@ def test_save_pretrained_writes_the_attnres_weights_and_config(saved):
         for site in attnres_fx.sites(model):
             torch.testing.assert_close(weights[f"{site.name}.proj.weight"], model.get_submodule(site.name).proj.weight)
     config = json.loads((directory / "attnres_config.json").read_text())
+    # The options are the model's AttnResConfig, written from it and read back into it.
     assert config["options"] == {"num_blocks": 2, "block_size": None, "preserve_scale": False, "eps": 1e-6,
-                                 "allow_partial": False, "route": "auto"}
+                                 "allow_partial": False, "route": "auto", "version": 1}
+    assert attnres_fx.AttnResConfig.from_dict(config["options"]) == attnres_fx.config_of(model)
     assert config["block_sizes"] == [2] and config["attnres_fx_version"] == attnres_fx.__version__
     assert [s["name"] for s in config["sites"]] == [s.name for s in attnres_fx.sites(model)]
 
