@@ -246,7 +246,8 @@ def plan_inputs(model: nn.Module, example_inputs: tuple | None, example_kwargs: 
     args, kwargs = inputs
     kwargs = {key: None if _is_cache(value) else value for key, value in kwargs.items()}
     parameters = inspect.signature(type(model).forward).parameters
-    if "use_cache" in parameters and getattr(getattr(model, "config", None), "use_cache", False) is not False:
+    if "use_cache" in parameters:
+        # Even when the model's config says no: a submodule may read a config of its own (T5's decoder).
         kwargs.setdefault("use_cache", False)
     return args, kwargs
 

@@ -168,6 +168,25 @@ def hf_layer_checkpointing(module: nn.Module):
 
 
 @contextlib.contextmanager
+def hf_inner_checkpointing_flags_off(module: nn.Module):
+    """Within: ``gradient_checkpointing`` is off on the modules inside ``module`` that transformers'
+    ``gradient_checkpointing_enable`` flags without checkpointing them (T5's attention, which then marks
+    a constant zero position bias ``requires_grad``, an attribute write Dynamo cannot trace; it matters
+    only to a reentrant checkpoint whose inputs need no grad, and the route's checkpoints receive the
+    stream's). The layers transformers does checkpoint (``GradientCheckpointingLayer``) keep their flag."""
+    layer_class = getattr(sys.modules.get("transformers.modeling_layers"), "GradientCheckpointingLayer", None)
+    flagged = [m for m in module.modules() if m.__dict__.get("gradient_checkpointing") is True
+               and not (layer_class is not None and isinstance(m, layer_class))]
+    for m in flagged:
+        m.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for m in flagged:
+            m.gradient_checkpointing = True
+
+
+@contextlib.contextmanager
 def hf_checkpoint_function(module: nn.Module, function):
     """Within: ``module._gradient_checkpointing_func`` is ``function`` (an instance attribute, as
     transformers' ``gradient_checkpointing_enable`` sets it)."""

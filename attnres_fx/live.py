@@ -146,7 +146,8 @@ class Router:
         return self._entries[compiler, key]
 
     def run(self, entry, *args, **kwargs):
-        with capturing(), compat.compiling_despite_force_eager():
+        with (capturing(), compat.compiling_despite_force_eager(),
+              compat.hf_inner_checkpointing_flags_off(self.module)):
             try:
                 return entry(self.module, *args, **kwargs)
             except compat.BackendCompilerFailed as err:

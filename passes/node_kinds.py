@@ -216,11 +216,37 @@ def is_reshape(node: fx.Node) -> bool:
     return isinstance(last, int) and last != -1
 
 
+CLAMP_OPS = {"clamp", "clip"}
+
+
+def is_self_bounded_clamp(node: fx.Node) -> bool:
+    """``clamp(h, min, max)`` whose bounds are constants (or module attributes) or computed from ``h``
+    and those alone: a saturation of
+    the stream, T5's fp16 guard ``clamp(h, -c, c)`` with ``c = where(isinf(h).any(), max - 1000, max)``.
+    Applied to an aggregate, its bounds (reading the stream value) read the aggregate too."""
+    if op_name(node) not in CLAMP_OPS or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    source = node.args[0]
+    bounds = [b for b in (*node.args[1:], *node.kwargs.values()) if isinstance(b, fx.Node)]
+    return all(_computed_only_from(bound, source, depth=8) for bound in bounds)
+
+
+def _computed_only_from(node: fx.Node, source: fx.Node, depth: int) -> bool:
+    if node is source:
+        return True
+    inputs = node.all_input_nodes
+    if node.op == "get_attr":                   # a constant or parameter of the module
+        return True
+    if node.op == "placeholder" or depth == 0 or not inputs:
+        return node.op == "call_function" and not inputs      # a constant made in the graph (full, tensor)
+    return all(_computed_only_from(i, source, depth - 1) for i in inputs)
+
+
 def is_stream_op(node: fx.Node, gm: fx.GraphModule) -> bool:
     """What the residual stream may pass through between two sites and stay the same stream: identities
-    on values, dropout (in either mode) and reshapes of the leading dimensions. The rewrite applies the
-    same ops to the aggregate a site reads."""
-    return is_transparent(node, gm) or is_dropout(node, gm) or is_reshape(node)
+    on values, dropout (in either mode), reshapes of the leading dimensions and clamps bounded by the
+    stream itself. The rewrite applies the same ops to the aggregate a site reads."""
+    return is_transparent(node, gm) or is_dropout(node, gm) or is_reshape(node) or is_self_bounded_clamp(node)
 
 
 DTYPE_OF_SECOND_OPS = {"type_as", "to"}

@@ -320,3 +320,32 @@ def test_attention_through_a_transpose_property_and_in_place_branch_sums(tracer)
         detection = attnres_fx.detect(model, (ids,), tracer=tracer)
         found[in_place] = [sorted(b.kind for b in s.branches) for s in detection.streams[0].sites]
     assert found[True] == found[False] == [["attn", "mlp"]] * 2
+
+
+class _ClampedStack(torch.nn.Module):
+    """Pre-norm layers whose stream is clamped after every sublayer with bounds computed from itself."""
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 32)
+        self.norms = torch.nn.ModuleList(torch.nn.LayerNorm(32) for _ in range(4))
+        self.fs = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(4))
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for norm, f in zip(self.norms, self.fs):
+            h = h + f(norm(h))
+            bound = torch.where(torch.isinf(h).any(), torch.tensor(6.0e4), torch.tensor(6.5e4))
+            h = torch.clamp(h, min=-bound, max=bound)
+        return h
+
+
+def test_a_clamp_bounded_by_the_stream_is_a_stream_op(untouched):
+    """The stream passes through a clamp whose bounds it computes itself: one stream of 4 sites, the
+    conversion exact."""
+    model = _ClampedStack().eval()
+    ids = make_inputs()
+    detection = attnres_fx.detect(model, (ids,), tracer="fx")
+    assert len(detection.streams) == 1 and detection.num_sites == 4
+    want = model(ids)
+    converted_ = converted(model, ids, preserve_scale=True)
+    torch.testing.assert_close(converted_(ids), want, rtol=1e-5, atol=1e-6)

@@ -341,3 +341,42 @@ def test_generate_compiles_its_decoding_steps_on_the_attnres_route(pairs):
     assert attnres_fx.conversion_options(model) == attnres_fx.conversion_options(converted)
     with pytest.raises(attnres_fx.ForeignCompileError, match="LlamaModel"):
         torch.compile(model.forward, fullgraph=True)(IDS)
+
+
+def test_t5_in_fp16_converts_through_its_clamps_between_sublayers():
+    """T5 in fp16 clamps the stream after every sublayer, with bounds computed from the stream itself
+    (``where(isinf(h).any(), max - 1000, max)``): the clamp is a stream op, applied to the aggregate the
+    next sublayer reads. fp16 outputs agree to fp16 round-off in another summation order (5e-3
+    relative; its eps is 1e-3); the tokens are the same."""
+    config = transformers.T5Config(d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2, vocab_size=128,
+                                   decoder_start_token_id=0, dropout_rate=0.0)
+    torch.manual_seed(0)
+    original = transformers.T5ForConditionalGeneration(config).to(torch.float16).eval()
+    model = attnres_fx.attnresify(copy.deepcopy(original), preserve_scale=True)
+    assert len(attnres_fx.sites(model)) == 2 * 2 + 3 * 2 + 2        # self-attn + MLP, + cross-attn, finals
+    call = dict(input_ids=IDS, decoder_input_ids=IDS[:, :4])
+    assert relative_error(model(**call).logits.float(), original(**call).logits.float()) < 5e-3
+    assert torch.equal(_generate(model, IDS), _generate(original, IDS))
+
+
+def test_t5_gradient_checkpointing_with_its_attention_flagged_too():
+    """transformers flags T5's attention for checkpointing as well as its blocks, and the attention then
+    writes ``requires_grad`` on a constant position bias, which Dynamo cannot trace: the route turns
+    the attention's flag off inside its graphs. Non-reentrant (transformers' default): the original's
+    gradients. Reentrant checkpointing of a block holding several routed sublayers is refused by name."""
+    config = transformers.T5Config(d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2, vocab_size=128,
+                                   decoder_start_token_id=0, dropout_rate=0.0)
+    torch.manual_seed(0)
+    original = transformers.T5ForConditionalGeneration(config).train()
+    converted = attnres_fx.attnresify(copy.deepcopy(original), preserve_scale=True).train()
+    want = _gradients(copy.deepcopy(original))
+    model = copy.deepcopy(converted)
+    model.gradient_checkpointing_enable()
+    got = _gradients(model)
+    for key, grad in want.items():
+        # The relative-position bias gradient gathers few, small entries: compared elementwise.
+        torch.testing.assert_close(got[key], grad, rtol=1e-3, atol=1e-6, msg=key)
+    model = copy.deepcopy(converted)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    with pytest.raises(attnres_fx.RoutingError, match="reentrant activation checkpointing"):
+        _gradients(model)
