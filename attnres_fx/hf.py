@@ -91,6 +91,9 @@ class CompiledCall:
         def call(*args, **kwargs):
             with live.compiler_route(model, compiler):
                 return model(*args, **kwargs)
+        call.attnres_compiled_call = True
+        # Where transformers keeps its compiled call (generate, and its tests, look for it).
+        model.__dict__["_compiled_call"] = call
         return call
 
     def __repr__(self) -> str:
@@ -117,6 +120,8 @@ def detach(model: nn.Module) -> None:
         del model.__dict__["save_pretrained"]
     if isinstance(model.__dict__.get("get_compiled_call"), CompiledCall):
         del model.__dict__["get_compiled_call"]
+    if getattr(model.__dict__.get("_compiled_call"), "attnres_compiled_call", False):
+        del model.__dict__["_compiled_call"]
 
 
 conversion.on_convert(attach, detach)
