@@ -9,7 +9,10 @@ converted and the original model with ``preserve_scale=True`` and with the defau
 next to the eps bound (:func:`attnres_fx.checks.eps_bound`) and to the default difference once the norms'
 eps is 1e-12; whether ``generate`` with the KV cache (greedy, 12 new tokens, after conversion with
 ``preserve_scale=True``) gives the original's tokens; whether ``save_pretrained`` and
-``attnres_fx.from_pretrained`` give back identical outputs (random pseudo-queries). Differences are
+``attnres_fx.from_pretrained`` give back identical outputs (random pseudo-queries); and how many of
+transformers' own tests of the architecture pass on the original and on converted models, read from the
+summary ``benchmarks/hf_parity.py`` wrote (``--parity``, default ``docs/hf_parity.json``; it needs a
+transformers source checkout, which this script does not). Differences are
 ``attnres_fx.checks.relative_error``: the largest per-token ``|converted - original| / |original|``.
 """
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import re
 import sys
 import tempfile
@@ -31,6 +35,9 @@ from attnres_fx.models import HF_NAMES, HIDDEN, LAYERS, build_hf, hf_example_inp
 from attnres_fx.testing import EXPECTED, randomise_pseudo_queries
 
 README = Path(__file__).resolve().parent.parent / "README.md"
+PARITY = Path(__file__).resolve().parent.parent / "docs" / "hf_parity.json"
+# The directory of transformers' tests (tests/models/NAME) each model's class is tested in.
+TEST_DIRECTORY = {"t5_encoder": "t5", "vit_classifier": "vit"}
 BEGIN, END = "<!-- architectures:begin -->", "<!-- architectures:end -->"
 TINY_EPS = 1e-12
 NEW_TOKENS = 12
@@ -57,6 +64,12 @@ on its own by `generate`, and converted too). *save/reload*: with random pseudo-
 `save_pretrained` then `attnres_fx.from_pretrained(model class, dir)` gives identical outputs.
 `tests/test_hf_models.py`, `tests/test_hf_generate.py` and `tests/test_hf_workflow.py` run the same
 checks and more (other shapes, training, sampling, left padding, the cache against a no-cache loop).
+
+*transformers' tests passed*: transformers' own model tests of the architecture
+(`tests/models/NAME/test_modeling_NAME.py` of its 5.24 source, every model class it tests, common,
+generation and training mixins) on the original models and on every model they build converted
+(`preserve_scale=True`, random pseudo-queries), by `benchmarks/hf_parity.py`; what still fails and why is
+in `docs/hf_parity.md` and under *Hugging Face* above. "not run": not measured yet.
 """
 
 
@@ -95,6 +108,20 @@ def _reloads_the_same(name: str, exact, args, kwargs) -> str:
     return "yes" if same else "NO"
 
 
+def parity_cell(name: str, parity: dict) -> str:
+    """``passed original / passed converted`` of transformers' tests for ``name``'s architecture."""
+    arch = parity.get(TEST_DIRECTORY.get(name, name))
+    if arch is None:
+        return "not run"
+    return f"{arch['passed_original']} / {arch['passed_converted']}"
+
+
+def read_parity(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    return {arch["architecture"]: arch for arch in json.loads(path.read_text())["architectures"]}
+
+
 def measure(name: str) -> list[str]:
     spec, expected = hf_model(name), EXPECTED[name]
     model = build_hf(name, use_cache=True)
@@ -117,13 +144,14 @@ def measure(name: str) -> list[str]:
             f"{tiny_eps:.1e}", _generates_the_same(name, model, exact), _reloads_the_same(name, exact, args, kwargs)]
 
 
-def table(names) -> str:
+def table(names, parity: dict) -> str:
     header = ["Model", "Residual stream", "Sites found", "`preserve_scale=True`", "default (zero-init)",
-              "eps bound", "default, eps 1e-12", "generate (cache) = original", "save/reload"]
+              "eps bound", "default, eps 1e-12", "generate (cache) = original", "save/reload",
+              "transformers' tests passed, original / converted"]
     rows = [header, ["---"] * len(header)]
     for name in names:
         start = time.perf_counter()
-        rows.append(measure(name))
+        rows.append([*measure(name), parity_cell(name, parity)])
         print(f"[architectures] {name}: {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
     return "\n".join("| " + " | ".join(row) + " |" for row in rows)
 
@@ -139,10 +167,12 @@ def write_readme(text: str, readme: Path = README) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--print", action="store_true", help="print the table instead of writing README.md")
+    parser.add_argument("--parity", type=Path, default=PARITY,
+                        help="the hf_parity.json of benchmarks/hf_parity.py (default: docs/hf_parity.json)")
     parser.add_argument("models", nargs="*", default=list(HF_NAMES), help="model names (default: all)")
     options = parser.parse_args(argv)
     torch.set_num_threads(min(2, torch.get_num_threads()))
-    text = f"### Architectures covered\n\n{table(options.models)}\n\n{NOTES}"
+    text = f"### Architectures covered\n\n{table(options.models, read_parity(options.parity))}\n\n{NOTES}"
     if options.print:
         print(text)
     else:

@@ -9,7 +9,9 @@ own pytest subprocess started in ``DIR`` (so the checkout's ``conftest.py`` and 
 apply): once on the original models, once with the plugin :mod:`attnres_fx.testing.hf_parity`
 converting every model the tests build (``preserve_scale=True``, random pseudo-queries). Both runs
 load the plugin, which records each test's outcome as it ends; the original run converts nothing.
-Then it writes ``OUT/hf_parity.json`` and ``OUT/hf_parity.md``:
+With ``--recheck`` it then runs again, converted, only the tests that regressed in the records (after a
+fix: minutes rather than a whole run); their outcomes replace the earlier ones, and the summary says how
+many were rechecked. Then it writes ``OUT/hf_parity.json`` and ``OUT/hf_parity.md``:
 
 - per architecture: tests passed on the original and on the converted models;
 - the *regressions* (passed on the original, failed converted), grouped by root cause: the exception
@@ -60,6 +62,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--test-timeout", type=float, default=300.0, help="seconds one test may take (pytest-timeout)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the converted models' random pseudo-queries")
     parser.add_argument("--python", default=sys.executable, help="the interpreter that runs pytest")
+    parser.add_argument("--recheck", action="store_true",
+                        help="after the runs, run again on the converted models only the tests that regressed in "
+                             "OUT's records (after a fix: minutes, not a whole run); their new outcomes replace the "
+                             "old ones, and the summary counts them")
     parser.add_argument("--variants", nargs="*", choices=VARIANTS, default=list(VARIANTS),
                         help="which runs to do; the records in OUT of the others are reused (none: only "
                              "summarise what OUT holds)")
@@ -70,12 +76,15 @@ def test_file(src: Path, name: str) -> Path:
     return src / "tests" / "models" / name / f"test_modeling_{name}.py"
 
 
-def run_tests(args: argparse.Namespace, name: str, variant: str) -> dict:
-    """One pytest subprocess over the architecture's test file; returns how it ended."""
+def run_tests(args: argparse.Namespace, name: str, variant: str, tests: list[str] | None = None) -> dict:
+    """One pytest subprocess over the architecture's test file (or the node ids ``tests``, whose records
+    go to ``<variant>.recheck.jsonl``); returns how it ended."""
     out = args.out / name
     out.mkdir(parents=True, exist_ok=True)
-    record, log = out / f"{variant}.jsonl", out / f"{variant}.log"
-    command = [args.python, "-m", "pytest", str(test_file(args.transformers_src, name).relative_to(args.transformers_src)),
+    stem = f"{variant}.recheck" if tests is not None else variant
+    record, log = out / f"{stem}.jsonl", out / f"{stem}.log"
+    targets = tests if tests is not None else [str(test_file(args.transformers_src, name).relative_to(args.transformers_src))]
+    command = [args.python, "-m", "pytest", *targets,
                "-p", PLUGIN, f"--attnres-mode={variant}", f"--attnres-seed={args.seed}", f"--attnres-record={record}",
                "-p", "no:cacheprovider", "-q", "-rN", "--tb=short", "-o", "log_cli=false",
                f"--timeout={args.test_timeout:g}"]
@@ -153,6 +162,7 @@ def compare(name: str, original: dict[str, dict], converted: dict[str, dict]) ->
         "passed_converted_with_every_model_converted": sum(_state(converted[k]) == "converted"
                                                            for k in passed["converted"]),
         "regressions": len(regressions),
+        "regressed_tests": regressions,
         "regression_causes": sorted(({**g, "lines": [f"{n}x {line}" for line, n in g["lines"].most_common()]}
                                      for g in groups.values()), key=lambda g: -len(g["tests"])),
         "passed_converted_only": sorted(short_test(k) for k in passed["converted"]
@@ -176,15 +186,16 @@ def markdown(summary: dict) -> str:
              f"torch {summary['torch_version']}; converted with preserve_scale=True, random pseudo-queries "
              f"(seed {summary['seed']}){'; -k ' + repr(summary['keyword']) if summary['keyword'] else ''}.", "",
              "| architecture | tests | passed original | passed converted | of those, every model converted | "
-             "regressions | passed converted only | run time original / converted |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "regressions | passed converted only | rechecked | run time original / converted |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for arch in summary["architectures"]:
         runs = arch["runs"]
         times = " / ".join(f"{runs[v]['seconds']:.0f} s{' (timed out)' if runs[v]['timed_out'] else ''}"
                            if v in runs else "-" for v in VARIANTS)
         lines.append(f"| {arch['architecture']} | {arch['tests']} | {arch['passed_original']} | "
                      f"{arch['passed_converted']} | {arch['passed_converted_with_every_model_converted']} | "
-                     f"{arch['regressions']} | {len(arch['passed_converted_only'])} | {times} |")
+                     f"{arch['regressions']} | {len(arch['passed_converted_only'])} | {arch.get('rechecked', 0)} | "
+                     f"{times} |")
     for arch in summary["architectures"]:
         lines += ["", f"## {arch['architecture']}", ""]
         for number, group in enumerate(arch["regression_causes"], 1):
@@ -227,7 +238,15 @@ def main(argv=None) -> int:
             runs[variant] = run_tests(args, name, variant)
             runs_path.write_text(json.dumps(runs, indent=2) + "\n")
         records = {v: read_records(args.out / name / f"{v}.jsonl") for v in VARIANTS}
-        arch = compare(name, records["original"], records["converted"])
+        if args.recheck:
+            regressed = sorted(compare(name, records["original"], records["converted"])["regressed_tests"])
+            if regressed:
+                print(f"{name}: rechecking {len(regressed)} regressed test(s) ...", flush=True)
+                runs["recheck"] = run_tests(args, name, "converted", regressed)
+                runs_path.write_text(json.dumps(runs, indent=2) + "\n")
+        rechecked = read_records(args.out / name / "converted.recheck.jsonl")
+        arch = compare(name, records["original"], {**records["converted"], **rechecked})
+        arch["rechecked"] = len(rechecked)
         arch["runs"] = runs
         architectures.append(arch)
         print(f"{name}: passed original {arch['passed_original']}, converted {arch['passed_converted']}, "

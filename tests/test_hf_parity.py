@@ -194,3 +194,21 @@ def test_benchmark_names_architectures_without_a_test_file(tmp_path):
     bench = load_benchmark()
     with pytest.raises(SystemExit, match="for: nosuch"):
         bench.main(["--transformers-src", str(tmp_path), "--models", "nosuch"])
+
+
+def test_the_architectures_table_reads_the_parity_summary(tmp_path):
+    """benchmarks/architectures.py's column: passed original / converted per architecture, by the
+    directory transformers tests a model class in; an architecture not run says so."""
+    from conftest import load_script
+
+    architectures = load_script(Path(__file__).resolve().parent.parent / "benchmarks" / "architectures.py",
+                                "attnres_architectures")
+    summary = {"architectures": [{"architecture": "t5", "passed_original": 268, "passed_converted": 260},
+                                 {"architecture": "llama", "passed_original": 170, "passed_converted": 169}]}
+    path = tmp_path / "hf_parity.json"
+    path.write_text(json.dumps(summary))
+    parity = architectures.read_parity(path)
+    assert architectures.parity_cell("t5_encoder", parity) == "268 / 260"
+    assert architectures.parity_cell("llama", parity) == "170 / 169"
+    assert architectures.parity_cell("gemma2", parity) == "not run"
+    assert architectures.read_parity(tmp_path / "missing.json") == {}
