@@ -217,24 +217,21 @@ def install_output_recorders(model: nn.Module) -> None:
             install(submodule)
 
 
-@torch._dynamo.assume_constant_result
-def refuse_fullgraph_trace(message: str) -> bool:
-    """Raise :class:`~attnres_fx.ForeignCompileError` with ``message`` while TorchDynamo traces this call
-    for a ``fullgraph`` compilation; return True otherwise. ``assume_constant_result`` runs the function
-    during tracing, where Dynamo's current translator says whether graph breaks are allowed
-    (``InstructionTranslator.current_tx().one_graph``; no public interface says it). The error is a Dynamo
-    ``Unsupported`` too, so Dynamo reports it as it is."""
-    from torch._dynamo.symbolic_convert import InstructionTranslator
+# Run a function while Dynamo traces, its result taken as a constant (``torch._dynamo``'s decorator).
+assume_constant_result = torch._dynamo.assume_constant_result
 
-    from .errors import ForeignCompileError
+
+def tracing_for_one_graph() -> bool:
+    """Whether the TorchDynamo trace in progress must make one graph (``fullgraph``, or graph breaks made
+    errors): ``InstructionTranslator.current_tx().one_graph``; no public interface says it. False outside
+    a Dynamo trace (torch.export's non-strict tracing has no translator)."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
 
     try:
         translator = InstructionTranslator.current_tx()
-    except AttributeError:          # not inside a Dynamo trace (torch.export's non-strict tracing)
-        return True
-    if translator is not None and (translator.one_graph or getattr(translator, "error_on_graph_break", False)):
-        raise ForeignCompileError(message)
-    return True
+    except AttributeError:
+        return False
+    return translator is not None and bool(translator.one_graph or getattr(translator, "error_on_graph_break", False))
 
 
 # -- transformers ---------------------------------------------------------------------------------------

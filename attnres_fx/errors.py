@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .compat import DynamoUnsupported
+from .compat import DynamoUnsupported, assume_constant_result, tracing_for_one_graph
 
 
 class AttnResError(Exception):
@@ -76,3 +76,14 @@ class DepthWeightsError(AttnResError):
 
 class AttnResWarning(UserWarning):
     """The rewrite went ahead, but the result may not behave as the user expects."""
+
+
+@assume_constant_result
+def refuse_fullgraph_trace(message: str) -> bool:
+    """Raise :class:`ForeignCompileError` with ``message`` while TorchDynamo traces this call for one graph;
+    return True otherwise. ``assume_constant_result`` runs the function during tracing, where the trace
+    says whether graph breaks are allowed (:func:`attnres_fx.compat.tracing_for_one_graph`); the error is
+    a Dynamo ``Unsupported`` too, so Dynamo reports it as it is."""
+    if tracing_for_one_graph():
+        raise ForeignCompileError(message)
+    return True

@@ -52,7 +52,7 @@ import torch
 from torch import fx, nn
 
 from attnres_fx.block_attnres import BlockAttnRes
-from attnres_fx.errors import AttnResError, RoutingError, StreamMismatchError, TraceError
+from attnres_fx.errors import AttnResError, RoutingError, StreamMismatchError, TraceError, refuse_fullgraph_trace
 from attnres_fx.passes.layers import LayerSpan
 from attnres_fx.passes.pipeline import LayerTarget, rewrite_captured
 from attnres_fx.passes.plan import Plan, StreamPlan
@@ -535,7 +535,7 @@ def _refuse_foreign_fullgraph(where: str) -> None:
     """Raise :class:`~attnres_fx.ForeignCompileError` while another ``torch.compile(..., fullgraph=True)``
     traces ``where`` (a routed module or a stream's owner): nothing of a converted model's route can be
     part of its single graph."""
-    compat.refuse_fullgraph_trace(
+    refuse_fullgraph_trace(
         f"torch.compile(..., fullgraph=True) reached {where}, which runs the AttnRes rewrite through "
         "attnres_fx's own TorchDynamo route and cannot be part of another compilation's single graph. Use "
         "attnres_fx.compile(model) for Inductor (it compiles each block's rewritten graph), or drop "
