@@ -26,7 +26,7 @@ from torch import nn
 
 from attnres_fx.passes.detect import Detection, ResidualStream, detect_residual_streams
 from attnres_fx.passes.layers import LayerSpan
-from attnres_fx.passes.node_kinds import owner_path
+from attnres_fx.passes.provenance import owner_path
 
 from .compat import pytree
 from .capture import capture_dynamo, capturing

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from torch import fx, nn
 
-from . import node_kinds as nk
+from . import provenance
 from .detect import ResidualStream
 
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
@@ -118,4 +118,4 @@ def _within(path: str, other: str) -> bool:
 
 def _inside(node: fx.Node, owner: str) -> bool:
     """Whether ``node`` was created by ``owner``'s forward or a submodule of it."""
-    return node.op == "get_attr" or any(path == owner for path, _ in nk.module_stack(node))
+    return node.op == "get_attr" or any(path == owner for path, _ in provenance.module_stack(node))

@@ -10,8 +10,6 @@ that detection is written once, on data flow, for all three.
 from __future__ import annotations
 
 import operator
-import re
-from collections.abc import Iterable
 
 from torch import fx, nn
 
@@ -249,91 +247,6 @@ def is_stream_op(node: fx.Node, gm: fx.GraphModule) -> bool:
     return is_transparent(node, gm) or is_dropout(node, gm) or is_reshape(node) or is_self_bounded_clamp(node)
 
 
-DTYPE_OF_SECOND_OPS = {"type_as", "to"}
-
-
-def data_inputs(node: fx.Node) -> Iterable[fx.Node]:
-    """Inputs whose *values* the node depends on (shape queries depend on none; ``y.type_as(x)``
-    and ``y.to(x)`` read only ``x``'s dtype)."""
-    if is_shape_query(node):
-        return ()
-    if op_name(node) in DTYPE_OF_SECOND_OPS and node.args and isinstance(node.args[0], fx.Node):
-        return [node.args[0]]
-    return node.all_input_nodes
-
-
-def reads_value(user: fx.Node, value: fx.Node) -> bool:
-    """Whether ``user`` depends on ``value``'s data, not just on its shape or dtype."""
-    return value in data_inputs(user)
-
-
-def mutated_input(node: fx.Node) -> fx.Node | None:
-    """The tensor an in-place op writes into: ``y[:, t] = v`` (``setitem``), ``y.copy_(v)``,
-    ``y.index_put_(...)``, ``y += v``, ``torch.add(a, b, out=y)``; None for any other node."""
-    out = node.kwargs.get("out")
-    if isinstance(out, fx.Node):
-        return out
-    if not node.args or not isinstance(node.args[0], fx.Node):
-        return None
-    if node.op == "call_function" and (node.target is operator.setitem or node.target in IN_PLACE_OPERATORS):
-        return node.args[0]
-    if isinstance(node.target, compat.OpOverload):
-        arguments = node.target._schema.arguments
-        writes = bool(arguments) and arguments[0].alias_info is not None and arguments[0].alias_info.is_write
-        return node.args[0] if writes else None
-    name = op_name(node)
-    return node.args[0] if name.endswith("_") and not name.startswith("_") and node.op != "call_module" else None
-
-
-class DataFlow:
-    """Which nodes carry values into which, for one graph: the graph's edges, minus metadata reads
-    (:func:`data_inputs`), plus the edges in-place writes leave implicit.
-
-    ``y = zeros(b, t, d); for t: y[:, t] = f(x[:, t]); out(y)``: no edge leads from the ``setitem``
-    nodes to ``out(y)``, which reads ``y`` itself. Here a node that reads a tensor also reads the latest
-    write before it into that tensor or into any view of it (``y[:, t]``, a ``reshape``), so the
-    writes, and what they wrote, are its ancestors.
-    """
-
-    def __init__(self, graph: fx.Graph):
-        self.position = {node: i for i, node in enumerate(graph.nodes)}
-        base: dict[fx.Node, fx.Node] = {}
-        writes: dict[fx.Node, list[fx.Node]] = {}
-        for node in graph.nodes:
-            source = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
-            base[node] = base.get(source, source) if source is not None and op_name(node) in VIEW_OPS else node
-            target = mutated_input(node)
-            if target is not None:
-                writes.setdefault(base.get(target, target), []).append(node)
-        self._parents: dict[fx.Node, tuple[fx.Node, ...]] = {}
-        self._children: dict[fx.Node, list[fx.Node]] = {node: [] for node in graph.nodes}
-        for node in graph.nodes:
-            parents = dict.fromkeys(data_inputs(node))
-            for value in list(parents):
-                latest = _latest_before(writes.get(base.get(value, value), ()), node, self.position)
-                if latest is not None:
-                    parents[latest] = None
-            self._parents[node] = tuple(parents)
-            for parent in parents:
-                self._children[parent].append(node)
-
-    def parents(self, node: fx.Node) -> tuple[fx.Node, ...]:
-        return self._parents[node]
-
-    def children(self, node: fx.Node) -> list[fx.Node]:
-        return self._children[node]
-
-
-def _latest_before(writes, node: fx.Node, position: dict[fx.Node, int]) -> fx.Node | None:
-    """The last of ``writes`` (in graph order) that comes before ``node``."""
-    latest = None
-    for write in writes:
-        if position[write] >= position[node]:
-            break
-        latest = write
-    return latest
-
-
 def is_norm_module(module: nn.Module | None) -> bool:
     return isinstance(module, NORM_MODULES)
 
@@ -344,26 +257,6 @@ def is_norm_op(node: fx.Node, gm: fx.GraphModule) -> bool:
     if module is not None:
         return is_norm_module(module)
     return op_name(node) in NORM_OPS
-
-
-def is_parameter(node: fx.Node) -> bool:
-    """A learned weight: ``get_attr`` (fx, export) or a Dynamo ``placeholder`` holding an ``nn.Parameter``."""
-    if node.op == "get_attr":
-        return True
-    return node.op == "placeholder" and isinstance(node.meta.get("example_value"), nn.Parameter)
-
-
-def parameter_derived_nodes(graph: fx.Graph) -> set[fx.Node]:
-    """Nodes computed from parameters/buffers alone (weights, and ops such as ``t(weight)``)."""
-    derived: set[fx.Node] = set()
-    for node in graph.nodes:
-        if is_parameter(node):
-            derived.add(node)
-        elif node.op in ("call_function", "call_method"):
-            inputs = node.all_input_nodes
-            if inputs and all(i in derived for i in inputs):
-                derived.add(node)
-    return derived
 
 
 def is_parameterised_compute(node: fx.Node, gm: fx.GraphModule, param_derived: set[fx.Node]) -> bool:
@@ -445,121 +338,3 @@ def is_activation(node: fx.Node, gm: fx.GraphModule) -> bool:
     if module is not None:
         return isinstance(module, ACTIVATION_MODULES)
     return op_name(node) in ACTIVATION_OPS
-
-
-def module_stack(node: fx.Node) -> list[tuple[str, str]]:
-    """``[(path, class name), ...]`` outermost first, from ``nn_module_stack`` (fx and export)."""
-    stack = node.meta.get("nn_module_stack") or {}
-    out = []
-    for value in stack.values():
-        path, cls = value[0], value[1] if len(value) > 1 else ""
-        cls_name = cls if isinstance(cls, str) else getattr(cls, "__qualname__", str(cls))
-        out.append((_clean_path(str(path)), cls_name.rsplit(".", 1)[-1]))
-    return out
-
-
-_SOURCE_ROOT = re.compile(r"^[LG]\[[^\]]*\](\[\d+\])*")          # L['self'], G['m'], L['args'][0]
-_MODULES_ITEM = re.compile(r"\._modules\['([^']*)'\]")             # ._modules['layers'] -> .layers
-# An instance attribute ``forward`` (the wrapper attnres_fx.live installs on a module it routes) is no
-# submodule: nn.Module forbids a submodule named ``forward``, so the segment can be dropped safely.
-_FORWARD_WRAPPER = re.compile(r"\.forward\.[A-Za-z_]\w*(\.__self__)?")
-_INDEX = re.compile(r"\[(\d+)\]")
-
-
-def _clean_path(path: str) -> str:
-    """Dotted module path (``decoder.block.0``) from an fx/export path or a Dynamo source expression
-    (``L['self'].decoder.forward.module.block[0]``)."""
-    path = _SOURCE_ROOT.sub("", path)
-    path = _MODULES_ITEM.sub(r".\1", path)
-    path = _FORWARD_WRAPPER.sub("", path)
-    path = _INDEX.sub(r".\1", path)
-    return path.replace("['", ".").replace("']", "").strip(".")
-
-
-def owner_path(node: fx.Node) -> str:
-    """Dotted path of the innermost module whose forward created ``node`` ('' for the root)."""
-    stack = module_stack(node)
-    return stack[-1][0] if stack else ""
-
-
-def node_module_path(node: fx.Node) -> str:
-    """The module a node belongs to: its ``call_module`` target, else its owner."""
-    if node.op == "call_module":
-        return str(node.target)
-    return owner_path(node)
-
-
-def _through_casts(node: fx.Node, gm: fx.GraphModule) -> fx.Node:
-    while len(node.users) == 1:
-        (user,) = node.users
-        if not is_transparent(user, gm):
-            break
-        node = user
-    return node
-
-
-def _cast_aliases(x: fx.Node, gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
-    """``x`` and the dtype casts / copies of it (``x.to(float32)``), each mapped to the user of ``x`` its
-    chain starts with (``x`` to itself)."""
-    aliases = {x: x}
-    todo = [(x, None)]
-    while todo:
-        node, root = todo.pop()
-        for user in node.users:
-            if user not in aliases and is_transparent(user, gm):
-                aliases[user] = root or user
-                todo.append((user, root or user))
-    return aliases
-
-
-def _decomposed_rms_users(x: fx.Node, gm: fx.GraphModule) -> set[fx.Node]:
-    """Users of ``x`` that belong to a written-out ``x * rsqrt(mean(x**2) + eps)``; empty if none.
-
-    Accepts ``pow(x, 2)``, ``square(x)`` or ``x * x``, an optional ``+ eps``, dtype casts anywhere (the
-    square of ``x.to(float32)`` multiplying ``x`` itself, as T5 writes it), and the multiplication by
-    ``x`` in either operand order.
-    """
-    aliases = _cast_aliases(x, gm)
-    for alias in aliases:
-        for square in alias.users:
-            name = op_name(square)
-            is_square = (name in SQUARE_OPS and (name == "square" or square.args[1:2] == (2,))) or (
-                name in MUL_OPS and len(square.args) == 2 and square.args[0] is alias and square.args[1] is alias)
-            if not is_square:
-                continue
-            mean = _through_casts(square, gm)
-            mean = next((u for u in mean.users if op_name(u) in MEAN_OPS), None)
-            if mean is None:
-                continue
-            scale = _through_casts(mean, gm)
-            eps_add = next((u for u in scale.users if is_add(u) and add_operands(u) is None), None)
-            scale = _through_casts(eps_add, gm) if eps_add is not None else scale
-            rsqrt = next((u for u in scale.users if op_name(u) in RSQRT_OPS), None)
-            if rsqrt is None:
-                continue
-            rsqrt = _through_casts(rsqrt, gm)
-            normalise = next((u for u in rsqrt.users if op_name(u) in MUL_OPS
-                              and any(a in aliases for a in u.args if isinstance(a, fx.Node))), None)
-            if normalise is not None:
-                scaled = next(a for a in normalise.args if isinstance(a, fx.Node) and a in aliases)
-                return {square, normalise, aliases[alias], aliases[scaled]}
-    return set()
-
-
-def reads_normalised(value: fx.Node, readers: Iterable[fx.Node], gm: fx.GraphModule) -> bool:
-    """Whether every one of ``readers`` (users of ``value``) feeds ``value`` only into a normalisation.
-
-    Recognises norm modules, functional / aten norms, and RMSNorm written out with optional dtype
-    casts in front (``x.to(float32)`` then ``x * rsqrt(mean(x**2) + eps)``).
-    """
-    readers = [r for r in readers if reads_value(r, value)]
-    if not readers:
-        return False
-    decomposed = _decomposed_rms_users(value, gm)
-    for reader in readers:
-        if is_norm_op(reader, gm) or reader in decomposed:
-            continue
-        if is_stream_op(reader, gm) and reads_normalised(reader, list(reader.users), gm):
-            continue
-        return False
-    return True

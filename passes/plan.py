@@ -42,7 +42,7 @@ from attnres_fx.text import format_table
 
 from .detect import Detection, ResidualStream, require_dim
 from .layers import CONTAINERS, LayerSpan, Refusal, layer_spans
-from .node_kinds import owner_path
+from .provenance import owner_path
 
 DEFAULT_NUM_BLOCKS = 8
 

@@ -60,6 +60,7 @@ from attnres_fx.block_attnres import BlockAttnRes
 from attnres_fx.errors import PassContractError
 
 from . import node_kinds as nk
+from . import provenance
 from .checkpoints import REGION
 from .detect import Detection, ResidualSite, ResidualStream
 from .plan import Plan, Site, StreamPlan
@@ -511,7 +512,7 @@ def _annotate(node: fx.Node, origin: fx.Node, name: str, role: str, *, with_modu
         # in the last layer whose add it replaces): the stack keeps the parent's ancestors only.
         parent = name.rpartition(".")[0]
         stack = {key: value for key, value in stack.items()
-                 if _within(nk._clean_path(str(value[0])), parent)}
+                 if _within(provenance.clean_path(str(value[0])), parent)}
         stack[name] = (name, _ATTNRES_CLASS if _stack_uses_strings(stack) else BlockAttnRes)
     if stack:
         node.meta["nn_module_stack"] = stack

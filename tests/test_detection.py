@@ -157,7 +157,7 @@ def test_writes_into_buffers_carry_values():
     """``buffer.select(1, t).copy_(v)``, ``y[:, t] = v`` and ``index_put_`` leave no graph edge from ``v`` to
     later reads of the buffer; the data flow adds one (and a buffer made ``new_zeros`` from ``x`` reads
     only ``x``'s shape)."""
-    from attnres_fx.passes import node_kinds
+    from attnres_fx.passes import dataflow
 
     def scan(x, v):
         buffer = x.new_zeros(x.shape)
@@ -166,7 +166,7 @@ def test_writes_into_buffers_carry_values():
         return buffer.sum()
 
     graph = torch.fx.symbolic_trace(scan).graph
-    flow = node_kinds.DataFlow(graph)
+    flow = dataflow.DataFlow(graph)
     nodes = {n.name: n for n in graph.nodes}
     reached, todo = set(), [nodes["sum_1"]]
     while todo:
@@ -349,3 +349,13 @@ def test_a_clamp_bounded_by_the_stream_is_a_stream_op(untouched):
     want = model(ids)
     converted_ = converted(model, ids, preserve_scale=True)
     torch.testing.assert_close(converted_(ids), want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_failed_match_is_falsy_and_formats_its_reason_only_when_read():
+    """Most adds of a graph are no site: their reasons are built only when a dry run or an error reads them."""
+    from attnres_fx.passes.matching import FailedMatch
+
+    calls = []
+    failed = FailedMatch(lambda: calls.append(1) or "operands are independent")
+    assert not failed and not calls
+    assert failed.reason == "operands are independent" and calls == [1]
