@@ -1,8 +1,6 @@
 """What graph captures make of the aggregation: Inductor fuses its plain-op form with a neighbour (no call
 of the opaque operator); torch.export and ONNX hold plain ops that onnxruntime runs, equal to eager."""
 
-import math
-import re
 
 import pytest
 import torch
@@ -11,6 +9,7 @@ from torch import nn
 from torch._inductor.utils import run_and_get_code
 
 from attnres_fx import BlockAttnRes, ops
+from test_kernels import assert_kernels_and_full_size_buffers
 
 SHAPE = (2, 16, 64)
 
@@ -54,15 +53,9 @@ def test_inductor_fuses_the_aggregation_with_the_norm_after_it():
     with torch.no_grad():
         out, (code,) = run_and_get_code(torch.compile(module, fullgraph=True), *sources)
         torch.testing.assert_close(out, module(*sources), rtol=1e-5, atol=1e-5)
-    call = code[code.index("def call("):]
-    assert "attnres" not in call, "the opaque operator must not reach Inductor's graph"
-    defined = re.findall(r"^(\w+) = async_compile\.cpp", code, flags=re.M)
-    launched = [name for name in defined if f"{name}(" in call] + re.findall(r"extern_kernels\.\w+\(", call)
-    assert defined and len(launched) <= 2, f"kernels: {launched}"
-    sizes = [math.prod(int(d) for d in dims.split(",") if d.strip())
-             for dims in re.findall(r"empty_strided_cpu\(\(([\d, ]*)\)", call)]
     # The aggregate itself is never written out: the only full-size buffer is the normalised output.
-    assert sum(size >= math.prod(SHAPE) for size in sizes) == 1, call
+    call = assert_kernels_and_full_size_buffers(code, SHAPE, most_kernels=2, full_size_buffers=1)
+    assert "attnres" not in call, "the opaque operator must not reach Inductor's graph"
 
 
 def test_torch_export_keeps_the_operator_and_its_fake_implementation_traces_it():
