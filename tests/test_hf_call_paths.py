@@ -376,6 +376,12 @@ def test_t5_gradient_checkpointing_with_its_attention_flagged_too():
     for key, grad in want.items():
         # The relative-position bias gradient gathers few, small entries: compared elementwise.
         torch.testing.assert_close(got[key], grad, rtol=1e-3, atol=1e-6, msg=key)
+    # Checkpointing enabled before the conversion: its capture sees the flags too.
+    enabled_first = copy.deepcopy(original)
+    enabled_first.gradient_checkpointing_enable()
+    got = _gradients(attnres_fx.attnresify(enabled_first, preserve_scale=True))
+    for key, grad in want.items():
+        torch.testing.assert_close(got[key], grad, rtol=1e-3, atol=1e-6, msg=key)
     model = copy.deepcopy(converted)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     with pytest.raises(attnres_fx.RoutingError, match="reentrant activation checkpointing"):
