@@ -34,6 +34,20 @@ def _warps(block: int) -> int:
 
 
 @triton.jit
+def _source_logit(value, query, dim, eps):
+    """The depth logit of one source row: ``q . v / rms(v)`` (the key norm's weight is folded into q)."""
+    return tl.sum(value * query) / tl.sqrt(tl.sum(value * value) / dim + eps)
+
+
+@triton.jit
+def _online_softmax_step(top, logit):
+    """One step of an online softmax: the new running maximum, and the factors that rescale what was
+    accumulated (``old``) and weigh the new term (``new``)."""
+    new_top = tl.maximum(top, logit)
+    return new_top, tl.exp(top - new_top), tl.exp(logit - new_top)
+
+
+@triton.jit
 def _aggregate_kernel(sources, query_ptr, out_ptr, dim, eps, scale, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -44,13 +58,9 @@ def _aggregate_kernel(sources, query_ptr, out_ptr, dim, eps, scale, BLOCK: tl.co
     acc = tl.zeros([BLOCK], tl.float32)
     for k in tl.static_range(len(sources)):
         value = tl.load(sources[k] + row * dim + cols, mask=mask, other=0.0).to(tl.float32)
-        logit = tl.sum(value * query) / tl.sqrt(tl.sum(value * value) / dim + eps)
-        new_top = tl.maximum(top, logit)
-        old = tl.exp(top - new_top)
-        new = tl.exp(logit - new_top)
+        top, old, new = _online_softmax_step(top, _source_logit(value, query, dim, eps))
         acc = acc * old + value * new
         total = total * old + new
-        top = new_top
     out = acc * (scale / total)
     tl.store(out_ptr + row * dim + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -73,13 +83,9 @@ def _aggregate_backward_kernel(grad_ptr, sources, grads, query_ptr, partial_quer
         weighted_along = tl.zeros([], tl.float32)
         for k in tl.static_range(len(sources)):
             value = tl.load(sources[k] + row * dim + cols, mask=mask, other=0.0).to(tl.float32)
-            logit = tl.sum(value * query) / tl.sqrt(tl.sum(value * value) / dim + eps)
-            new_top = tl.maximum(top, logit)
-            old = tl.exp(top - new_top)
-            new = tl.exp(logit - new_top)
+            top, old, new = _online_softmax_step(top, _source_logit(value, query, dim, eps))
             total = total * old + new
             weighted_along = weighted_along * old + new * tl.sum(value * grad)
-            top = new_top
         mean_along = weighted_along / total
         # Second look: each source's logit again, dL/dv_i, and dL/dq.
         for k in tl.static_range(len(sources)):
