@@ -262,7 +262,7 @@ def ready_to_capture(model: nn.Module):
     (:func:`attnres_fx.compat.hf_inner_checkpointing_flags_off`)."""
     compat.install_output_recorders(model)
     config = getattr(model, "config", None)
-    with compat.hf_inner_checkpointing_flags_off(model):
+    with compat.hf_inner_checkpointing_flags_off(compat.checkpointing_flag_holders(model)):
         if not getattr(config, "use_cache", False):
             yield
             return

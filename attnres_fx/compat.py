@@ -167,16 +167,34 @@ def hf_layer_checkpointing(module: nn.Module):
     return function, inner
 
 
-@contextlib.contextmanager
-def hf_inner_checkpointing_flags_off(module: nn.Module):
-    """Within: ``gradient_checkpointing`` is off on the modules inside ``module`` that transformers'
-    ``gradient_checkpointing_enable`` flags without checkpointing them (T5's attention, which then marks
-    a constant zero position bias ``requires_grad``, an attribute write Dynamo cannot trace; it matters
-    only to a reentrant checkpoint whose inputs need no grad, and the route's checkpoints receive the
-    stream's). The layers transformers does checkpoint (``GradientCheckpointingLayer``) keep their flag."""
+def remember_hf_compiled_call(model: nn.Module, call) -> None:
+    """Keep ``call`` where transformers keeps the compiled call its ``get_compiled_call`` made
+    (``model._compiled_call``, private; ``generate`` and its tests look for it there)."""
+    model.__dict__["_compiled_call"] = call
+
+
+def forget_hf_compiled_call(model: nn.Module, call_is_ours) -> None:
+    """Drop ``model._compiled_call`` when ``call_is_ours(call)``."""
+    if call_is_ours(model.__dict__.get("_compiled_call")):
+        del model.__dict__["_compiled_call"]
+
+
+def checkpointing_flag_holders(module: nn.Module) -> tuple[nn.Module, ...]:
+    """The modules inside ``module`` that transformers' ``gradient_checkpointing_enable`` may flag without
+    checkpointing them: it sets ``gradient_checkpointing`` on every module that has the attribute, and
+    only ``GradientCheckpointingLayer``s checkpoint. Fixed by the module tree, so callers keep it."""
     layer_class = getattr(sys.modules.get("transformers.modeling_layers"), "GradientCheckpointingLayer", None)
-    flagged = [m for m in module.modules() if m.__dict__.get("gradient_checkpointing") is True
-               and not (layer_class is not None and isinstance(m, layer_class))]
+    return tuple(m for m in module.modules() if hasattr(m, "gradient_checkpointing")
+                 and not (layer_class is not None and isinstance(m, layer_class)))
+
+
+@contextlib.contextmanager
+def hf_inner_checkpointing_flags_off(holders: tuple[nn.Module, ...]):
+    """Within: ``gradient_checkpointing`` is off on ``holders`` (:func:`checkpointing_flag_holders`): T5's
+    attention, flagged, marks a constant zero position bias ``requires_grad``, an attribute write Dynamo
+    cannot trace; it matters only to a reentrant checkpoint whose inputs need no grad, and the route's
+    checkpoints receive the stream's. The layers transformers does checkpoint keep their flag."""
+    flagged = [m for m in holders if m.gradient_checkpointing is True]
     for m in flagged:
         m.gradient_checkpointing = False
     try:

@@ -92,8 +92,7 @@ class CompiledCall:
             with live.compiler_route(model, compiler):
                 return model(*args, **kwargs)
         call.attnres_compiled_call = True
-        # Where transformers keeps its compiled call (generate, and its tests, look for it).
-        model.__dict__["_compiled_call"] = call
+        compat.remember_hf_compiled_call(model, call)
         return call
 
     def __repr__(self) -> str:
@@ -120,8 +119,7 @@ def detach(model: nn.Module) -> None:
         del model.__dict__["save_pretrained"]
     if isinstance(model.__dict__.get("get_compiled_call"), CompiledCall):
         del model.__dict__["get_compiled_call"]
-    if getattr(model.__dict__.get("_compiled_call"), "attnres_compiled_call", False):
-        del model.__dict__["_compiled_call"]
+    compat.forget_hf_compiled_call(model, lambda call: getattr(call, "attnres_compiled_call", False))
 
 
 conversion.on_convert(attach, detach)

@@ -128,6 +128,11 @@ class Router:
     def route(self, *args, **kwargs):
         raise NotImplementedError
 
+    @functools.cached_property
+    def _checkpointing_flag_holders(self) -> tuple[nn.Module, ...]:
+        # Found once: the module tree does not change after conversion, and every call runs through it.
+        return compat.checkpointing_flag_holders(self.module)
+
     def entry(self, key, backend, forward: Callable | None = None):
         """The Dynamo-compiled entry of this module's ``forward`` (its class's, by default) for the
         conversion's compiler and ``key``: built at its first call, again after a pickle or
@@ -147,7 +152,7 @@ class Router:
 
     def run(self, entry, *args, **kwargs):
         with (capturing(), compat.compiling_despite_force_eager(),
-              compat.hf_inner_checkpointing_flags_off(self.module)):
+              compat.hf_inner_checkpointing_flags_off(self._checkpointing_flag_holders)):
             try:
                 return entry(self.module, *args, **kwargs)
             except compat.BackendCompilerFailed as err:

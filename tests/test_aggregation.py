@@ -16,6 +16,7 @@ FORMULATIONS = {"fusable": aggregation.fusable, "stacked": aggregation.stacked}
 
 
 def _module(dim, seed=0):
+    """A BlockAttnRes with random pseudo-query and key-norm weights (the zero init would hide errors)."""
     torch.manual_seed(seed)
     module = BlockAttnRes(dim)
     nn.init.normal_(module.proj.weight, std=0.5)

@@ -8,18 +8,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch._inductor.utils import run_and_get_code
 
-from attnres_fx import BlockAttnRes, ops
+from attnres_fx import ops
+from test_aggregation import _module
 from test_kernels import assert_kernels_and_full_size_buffers
 
 SHAPE = (2, 16, 64)
-
-
-def _site(dim, seed=0):
-    torch.manual_seed(seed)
-    module = BlockAttnRes(dim)
-    nn.init.normal_(module.proj.weight, std=0.5)
-    nn.init.uniform_(module.norm.weight, 0.5, 1.5)
-    return module
 
 
 class SiteThenNorm(nn.Module):
@@ -27,7 +20,7 @@ class SiteThenNorm(nn.Module):
 
     def __init__(self, dim):
         super().__init__()
-        self.res = _site(dim)
+        self.res = _module(dim)
         self.norm = nn.RMSNorm(dim)
 
     def forward(self, a, b, c):
@@ -37,7 +30,7 @@ class SiteThenNorm(nn.Module):
 class CallsTheOperator(nn.Module):
     def __init__(self, dim):
         super().__init__()
-        self.res = _site(dim)
+        self.res = _module(dim)
         self.out = nn.Linear(dim, dim)
 
     def forward(self, a, b, c):
