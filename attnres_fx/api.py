@@ -2,7 +2,7 @@
 
 The pipeline: capture (:mod:`attnres_fx.capture`) -> detect (:mod:`attnres_fx.passes.detect`) -> plan
 (:mod:`attnres_fx.passes.plan`) -> rewrite (:mod:`attnres_fx.passes.rewrite`, at every routed call:
-:mod:`attnres_fx.live`) -> schedule (:mod:`attnres_fx.passes.two_phase`) -> hand-off
+:mod:`attnres_fx.routing`) -> schedule (:mod:`attnres_fx.passes.two_phase`) -> hand-off
 (:mod:`attnres_fx.export`).
 """
 
@@ -22,15 +22,14 @@ from attnres_fx.passes.pipeline import rewrite_captured
 from attnres_fx.passes.plan import make_plan
 from attnres_fx.passes.rewrite import ModuleCalls, new_modules
 
-from . import live
+from . import routing
 from .block_attnres import BlockAttnRes
 from .config import AttnResConfig
-from .capture import as_args, capture_dynamo, capture_for_plan, graph_break, plan_inputs, ready_to_capture, trace
+from .capture import as_args, capture_dynamo, capture_for_plan, ready_to_capture, trace
 from .compat import unwrap_compiled
 from .conversion import conversion_of, require
 from .conversion import conversion_options, is_converted, plan_of, sites  # noqa: F401 - the public face
-from .errors import AttnResWarning, NoResidualStreamError, RoutingError, TraceError, UnsupportedArchitectureError
-from .layered_capture import capture_by_blocks
+from .errors import AttnResWarning, NoResidualStreamError, RoutingError, UnsupportedArchitectureError
 
 DETECT_TRACERS = ("auto", "dynamo", "fx", "export")
 LOG = logging.getLogger("attnres_fx")
@@ -44,7 +43,7 @@ def attnresify(model: nn.Module, example_inputs: Any = None, *, example_kwargs: 
     ``BlockAttnRes`` per sublayer of each residual stream, on the module that performs the residual add
     (``model.layers.3.attn_res``, ``model.layers.3.mlp_res``) and one per stream before its final norm
     (``model.final_res``), and every call runs the AttnRes rewrite of the graphs TorchDynamo captures for
-    it (:mod:`attnres_fx.live`).
+    it (:mod:`attnres_fx.routing`).
 
     Args:
         model: a pre-norm Transformer (any ``nn.Module`` whose graph has a residual-add chain).
@@ -70,7 +69,7 @@ def attnresify(model: nn.Module, example_inputs: Any = None, *, example_kwargs: 
             stream back): such adds stay plain adds, reading the aggregate that stands for the
             stream value they read. By default they raise :class:`~attnres_fx.UnsupportedArchitectureError` naming
             them; ``print(attnres_fx.detect(model, ...))`` lists them too.
-        route: how calls run (:mod:`attnres_fx.live`). ``"layer"``: every module that performs residual
+        route: how calls run (:mod:`attnres_fx.routing`). ``"layer"``: every module that performs residual
             sites (a transformer block) runs its own rewritten graph, the completed block sums passed
             along with the stream, and the code around the blocks runs as written; what per-block
             ``fully_shard``, activation checkpointing, pipeline stages and per-block compilation need.
@@ -89,33 +88,20 @@ def attnresify(model: nn.Module, example_inputs: Any = None, *, example_kwargs: 
                            "sites); call attnres_fx.remove(model) first to convert it again")
     start = time.perf_counter()
     example_inputs = as_args(example_inputs)
-    spans = None
     with ready_to_capture(model):
-        try:
-            traced = capture_for_plan(model, example_inputs, example_kwargs)
-            detection = detect_residual_streams(traced.graph_module)
-            frontend = traced.frontend
-        except TraceError as err:
-            # Something outside every block may be what Dynamo refuses (a warning, a data-dependent branch,
-            # a cache utility): the layer route needs only the blocks' own graphs.
-            inputs = plan_inputs(model, example_inputs, example_kwargs)
-            if route == "model" or inputs is None or graph_break(err) is None:
-                raise
-            traced = None
-            detection, spans = capture_by_blocks(model, *inputs, err)
-            frontend = "dynamo per block"
+        traced = capture_for_plan(model, example_inputs, example_kwargs)
+    detection = detect_residual_streams(traced.graph_module)
     _check_detection(model, detection, allow_partial)
     _warn_raw_reads(detection, preserve_scale)
     plan = make_plan(detection, dict(model.named_modules()), num_blocks=num_blocks, block_size=block_size,
-                     preserve_scale=preserve_scale, eps=eps, route=route, spans=spans)
-    if traced is not None:
-        # The rewrite runs on the captured graph before the model is touched: a plan that cannot be
-        # applied fails here, not at the model's first call.
-        rewrite_captured(traced.graph_module, plan, lambda g: ModuleCalls(g, new_modules(plan, g)),
-                         where=type(model).__name__)
-    live.install(model, plan, new_modules(plan, like=model), config)
+                     preserve_scale=preserve_scale, eps=eps, route=route)
+    # The rewrite runs on the captured graph before the model is touched: a plan that cannot be applied
+    # fails here, not at the model's first call.
+    rewrite_captured(traced.graph_module, plan, lambda g: ModuleCalls(g, new_modules(plan, g)),
+                     where=type(model).__name__)
+    routing.install(model, plan, new_modules(plan, like=model), config)
     LOG.info("converted %s in %.1f s (%s capture): %d sites in %d stream(s), block sizes %s, routes %s",
-             type(model).__name__, time.perf_counter() - start, frontend, len(plan.sites),
+             type(model).__name__, time.perf_counter() - start, traced.frontend, len(plan.sites),
              len(plan.streams), ", ".join(map(str, plan.block_sizes)), ", ".join(plan.routes))
     return model
 
@@ -123,7 +109,7 @@ def attnresify(model: nn.Module, example_inputs: Any = None, *, example_kwargs: 
 def remove(model: nn.Module) -> nn.Module:
     """Undo :func:`attnresify` in place: the AttnRes modules and the routing go; forward, ``state_dict``
     keys and outputs are the original's again. Returns ``model``."""
-    live.uninstall(model, require(model, "remove"))
+    routing.uninstall(model, require(model, "remove"))
     return model
 
 
@@ -137,7 +123,7 @@ def compile(model: nn.Module, **inductor_options) -> nn.Module:  # noqa: A001 - 
     """
     conversion = require(model, "compile")
     compiler = inductor_options.pop("backend", "inductor")
-    live.set_compiler(model, conversion, compiler, inductor_options)
+    routing.set_compiler(model, conversion, compiler, inductor_options)
     return model
 
 

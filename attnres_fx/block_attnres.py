@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from . import aggregation, ops
-from .compat import FakeTensor, is_fx_symbolic_tracing
+from .compat import is_fake
 
 if TYPE_CHECKING:
     from attnres_fx.passes.plan import Site
@@ -29,17 +29,19 @@ def aggregate(proj_weight: torch.Tensor, norm_weight: torch.Tensor, sources, *, 
     """
     if not sources:
         raise ValueError("BlockAttnRes needs at least one source")
-    if torch.compiler.is_exporting():
-        return aggregation.batched(proj_weight, norm_weight, sources, eps=eps, preserve_scale=preserve_scale)
     if captured(sources[0]):
-        return aggregation.fusable(proj_weight, norm_weight, sources, eps=eps, preserve_scale=preserve_scale)
+        form = aggregation.batched if torch.compiler.is_exporting() else aggregation.fusable
+        return form(proj_weight, norm_weight, sources, eps=eps, preserve_scale=preserve_scale)
     return ops.eager(proj_weight, norm_weight, sources, eps=eps, preserve_scale=preserve_scale)
 
 
 def captured(value: torch.Tensor) -> bool:
-    """Whether a graph capture is tracing this call (its tensors are then fake or symbolic)."""
-    return (torch.compiler.is_compiling() or torch.compiler.is_exporting() or is_fx_symbolic_tracing()
-            or isinstance(value, FakeTensor) or not isinstance(value.numel(), int))
+    """Whether this call is traced rather than run on data: TorchDynamo's trace, or a value without data
+    (fake, possibly inside a functional wrapper: torch.export, AOTAutograd; symbolic: torch.fx; or on the
+    meta device). Read from the call itself, not from process-wide flags, which another thread's
+    compilation sets."""
+    return (torch.compiler.is_dynamo_compiling() or not isinstance(value, torch.Tensor) or is_fake(value)
+            or value.device.type == "meta" or not isinstance(value.numel(), int))
 
 
 class BlockAttnRes(nn.Module):

@@ -2,7 +2,7 @@
 
 Detection and rewrite only ever see a GraphModule; they do not care which capture produced it.
 
-- ``"dynamo"``: TorchDynamo, the route a converted model's calls take (:mod:`attnres_fx.live`):
+- ``"dynamo"``: TorchDynamo, the route a converted model's calls take (:mod:`attnres_fx.routing`):
   torch-level ops, modules inlined, parameters as graph inputs. Here the graph is only captured, with
   fake tensors: nothing of the model runs for real (no buffer, RNG or BatchNorm statistic changes).
 - ``"fx"``: ``torch.fx`` symbolic tracing, keeping normalisation modules as leaves; needs no inputs.
@@ -10,8 +10,8 @@ Detection and rewrite only ever see a GraphModule; they do not care which captur
   Hugging Face models are traced with ``config.use_cache`` off: that graph has no KV cache.
 - ``"auto"``: fx first, export if fx cannot trace the model.
 
-A converted model's routed modules run their own code while any of these captures is active
-(:data:`STATE`): a capture sees the model as written.
+A converted model's routed modules run their own code while any of these captures is active in the
+thread (:func:`own_call`): a capture sees the model as written.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import contextlib
 import copy
 import inspect
 import itertools
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 from unittest import mock
@@ -33,39 +34,52 @@ from attnres_fx.passes.node_kinds import is_norm_module
 
 from .diagnostics import first_line, reported_user_frame, root_cause
 from .errors import TraceError
+from .recording import record_graph
 
 TRACERS = ("auto", "fx", "export")
-# Frames that are not the model's code: torch's, and this module's entry function.
 
 
-class _CaptureState:
-    """How many attnres_fx captures are running (Dynamo guards on this global at trace time)."""
-
-    depth = 0
+_OWN = threading.local()
 
 
-STATE = _CaptureState()
+@contextlib.contextmanager
+def own_call():
+    """Within, in this thread: calls are attnres_fx's own (a capture, or a routed call that runs on
+    TorchDynamo), so a routed module reached inside runs its own forward, as written. Per thread: a
+    capture in one thread never changes what a call in another runs."""
+    _OWN.depth = getattr(_OWN, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _OWN.depth -= 1
+
+
+def in_own_call() -> bool:
+    return getattr(_OWN, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def capture_settings():
+    """The TorchDynamo settings of every attnres_fx capture, for the duration of one trace: float
+    attributes as constants (``specialize_float``: a dropout's ``p`` or a norm's ``eps`` read from a module
+    must look the same in every capture of the model, as they do without dynamic shapes), transformers'
+    once-per-process logging calls as no-ops (:func:`attnres_fx.compat.once_only_logging`), and guards on
+    the captured modules' hook dicts (a hook registered after a call then triggers a new capture instead
+    of being silently left out)."""
+    with compat.dynamo_capture_config(compat.once_only_logging()), compat.nn_module_hook_guards():
+        yield
 
 
 @contextlib.contextmanager
 def capturing():
-    """Within: routed modules of converted models run their own forward (see the module docstring), and
-    torch.nn's Transformer layers take their regular path: their inference fast path runs a whole layer,
-    residual adds included, as one fused op that no rewrite can reach into (the regular path is the
-    same computation, in the layer's own ops), and transformers' output recorders read their collector
-in a form Dynamo can trace (:func:`attnres_fx.compat.output_recorders_traceable`). Dynamo takes
-float attributes as constants (``specialize_float``), as it does without dynamic shapes: a dropout's ``p``
-or a norm's ``eps`` read from a module must look the same in every capture of the model. transformers'
-once-per-process logging calls are no-ops inside a capture (:func:`attnres_fx.compat.once_only_logging`)."""
-    STATE.depth += 1
-    fast_path = torch.backends.mha.get_fastpath_enabled()
-    torch.backends.mha.set_fastpath_enabled(False)
-    try:
-        with compat.output_recorders_traceable(), compat.dynamo_capture_config(compat.once_only_logging()):
-            yield
-    finally:
-        torch.backends.mha.set_fastpath_enabled(fast_path)
-        STATE.depth -= 1
+    """Within: a conversion's capture (see the module docstring): routed modules of converted models run
+    their own forward, :func:`capture_settings` hold, torch.nn's Transformer layers take their regular
+    path (their inference fast path runs a whole layer, residual adds included, as one fused op that no
+    rewrite can reach into; the regular path is the same computation, in the layer's own ops), and
+    transformers' output recorders read their collector in a form Dynamo can trace
+    (:func:`attnres_fx.compat.output_recorders_traceable`)."""
+    with own_call(), compat.mha_fast_path_off(), compat.output_recorders_traceable(), capture_settings():
+        yield
 
 
 @contextlib.contextmanager
@@ -277,21 +291,20 @@ def _is_cache(value: Any) -> bool:
     return any(cls.__name__ == "Cache" and cls.__module__.startswith("transformers.") for cls in type(value).__mro__)
 
 
-def graph_break(err: TraceError) -> BaseException | None:
-    """The TorchDynamo graph break that made a capture fail (a construct Dynamo cannot take into one
-    graph), or None when it failed otherwise (the model fails on its inputs, another tracer failed)."""
-    cause = err.causes.get("dynamo")
-    if isinstance(cause, compat.DynamoUnsupported) and not _failed_on_inputs(cause):
-        return cause
-    return None
-
-
 def capture_for_plan(model: nn.Module, example_inputs: tuple | None, example_kwargs: dict | None) -> Traced:
-    """The graph a conversion is planned on: Dynamo's (the IR of the routed calls, captured with fake
-    tensors) with the given inputs, or a Hugging Face model's dummy inputs; else fx symbolic tracing.
-    Nothing of the model runs."""
+    """The graph a conversion is planned on, with the given inputs or a Hugging Face model's dummy inputs:
+    one call recorded as it runs (:mod:`attnres_fx.recording`: the model's state is left as it was), or
+    TorchDynamo's capture (fake tensors: nothing runs) where the recording cannot see every op or the
+    call fails run for real; without inputs, fx symbolic tracing."""
     inputs = plan_inputs(model, example_inputs, example_kwargs)
     if inputs is not None:
+        try:
+            with own_call(), compat.mha_fast_path_off():
+                return Traced(record_graph(model, *inputs), "recorded")
+        except TraceError:
+            # An op the recording cannot see, or one that fails run for real where TorchDynamo's fake
+            # tensors take another path (a value read on the meta device): TorchDynamo decides.
+            pass
         gm, _ = capture_dynamo(model, *inputs)
         return Traced(gm, "dynamo")
     try:

@@ -14,6 +14,7 @@ import logging
 import sys
 
 import warnings
+from typing import Callable
 
 import torch
 import torch._dynamo
@@ -43,8 +44,7 @@ from torch._dynamo.exc import BackendCompilerFailed, TorchDynamoException, Torch
 from torch._dynamo.exc import Unsupported as DynamoUnsupported  # noqa: E402, F401
 from torch._guards import detect_fake_mode  # noqa: E402, F401
 from torch._ops import OpOverload, OpOverloadPacket  # noqa: E402, F401
-from torch._subclasses.fake_tensor import FakeTensor  # noqa: E402, F401
-from torch.fx._symbolic_trace import is_fx_symbolic_tracing  # noqa: E402, F401
+from torch._subclasses.fake_tensor import FakeTensor, is_fake  # noqa: E402, F401
 # torch.utils._pytree: the flattening torch.export and Dynamo apply to inputs and outputs (no public module).
 import torch.utils._pytree as pytree  # noqa: E402, F401
 
@@ -60,6 +60,23 @@ def transformer_seq_len_helper() -> tuple[object, str]:
     from torch.nn.modules import transformer
 
     return transformer, "_get_seq_len"
+
+
+def dynamo_compile_lock():
+    """TorchDynamo's compilation lock (``torch._dynamo.convert_frame.compile_lock``, a re-entrant lock; no
+    public name): held while something else patches process-wide state for a trace, so that no
+    compilation in another thread traces while it is patched."""
+    from torch._dynamo import convert_frame
+
+    return convert_frame.compile_lock
+
+
+def lazy_graph_modules():
+    """Within: ``fx.GraphModule`` generates its Python code when first called, not at every edit
+    (``torch.fx._lazy_graph_module``): for graphs whose code is generated elsewhere."""
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
+
+    return _use_lazy_graph_module(True)
 
 
 def inductor_compile(graph_module, example_inputs, config_patches=None):
@@ -107,13 +124,58 @@ def compiling_despite_force_eager():
         yield
 
 
-def set_nn_module_hook_guards(skip: bool | None) -> bool:
-    """Set ``torch._dynamo.config.skip_nnmodule_hook_guards`` (``None`` leaves it) and return what it was:
-    whether Dynamo guards a module's hooks (no public setting says it)."""
-    before = torch._dynamo.config.skip_nnmodule_hook_guards
-    if skip is not None:
-        torch._dynamo.config.skip_nnmodule_hook_guards = skip
-    return before
+def saved_tensor_hooks_active() -> bool:
+    """Whether ``torch.autograd.graph.saved_tensors_hooks`` are in place (non-reentrant activation
+    checkpointing, activation offloading): ``torch._C._autograd._top_saved_tensors_default_hooks``, no public
+    accessor."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+def module_hooks(module: nn.Module) -> bool:
+    """Whether ``module`` has forward or backward hooks of its own, or any module has global ones (the
+    private hook dicts of ``nn.Module`` and ``torch.nn.modules.module``; no public accessor)."""
+    from torch.nn.modules import module as module_module
+
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or module_module._global_forward_hooks
+                or module_module._global_forward_pre_hooks)
+
+
+def nn_module_hook_guards():
+    """Within: TorchDynamo guards the hook dicts of the modules it traces
+    (``torch._dynamo.config.skip_nnmodule_hook_guards`` off; read when a trace builds its guards), so that
+    a hook registered after a capture triggers a new one."""
+    return torch._dynamo.config.patch(skip_nnmodule_hook_guards=False)
+
+
+@contextlib.contextmanager
+def mha_fast_path_off():
+    """Within: ``torch.nn``'s Transformer layers take their regular path, not the inference fast path
+    that runs a whole layer as one fused op (``torch.backends.mha``; TorchDynamo guards on the flag)."""
+    before = torch.backends.mha.get_fastpath_enabled()
+    if not before:
+        yield
+        return
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(True)
+
+
+def on_dynamo_compile(start, end) -> None:
+    """Call ``start(args)`` / ``end(args)`` when TorchDynamo starts / ends a compilation, in the compiling
+    thread, under its compilation lock (``torch._dynamo.callback_handler``)."""
+    torch._dynamo.callback_handler.register_start_callback(start)
+    torch._dynamo.callback_handler.register_end_callback(end)
+
+
+def is_dynamo_frame_compile(args) -> bool:
+    """Whether a compilation callback's ``args`` are those of a frame Dynamo traces (not a deferred
+    backward compilation)."""
+    from torch._dynamo.callback import CallbackTrigger
+
+    return args.callback_trigger == CallbackTrigger.DYNAMO
 
 
 @contextlib.contextmanager
@@ -150,21 +212,46 @@ def once_only_logging() -> set:
     return {getattr(logging.Logger, name) for name in ("warning_once", "info_once") if hasattr(logging.Logger, name)}
 
 
-def hf_layer_checkpointing(module: nn.Module):
-    """``(checkpoint function, the layer's own forward)`` when transformers' gradient checkpointing will
-    checkpoint this call of ``module`` (a ``GradientCheckpointingLayer``: ``gradient_checkpointing`` on,
-    training, gradients enabled), else None. Relies on the class ``forward`` being transformers'
-    ``forward_with_checkpointing`` wrapper (``__wrapped__``: the layer's own forward) and on the private
-    ``_gradient_checkpointing_func`` it calls."""
-    forward = type(module).forward
-    inner = getattr(forward, "__wrapped__", None)
-    function = getattr(module, "_gradient_checkpointing_func", None)
-    if (inner is None or function is None or getattr(forward, "__name__", "") != "forward"
-            or forward.__code__.co_name != "forward_with_checkpointing"):
-        return None
-    if not (getattr(module, "gradient_checkpointing", False) and module.training and torch.is_grad_enabled()):
-        return None
-    return function, inner
+def hf_checkpointed_forward(cls: type) -> Callable | None:
+    """The forward that transformers' gradient-checkpointing wrapper wraps on ``cls`` (a
+    ``GradientCheckpointingLayer``: its class ``forward`` is ``forward_with_checkpointing``, once per
+    subclass, such as the class FSDP2 makes), unwrapped through every such wrapper; None for any other
+    class. Relies on the wrapper's name and its ``__wrapped__``."""
+    forward, wrapped = cls.forward, False
+    while getattr(getattr(forward, "__code__", None), "co_name", "") == "forward_with_checkpointing" \
+            and hasattr(forward, "__wrapped__"):
+        forward, wrapped = forward.__wrapped__, True
+    return forward if wrapped else None
+
+
+def hf_checkpointing_on(module: nn.Module) -> bool:
+    """Whether transformers' gradient checkpointing checkpoints this call of ``module`` (the wrapper's own
+    condition: ``gradient_checkpointing`` on, training, gradients enabled)."""
+    return bool(getattr(module, "gradient_checkpointing", False)) and module.training and torch.is_grad_enabled()
+
+
+def hf_checkpointed_call(module: nn.Module, run: Callable, args: tuple, kwargs: dict):
+    """What transformers' ``forward_with_checkpointing`` does when it checkpoints a layer, with ``run``
+    (the layer's route) as the function checkpointed: caching turned off as it turns it off (and said
+    once, as it says it), then ``module._gradient_checkpointing_func(partial(run, **kwargs), *args)``:
+    whatever checkpoint function the user enabled. Relies on the private ``_gradient_checkpointing_func``
+    and ``_can_checkpoint_with_cache``."""
+    kwargs = dict(kwargs)
+    changed = []
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+        changed.append("`use_cache=False`")
+    if not getattr(module, "_can_checkpoint_with_cache", False):
+        for name in ("cache", "layer_past"):
+            if kwargs.get(name) is not None:
+                kwargs[name] = None
+                changed.append(f"`{name}=None`")
+    if changed:
+        logger = logging.getLogger("transformers.modeling_layers")
+        message = (f"Caching is incompatible with gradient checkpointing in {type(module).__name__}. Setting "
+                   f"{', '.join(changed)}.")
+        (getattr(logger, "warning_once", None) or logger.warning)(message)
+    return module._gradient_checkpointing_func(functools.partial(run, **kwargs), *args)
 
 
 def remember_hf_compiled_call(model: nn.Module, call) -> None:
@@ -202,22 +289,6 @@ def hf_inner_checkpointing_flags_off(holders: tuple[nn.Module, ...]):
     finally:
         for m in flagged:
             m.gradient_checkpointing = True
-
-
-@contextlib.contextmanager
-def hf_checkpoint_function(module: nn.Module, function):
-    """Within: ``module._gradient_checkpointing_func`` is ``function`` (an instance attribute, as
-    transformers' ``gradient_checkpointing_enable`` sets it)."""
-    had = "_gradient_checkpointing_func" in module.__dict__
-    before = module.__dict__.get("_gradient_checkpointing_func")
-    module._gradient_checkpointing_func = function
-    try:
-        yield
-    finally:
-        if had:
-            module._gradient_checkpointing_func = before
-        else:
-            del module._gradient_checkpointing_func
 
 
 def install_output_recorders(model: nn.Module) -> None:

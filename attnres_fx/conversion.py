@@ -26,14 +26,16 @@ ATTRIBUTE = "_attnres_conversion"
 
 @dataclass
 class Conversion:
-    """What ``attnresify`` did to a model: the plan, the routed modules, the compiler the routes use."""
+    """What ``attnresify`` did to a model: the plan, the options that made it, the compiler the routes
+    use, what installing the routing did (``installed``, the record :func:`attnres_fx.remove` undoes) and
+    the graphs the routes traced so far (``traces``: empty in a copy, traced again)."""
 
     plan: Plan
-    routed: tuple[str, ...]                                    # modules whose forward is routed
-    config: AttnResConfig = field(default_factory=AttnResConfig)   # the options that made the plan
+    config: AttnResConfig = field(default_factory=AttnResConfig)
     compiler: str = "eager"
     compile_options: dict[str, Any] = field(default_factory=dict)
-    watched: tuple[str, ...] = ()                              # stream owners of the layer route
+    installed: Any = None
+    traces: Any = None
 
 
 def conversion_of(model: nn.Module) -> Conversion | None:

@@ -36,7 +36,7 @@ from .aggregation import depth_logit, folded_query
 from .block_attnres import BlockAttnRes
 from .errors import DepthWeightsError
 from .conversion import conversion_of
-from .live import eager_route
+from .routing import eager_route
 from .passes.plan import Site
 from .text import format_table
 

@@ -33,7 +33,7 @@ from typing import Any
 
 from torch import nn
 
-from . import api, compat, conversion, live
+from . import api, compat, conversion, routing
 from .config import AttnResConfig
 from .conversion import is_converted, plan_of, sites
 from .errors import CheckpointMismatchError
@@ -89,7 +89,7 @@ class CompiledCall:
         model = self.model
 
         def call(*args, **kwargs):
-            with live.compiler_route(model, compiler):
+            with routing.compiler_route(model, compiler):
                 return model(*args, **kwargs)
         call.attnres_compiled_call = True
         compat.remember_hf_compiled_call(model, call)

@@ -8,7 +8,7 @@
 A stage covers consecutive blocks of the stream. The first stage takes the model's inputs and returns
 the stream's state where the next stage begins; every later stage takes that state and returns the next
 one, and the last returns the model's output. The state is what the blocks pass along on the layer
-route (:mod:`attnres_fx.stream_state`): the completed block sums ``b_0 .. b_{n-1}`` and the partial sum,
+route (:mod:`attnres_fx.routing.state`): the completed block sums ``b_0 .. b_{n-1}`` and the partial sum,
 at most ``N + 1`` tensors, their number fixed by the plan (:func:`stage_boundaries` lists them).
 
 Stages run the model's own forward, as written: the first one stops at the first block of the next
@@ -39,12 +39,12 @@ import torch
 from torch import nn
 
 from .compat import pytree
-from . import live
+from . import routing
 from .capture import as_args, dummy_inputs
 from .conversion import conversion_of
 from .errors import RoutingError
 from .passes.plan import StreamPlan
-from .stream_state import StreamState, bundle, register, state_of, unbundle
+from .routing.state import StreamState, attach, bundle, state_of, unbundle
 
 
 @dataclass(frozen=True)
@@ -184,7 +184,7 @@ class _Probe:
         self.blocks_done = index + 1 == len(self.owners)
         leaves, spec = pytree.tree_flatten(out)
         carriers = [k for k, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)
-                    and state_of(leaf, self.planned.index)[0] is not None]
+                    and state_of(leaf, self.conversion, self.planned.index)[0] is not None]
         tensors = [k for k, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         if not self.blocks_done and (len(carriers) != 1 or len(tensors) != 1):
             raise RoutingError(f"pipeline_stages: the result of {router.path} holds {len(tensors)} tensor(s); a "
@@ -200,7 +200,7 @@ class _Probe:
                  for path, module in self.model.named_modules() if self._block_of(path) is None]
         buffers = {name: buffer.clone() for name, buffer in self.model.named_buffers()}
         try:
-            with torch.random.fork_rng(devices=[]), torch.no_grad(), live.intercepting(self):
+            with torch.random.fork_rng(devices=[]), torch.no_grad(), routing.intercepting(self):
                 self.model(*args, **kwargs)
         finally:
             for hook in hooks:
@@ -278,7 +278,7 @@ class PipelineStageModule(nn.Module):
             self._carrier = self._received(inputs)
             args, kwargs = self._placeholders(inputs[-1].shape[0])
         try:
-            with live.intercepting(self):
+            with routing.intercepting(self):
                 out = self.model(*args, **kwargs)
         except _StageExit as exit_:
             return self._leave(exit_.carrier)
@@ -295,7 +295,8 @@ class PipelineStageModule(nn.Module):
             return pytree.tree_unflatten(leaves, spec)
         if index >= self.stop_layer:
             raise _StageExit(next(leaf for leaf in pytree.tree_leaves((args, kwargs))
-                                  if isinstance(leaf, torch.Tensor) and state_of(leaf, self.planned.index)[0]))
+                                  if isinstance(leaf, torch.Tensor)
+                                  and state_of(leaf, self.conversion, self.planned.index)[0]))
         return proceed(*args, **kwargs)
 
     def _received(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -310,16 +311,16 @@ class PipelineStageModule(nn.Module):
             cached = tuple(_grad_to(earlier, k) for k in range(entry.cached))
         blocks = cached + tuple(inputs[:-1])
         partial = inputs[-1]
-        state = StreamState(self.planned.index, entry.position, blocks, partial)
+        state = StreamState(self.conversion, self.planned.index, entry.position, blocks, partial)
         carrier = partial
         for block in blocks:
             carrier = carrier + block.reshape_as(partial)
         carrier = bundle(carrier, state.tensors, grads_from=state)
-        register(carrier, state)
+        attach(carrier, state)
         return carrier
 
     def _leave(self, carrier: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        state, _ = state_of(carrier, self.planned.index)
+        state, _ = state_of(carrier, self.conversion, self.planned.index)
         _, tensors = unbundle(state, carrier)
         if self.later is not None:
             # The rank's later stage takes its first blocks from here instead of receiving them.

@@ -33,7 +33,8 @@ from typing import Any
 
 from torch import nn
 
-from . import live
+from . import routing
+from .conversion import conversion_of
 from .compat import unwrap_compiled
 from .conversion import sites
 from .block_attnres import BlockAttnRes
@@ -244,9 +245,9 @@ def _set_trainable(model: nn.Module, trainable: bool) -> None:
     root = unwrap_compiled(model)
     for site in found:
         root.get_submodule(site.name).requires_grad_(trainable)
-    conversion = live.conversion_of(root)
+    conversion = conversion_of(root)
     if conversion is not None and conversion.compiler != "eager":
-        live.set_compiler(root, conversion, conversion.compiler, conversion.compile_options)
+        routing.set_compiler(root, conversion, conversion.compiler, conversion.compile_options)
 
 
 def _check_rate(name: str, value: float) -> None:

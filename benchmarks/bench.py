@@ -344,7 +344,8 @@ def decode_section(settings: Settings, backends: list[str]) -> dict:
 def stages_section(settings: Settings) -> dict:
     """What crosses pipeline stage boundaries per microbatch (the stages run in one process, in turn),
     with and without cross-stage caching, and the state held between two blocks of a forward."""
-    from attnres_fx.stream_state import state_of
+    from attnres_fx.conversion import conversion_of
+    from attnres_fx.routing.state import state_of
 
     shape = settings.shapes["deep"]
     ids, _ = inputs(shape)
@@ -365,7 +366,7 @@ def stages_section(settings: Settings) -> dict:
     held: list[tuple[int, int]] = []
 
     def record(module, args, output):
-        state, _ = state_of(output, 0)
+        state, _ = state_of(output, conversion_of(model), 0)
         if state is not None:
             distinct = {id(t): t for t in state.tensors}.values()
             held.append((len(distinct), sum(t.numel() * t.element_size() for t in distinct)))

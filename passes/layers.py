@@ -1,7 +1,7 @@
 """Layers: the modules whose forwards perform a stream's residual sites, and whether the stream passes
 between them untouched, as an argument of one module and a result of the one before it.
 
-That is what the layer route needs (:mod:`attnres_fx.live`): each such module then runs its own rewritten
+That is what the layer route needs (:mod:`attnres_fx.routing`): each such module then runs its own rewritten
 graph, taking and returning the completed block sums with the stream, while the code that calls the
 modules (a Hugging Face ``LlamaModel.forward``, a ViT encoder loop, the built-in model's ``for block in
 self.blocks``) runs as written.
@@ -39,11 +39,14 @@ CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict, nn.ParameterList, nn.
 @dataclass(frozen=True)
 class LayerSpan:
     """A module of a layer-routed stream: its forward performs the residual sites ``start`` to
-    ``stop - 1`` of the stream."""
+    ``stop - 1`` of the stream. ``opened``: its submodules (paths relative to it) whose forwards hold part
+    of the stream (an add, an op the stream passes through), which the route traces through; every other
+    submodule is a sublayer the route calls as a module."""
 
     owner: str
     start: int
     stop: int
+    opened: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -72,12 +75,7 @@ def layer_spans(stream: ResidualStream, modules: Mapping[str, nn.Module]) -> tup
             while j >= 0 and _within(homes[j], homes[k]):
                 homes[j] = homes[k]
                 j -= 1
-    spans: list[LayerSpan] = []
-    for position, home in enumerate(homes):
-        if spans and spans[-1].owner == home:
-            spans[-1] = LayerSpan(home, spans[-1].start, position + 1)
-        else:
-            spans.append(LayerSpan(home, position, position + 1))
+    spans = with_opened(stream, spans_of(homes))
     owners = [span.owner for span in spans]
     for span in spans:
         if owners.count(span.owner) > 1:
@@ -100,6 +98,34 @@ def layer_spans(stream: ResidualStream, modules: Mapping[str, nn.Module]) -> tup
                 return Refusal(f"between {previous.owner} and {span.owner} the stream passes through "
                                f"{op.format_node()} outside both")
     return tuple(spans)
+
+
+def spans_of(owners: list[str]) -> list[LayerSpan]:
+    """One span per run of consecutive sites with the same owner (``owners[k]``: site k's)."""
+    spans: list[LayerSpan] = []
+    for position, owner in enumerate(owners):
+        if spans and spans[-1].owner == owner:
+            spans[-1] = LayerSpan(owner, spans[-1].start, position + 1)
+        else:
+            spans.append(LayerSpan(owner, position, position + 1))
+    return spans
+
+
+def with_opened(stream: ResidualStream, spans: list[LayerSpan]) -> list[LayerSpan]:
+    """``spans`` with their opened submodules: the modules, inside each span's owner, that created a node
+    the stream itself passes through (a site's adds, the ops between sites), from the nodes' module
+    stacks."""
+    result = []
+    for span in spans:
+        prefix = span.owner + "." if span.owner else ""
+        opened = set()
+        for site in stream.sites[span.start:span.stop]:
+            for node in (*site.adds, *site.inbound):
+                for path, _ in provenance.module_stack(node):
+                    if path.startswith(prefix) and path != span.owner:
+                        opened.add(path[len(prefix):])
+        result.append(LayerSpan(span.owner, span.start, span.stop, frozenset(opened)))
+    return result
 
 
 def _home(site) -> str:

@@ -2,7 +2,7 @@
 (:class:`~attnres_fx.passes.checkpoints.OpenCheckpoints`) -> detect, match the plan and rewrite -> close
 the regions again (:class:`~attnres_fx.passes.checkpoints.CloseCheckpoints`).
 
-- the model route (:mod:`attnres_fx.live`): one graph of a whole call, every stream in it matched by
+- the model route (:mod:`attnres_fx.routing`): one graph of a whole call, every stream in it matched by
   its signature (:func:`~attnres_fx.passes.plan.match_streams`);
 - the layer route: one layer's own graph (:class:`LayerTarget`), its one stream matched against the
   layer's planned sites (:func:`~attnres_fx.passes.plan.match_layer`), the stream's state entering as
@@ -50,12 +50,12 @@ class LayerTarget:
 
 @dataclass(frozen=True)
 class Rewritten:
-    """What :func:`rewrite_captured` did: the pass, and for a layer's graph the output carrying the stream
-    (its carrier, or its final aggregation where the graph ends the stream), the input it starts from
-    (``None`` unless the graph starts the stream there) and the residual site after its last one."""
+    """What :func:`rewrite_captured` did: the pass, and for a layer's graph where the stream leaves it (a
+    path into its output; ``None`` where the graph ends the stream), the input it starts from (``None``
+    unless the graph starts the stream there) and the residual site after its last one."""
 
     rewrite: BlockAttnResRewrite
-    carrier_output: int | None = None
+    carrier_output: tuple | None = None
     start_input: int | None = None
     next_position: int | None = None
 
@@ -104,26 +104,38 @@ class _RewriteStreams(PassBase):
         if layer is not None:
             # The graph that ends the stream hands nothing on: its result may hold the final aggregation
             # in any form (normalised, in a ModelOutput).
-            carrier = None if layer.ends else _output_index(graph_module, rewrite.carriers[0], where)
+            carrier = None if layer.ends else _output_path(graph_module, rewrite.carriers[0], where)
             start = _start_index(graph_module, detection.streams[0]) if layer.entry is None else None
             self.result = Rewritten(rewrite, carrier, start, positions[-1] + 1)
         return PassResult(graph_module, True)
 
 
-def _output_index(graph_module: fx.GraphModule, carrier: fx.Node, where: str) -> int:
-    """Which output of a layer's graph carries the stream: the node itself, or what it becomes through
-    stream ops on the way out (``h.contiguous()``)."""
-    results = list(graph_module.graph.find_nodes(op="output")[0].args[0])
+def _output_path(graph_module: fx.GraphModule, carrier: fx.Node, where: str) -> tuple:
+    """Where the stream leaves a layer's graph: the path (indices, keys) in its output to the node itself,
+    or to what it becomes through stream ops on the way out (``h.contiguous()``)."""
+    (output,) = graph_module.graph.find_nodes(op="output")
     node = carrier
     while True:
-        if node in results:
-            return results.index(node)
+        path = _path_to(output.args[0], node)
+        if path is not None:
+            return path
         following = [user for user in node.users if user.op != "output" and is_stream_op(user, graph_module)]
         if len(following) != 1:
             break
         node = following[0]
     raise StreamMismatchError(f"{where} does not return its residual stream (the value after its last residual "
                               "site): the layer route needs it as the module's result. Convert with route='model'.")
+
+
+def _path_to(value, node: fx.Node) -> tuple | None:
+    if value is node:
+        return ()
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (tuple, list)) else ()
+    for key, item in items:
+        path = _path_to(item, node)
+        if path is not None:
+            return (key, *path)
+    return None
 
 
 def _start_index(graph_module: fx.GraphModule, stream) -> int | None:

@@ -24,7 +24,7 @@ def module_stack(node: fx.Node) -> list[tuple[str, str]]:
 
 _SOURCE_ROOT = re.compile(r"^[LG]\[[^\]]*\](\[\d+\])*")          # L['self'], G['m'], L['args'][0]
 _MODULES_ITEM = re.compile(r"\._modules\['([^']*)'\]")             # ._modules['layers'] -> .layers
-# An instance attribute ``forward`` (the wrapper attnres_fx.live installs on a module it routes) is no
+# An instance attribute ``forward`` (the wrapper attnres_fx.routing installs on a module it routes) is no
 # submodule: nn.Module forbids a submodule named ``forward``, so the segment can be dropped safely.
 _FORWARD_WRAPPER = re.compile(r"\.forward\.[A-Za-z_]\w*(\.__self__)?")
 _INDEX = re.compile(r"\[(\d+)\]")

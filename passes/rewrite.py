@@ -189,6 +189,7 @@ class BlockAttnResRewrite(PassBase):
         self.state_outputs = 0
         self.carriers: list[fx.Node] = []
         self.state_inputs: list[fx.Node] = []
+        self.stream_origin: fx.Node | None = None     # a layer's graph with state inputs: the stream's input
 
     @property
     def preserves_computation(self) -> bool:
@@ -215,6 +216,7 @@ class BlockAttnResRewrite(PassBase):
             surgery.run()
             self.carriers.append(surgery.carrier_out)
             self.state_inputs.extend(surgery.entered)
+            self.stream_origin = self.stream_origin or surgery.origin
             self.state_outputs += surgery.return_state()
         graph_module.recompile()
         return PassResult(graph_module, True)
@@ -245,6 +247,7 @@ class _StreamSurgery:
         self.entered_blocks = 0
         self.carrier_out: fx.Node | None = None
         self.entered: list[fx.Node] = []
+        self.origin: fx.Node | None = None
 
     def _enter(self, entry: Entry, origin: fx.Node) -> None:
         """New placeholders for the state the layer's graph receives, after the graph's own inputs, with
@@ -284,6 +287,7 @@ class _StreamSurgery:
                 raise PassContractError(f"the stream of this layer's graph does not start at one of its inputs "
                                         f"but at {origin.format_node()}")
             value_nodes = [origin, *sites[0].inbound]
+            self.origin = origin
             layout = _layout(origin, self.stream.layout)
             self.layout_of[origin] = layout
             self.carrier.setdefault(layout, origin)

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import attnres_fx
-from attnres_fx import live
+from attnres_fx import routing
+from attnres_fx.conversion import conversion_of
 from attnres_fx.models import TinyTransformer, example_ids
 from attnres_fx.testing import randomise_pseudo_queries
 from conftest import hooks_of
@@ -147,12 +148,12 @@ def test_an_inductor_routed_model_is_measured_on_the_eager_route_and_stays_compi
 
     compiled = attnres_fx.compile(copy.deepcopy(model))
     expected = compiled(ids)
-    routers = live.routers(compiled)
+    routers = routing.routers(compiled)
     inductor_entries = [dict(router._entries) for router in routers]
     assert all(compiler == "inductor" for entries in inductor_entries for compiler, _ in entries)
     weights = attnres_fx.depth_weights(compiled, ids)
     np.testing.assert_allclose(weights.to_numpy(), attnres_fx.depth_weights(model, ids).to_numpy(), atol=1e-6)
-    assert live.conversion_of(compiled).compiler == "inductor"
+    assert conversion_of(compiled).compiler == "inductor"
     assert [{k: v for k, v in router._entries.items() if k[0] == "inductor"} for router in routers] == inductor_entries
     graphs = counters["stats"]["unique_graphs"]
     assert torch.equal(compiled(ids), expected)

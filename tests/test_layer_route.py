@@ -17,9 +17,10 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import attnres_fx
-from attnres_fx import live
+from attnres_fx import routing
 from attnres_fx.models import TinyConfig, TinyTransformer, example_ids
-from attnres_fx.stream_state import state_of
+from attnres_fx.conversion import conversion_of
+from attnres_fx.routing.state import state_of
 from attnres_fx.testing import randomise_pseudo_queries
 from toy_models import DecoderLayer, EncoderDecoder, make_inputs
 
@@ -64,10 +65,10 @@ def test_what_is_routed_and_what_each_block_graph_takes_and_returns():
     model = attnres_fx.attnresify(tiny(), block_size=2)
     plan = attnres_fx.plan_of(model)
     assert plan.routes == ("layer",) and [s.owner for s in plan.streams[0].layers] == ["blocks.0", "blocks.1", "blocks.2"]
-    routers = {router.path: router for router in live.routers(model)}
+    routers = {router.path: router for router in routing.routers(model)}
     assert set(routers) == {"blocks.0", "blocks.1", "blocks.2"}, "the root runs as written"
     assert "forward" not in model.__dict__
-    assert all(isinstance(router, live.LayerRouter) for router in routers.values())
+    assert all(isinstance(router, routing.LayerRouter) for router in routers.values())
     model(example_ids(model.config))
     # block_size=2: blocks.1 begins at site 2 with b_0 committed and the partial sum of sites 0 and 1; it
     # commits that partial sum as b_1 at site 2, and returns its own partial sum and b_1 after its result.
@@ -78,7 +79,7 @@ def test_what_is_routed_and_what_each_block_graph_takes_and_returns():
     assert len(output.args[0]) == 1 + 2
     (last,) = routers["blocks.2"].rewritten
     assert len(last.graph.find_nodes(op="output")[0].args[0]) == 1, "the last block returns the final aggregate"
-    assert any(n.op == "call_module" and n.target == "final_res" for n in last.graph.nodes)
+    assert any(n.op == "call_module" and last.get_submodule(n.target) is model.final_res for n in last.graph.nodes)
 
 
 def test_between_blocks_the_stream_is_the_plain_sum_of_the_branch_outputs():
@@ -100,7 +101,7 @@ def test_between_blocks_the_stream_is_the_plain_sum_of_the_branch_outputs():
     randomise_pseudo_queries(model)
     model(ids)
     carrier = seen["converted", 1]
-    state, how = state_of(carrier, 0)
+    state, how = state_of(carrier, conversion_of(model), 0)
     assert how == "carrier" and state.position == 4 and len(state.blocks) == 2
     torch.testing.assert_close(carrier, sum(state.blocks) + state.partial, rtol=1e-6, atol=1e-6)
 

@@ -130,7 +130,7 @@ def test_unfreeze_on_an_inductor_routed_model_trains_the_queries_again():
     attnres_fx.unfreeze(model)
     before = state(model)
     train_step(model, optimizer, 1)
-    assert attnres_fx.live.conversion_of(model).compiler == "inductor"
+    assert attnres_fx.conversion.conversion_of(model).compiler == "inductor"
     assert "blocks.1.mlp_res.proj.weight" in changed(before, model)
 
 

@@ -1,0 +1,265 @@
+"""Capture of one block call with its sublayers as calls: the graph the layer route runs.
+
+A block (a transformer layer) performs residual sites; its sublayers (attention, MLP, norms) do not.
+:func:`trace_block` traces the block's own forward with ``torch.fx`` and keeps every child module a
+*leaf* (one ``call_module`` node, run as the module itself at call time) except the ones named in
+``opened``: the children whose forwards hold part of the residual stream (a sublayer that adds its own
+residual, Bloom's and T5's), which the caller finds by data flow in a full capture. The result is a
+small graph whose nodes are the block's own code and its sublayer calls, so:
+
+- the graph does not depend on what happens inside a sublayer: a KV cache updated at the layer's index,
+  a data-dependent expert loop, an attention kernel's Python, another library's hooks on a sublayer;
+- blocks that run the same code with the same call shape share one trace (:class:`CallShape`);
+- the graph runs at the speed of the original forward: the same module calls, hooks included.
+
+A call is traced as its *shape*: every tensor and every object that is not a plain constant (a cache,
+a config object) becomes a graph input, and constants (``None``, booleans, numbers, strings, dtypes)
+are baked in. :func:`call_shape` computes that shape in one walk over the arguments; two calls with
+the same shape (and the same train/eval flags) run the same graph.
+
+Inputs are proxies that answer ``isinstance`` as the value they stand for (a tensor, a cache object),
+so that code testing types takes the branch it takes at run time; code that branches on a tensor's
+value, dtype or shape cannot be traced (:class:`~attnres_fx.TraceError`; the layer route then
+captures that block with TorchDynamo). Tracing patches ``torch.nn.Module.__call__`` for the duration,
+as ``torch.fx`` does: other threads' module calls go through the tracer's hook untouched (the tracer
+acts only in its own thread), and traces are serialised with TorchDynamo's compilations.
+"""
+
+from __future__ import annotations
+
+import enum
+import linecache
+import math
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import fx, nn
+
+from . import compat
+from .errors import TraceError
+
+# Values baked into a traced graph (and part of its call shape) rather than passed to it.
+CONSTANT_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
+                  torch.memory_format, enum.Enum, type(Ellipsis), slice, range)
+BLOCK = "block"         # the traced block, as a submodule of the tracer's root
+
+
+class _Tensor:
+    """Marks a tensor in a call shape."""
+
+
+TENSOR = _Tensor()
+
+
+@dataclass(frozen=True)
+class CallShape:
+    """What a block's traced graph is specialised to: the structure of the call (``args``, ``kwargs``)
+    with tensors as :data:`TENSOR`, other objects as their type, constants as ``(type, value)``; and the
+    train/eval flags of the modules whose code the graph holds."""
+
+    args: tuple
+    kwargs: tuple
+    training: tuple[bool, ...]
+
+
+def call_shape(args: tuple, kwargs: dict, traced: tuple[nn.Module, ...]) -> tuple[CallShape, list]:
+    """The call shape of ``module(*args, **kwargs)`` and its graph inputs (tensors and objects, in order),
+    in one walk; ``traced``: the modules whose own code the graph holds (the block, its opened children)."""
+    inputs: list = []
+    shape = CallShape(tuple(_shape_of(value, inputs) for value in args),
+                      tuple((key, _shape_of(value, inputs)) for key, value in kwargs.items()),
+                      tuple(module.training for module in traced))
+    return shape, inputs
+
+
+def _shape_of(value: Any, inputs: list) -> Any:
+    if isinstance(value, torch.Tensor):
+        inputs.append(value)
+        return TENSOR
+    kind = type(value)
+    if kind is tuple or kind is list:
+        return kind, tuple(_shape_of(item, inputs) for item in value)
+    if kind is dict:
+        return kind, tuple((key, _shape_of(item, inputs)) for key, item in value.items())
+    if isinstance(value, CONSTANT_TYPES) and _hashable(value):
+        return kind, value
+    inputs.append(value)
+    return kind
+
+
+def _hashable(value: Any) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+@dataclass
+class TracedBlock:
+    """A block call as a graph: ``graph_module``'s root holds the block as submodule :data:`BLOCK`, its
+    placeholders are the call's graph inputs in :func:`call_shape` order, and its output is the
+    block's result as one value (a tensor, or the tuple / dict it returns). ``opened``: the children
+    traced through (paths relative to the block)."""
+
+    graph_module: fx.GraphModule
+    shape: CallShape
+    opened: frozenset[str]
+
+
+def trace_block(block: nn.Module, forward: Callable, args: tuple, kwargs: dict, opened: frozenset[str],
+                shape: CallShape) -> TracedBlock:
+    """Trace ``forward(block, *args, **kwargs)`` (the block's own forward, unbound) with every child
+    module but ``opened`` as a leaf; see the module docstring. Raises :class:`~attnres_fx.TraceError`
+    when the block's code cannot be traced this way."""
+    root = nn.Module()
+    root.add_module(BLOCK, block)
+    tracer = _BlockTracer(frozenset(f"{BLOCK}.{path}" for path in opened))
+    names: list[str] = []
+    values: list = []
+    for index, value in enumerate(args):
+        _inputs(value, f"arg{index}", names, values)
+    for key, value in kwargs.items():
+        _inputs(value, str(key), names, values)
+
+    def call(self, *proxies):
+        supply = iter(proxies)
+        call_args = tuple(_rebuilt(value, supply) for value in args)
+        call_kwargs = {key: _rebuilt(value, supply) for key, value in kwargs.items()}
+        return forward(getattr(self, BLOCK), *call_args, **call_kwargs)
+
+    # fx reads the traced function's signature: one named parameter per graph input.
+    parameters = ", ".join(["self", *names])
+    namespace = {"call": call}
+    exec(f"def forward({parameters}):\n    return call({parameters})\n", namespace)  # noqa: S102 - names are ours
+    traced_class = type(f"{type(block).__name__}Call", (nn.Module,), {"forward": namespace["forward"]})
+    root.__class__ = traced_class
+    tracer.value_types = [type(value) for value in values]
+    try:
+        with compat.dynamo_compile_lock():
+            graph = tracer.trace(root)
+    except TraceError:
+        raise
+    except Exception as err:  # noqa: BLE001 - any failure of the trace is reported the same way
+        raise TraceError(f"{type(block).__name__} cannot be traced with its sublayers as calls: "
+                         f"{type(err).__name__}: {err}", {"fx": err}) from err
+    root.__class__ = nn.Module
+    _relative_module_stacks(graph)
+    return TracedBlock(fx.GraphModule(root, graph, class_name=f"{type(block).__name__}Graph"), shape, opened)
+
+
+def _inputs(value: Any, name: str, names: list[str], values: list) -> None:
+    kind = type(value)
+    if kind is tuple or kind is list:
+        for index, item in enumerate(value):
+            _inputs(item, f"{name}_{index}", names, values)
+    elif kind is dict:
+        for key, item in value.items():
+            _inputs(item, f"{name}_{key}", names, values)
+    elif isinstance(value, torch.Tensor) or not (isinstance(value, CONSTANT_TYPES) and _hashable(value)):
+        names.append(_identifier(name, names))
+        values.append(value)
+
+
+def _identifier(name: str, taken: list[str]) -> str:
+    name = "".join(c if c.isalnum() or c == "_" else "_" for c in name)
+    if not name or name[0].isdigit():
+        name = f"_{name}"
+    candidate, suffix = name, 1
+    while candidate in taken or candidate == "self":
+        candidate, suffix = f"{name}_{suffix}", suffix + 1
+    return candidate
+
+
+def _rebuilt(value: Any, supply) -> Any:
+    kind = type(value)
+    if kind is tuple or kind is list:
+        return kind(_rebuilt(item, supply) for item in value)
+    if kind is dict:
+        return {key: _rebuilt(item, supply) for key, item in value.items()}
+    if isinstance(value, torch.Tensor) or not (isinstance(value, CONSTANT_TYPES) and _hashable(value)):
+        return next(supply)
+    return value
+
+
+class _InputProxy(fx.Proxy):
+    """A graph input that answers ``isinstance`` (through ``__class__``) as the value it stands for."""
+
+    value_type: type = torch.Tensor
+
+    @property
+    def __class__(self):  # noqa: D105 - isinstance() falls back to __class__
+        return self.value_type
+
+
+class _BlockTracer(fx.Tracer):
+    """Leaves every module but the block and ``opened``; acts only in the thread that traces."""
+
+    def __init__(self, opened: frozenset[str]):
+        super().__init__(autowrap_modules=(math,), param_shapes_constant=False)
+        self.opened = opened
+        self.thread = threading.get_ident()
+        self.value_types: list[type] = []
+        self._placeholders = 0
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return module_qualified_name != BLOCK and module_qualified_name not in self.opened
+
+    def call_module(self, m, forward, args, kwargs):
+        if threading.get_ident() != self.thread:
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
+
+    def getattr(self, attr, attr_val, parameter_proxy_cache):
+        if threading.get_ident() != self.thread:
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        if node.op != "placeholder":
+            return super().proxy(node)
+        proxy = _InputProxy(node, self)
+        value_type = self.value_types[self._placeholders]
+        self._placeholders += 1
+        # Tensors stand as torch.Tensor (a Parameter check must fail), other objects as their class.
+        proxy.__dict__["value_type"] = torch.Tensor if issubclass(value_type, torch.Tensor) else value_type
+        return proxy
+
+    def create_arg(self, a: Any):
+        if isinstance(a, fx.Proxy):
+            return a.node
+        return super().create_arg(a)
+
+
+def _relative_module_stacks(graph: fx.Graph) -> None:
+    """Module paths in ``nn_module_stack`` relative to the block (``self_attn``, not ``block.self_attn``):
+    what detection and the plan read. ``call_module`` targets keep the root's paths."""
+    prefix = BLOCK + "."
+    for node in graph.nodes:
+        stack = node.meta.get("nn_module_stack")
+        if stack:
+            node.meta["nn_module_stack"] = {key: (path[len(prefix):] if path.startswith(prefix) else path, cls)
+                                            for key, (path, cls) in stack.items()}
+
+
+def compiled_forward(graph: fx.Graph, name: str) -> Callable:
+    """``forward(root, *inputs)`` from ``graph``'s code, resolving ``self.<target>`` on whatever ``root``
+    it is given at call time (a :class:`Bound`): the module tree as it is then, not a copy of it."""
+    code = graph.python_code(root_module="self")
+    filename = f"<attnres_fx {name}>"
+    linecache.cache[filename] = (len(code.src), None, code.src.splitlines(keepends=True), filename)
+    namespace = dict(code.globals)
+    exec(compile(code.src, filename, "exec"), namespace)  # noqa: S102 - fx-generated code
+    return namespace["forward"]
+
+
+class Bound:
+    """The ``self`` a block graph's code runs with: the block at :data:`BLOCK`, plus what else the graph
+    refers to (a stream's final aggregation, tensor constants)."""
+
+    def __init__(self, block: nn.Module, **others: Any):
+        setattr(self, BLOCK, block)
+        for name, value in others.items():
+            setattr(self, name, value)

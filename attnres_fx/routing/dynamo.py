@@ -1,0 +1,95 @@
+"""TorchDynamo where a route needs it: the model route's whole-call graphs, and the layer route's blocks
+under Inductor (:func:`attnres_fx.compile`) or whose own code ``torch.fx`` cannot trace.
+
+A routed module's call runs a ``torch.compile``'d entry of its own forward (``fullgraph``), whose backend
+rewrites a copy of each graph Dynamo captures. Dynamo captures one graph per call signature, train/eval
+mode, dtype and shape class, with guards; a graph break is an error (:class:`~attnres_fx.TraceError`).
+
+What a capture needs of the process is set while Dynamo compiles one of these entries, not around every
+call: Dynamo's compilation callbacks apply :func:`attnres_fx.capture.capture_settings` when the thread
+compiling is inside one of attnres_fx's own calls (:func:`own_call`), under Dynamo's compilation lock.
+What Dynamo guards on (the ``nn.MultiheadAttention`` fast-path flag, transformers' output collector)
+must hold at every call of such an entry: :func:`dynamo_call` sets it.
+
+Inside an attnres_fx capture, a routed module reached by the trace runs its own forward, as written
+(:func:`inside_own_capture`, read while tracing and taken as a constant): one graph holds what the
+capture covers. The marker is per thread, so a capture in one thread never changes what a call in
+another runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from contextlib import ExitStack
+from typing import Any, Callable
+
+import torch
+
+from .. import compat
+from ..capture import capture_settings, entry_function, in_own_call, own_call
+from ..errors import AttnResError
+
+# Dynamo's default is 8 graphs per code object; one converted module can legitimately need more (train
+# and eval, two dtypes, prefill and decode, static and dynamic shapes).
+RECOMPILE_LIMIT = 64
+
+_SETTINGS = threading.local()        # the capture settings a compilation in this thread entered
+
+
+@compat.assume_constant_result
+def inside_own_capture() -> bool:
+    """Whether the TorchDynamo trace in progress is one of attnres_fx's own (read while tracing)."""
+    return in_own_call()
+
+
+def _on_compile_start(args) -> None:
+    if not compat.is_dynamo_frame_compile(args) or not in_own_call():
+        return
+    stack = ExitStack()
+    stack.enter_context(capture_settings())
+    _SETTINGS.stacks = [*getattr(_SETTINGS, "stacks", []), stack]
+
+
+def _on_compile_end(args) -> None:
+    stacks = getattr(_SETTINGS, "stacks", None)
+    if compat.is_dynamo_frame_compile(args) and stacks:
+        stacks.pop().close()
+
+
+compat.on_dynamo_compile(_on_compile_start, _on_compile_end)
+
+
+@contextlib.contextmanager
+def dynamo_call(checkpointing_flag_holders: tuple = ()):
+    """Within: one call of a Dynamo entry of attnres_fx (see the module docstring)."""
+    with (own_call(), compat.mha_fast_path_off(), compat.output_recorders_traceable(),
+          compat.compiling_despite_force_eager(), compat.hf_inner_checkpointing_flags_off(checkpointing_flag_holders)):
+        yield
+
+
+def compiled_entry(forward: Callable, backend: Callable, compiler: str) -> Callable:
+    """``entry(module, *args, **kwargs)``: ``forward`` compiled by TorchDynamo with ``backend`` (fullgraph).
+    Eager runs gain nothing from static shapes: they capture with dynamic ones from the start, so that a
+    new length or batch reuses the graph; Inductor specialises first and makes a dimension dynamic once
+    it changes."""
+    dynamic = True if compiler == "eager" else None
+    return torch.compile(entry_function(forward), backend=backend, fullgraph=True, dynamic=dynamic,
+                         recompile_limit=RECOMPILE_LIMIT)
+
+
+def run(entry: Callable, module, args: tuple, kwargs: dict, graph_break_message: Callable[[Exception], str],
+        checkpointing_flag_holders: tuple = ()) -> Any:
+    """``entry(module, *args, **kwargs)``; an attnres_fx error raised in the backend is raised as itself, a
+    graph break as :class:`~attnres_fx.TraceError` with ``graph_break_message(err)``."""
+    from ..errors import TraceError
+
+    with dynamo_call(checkpointing_flag_holders):
+        try:
+            return entry(module, *args, **kwargs)
+        except compat.BackendCompilerFailed as err:
+            if isinstance(err.inner_exception, AttnResError):
+                raise err.inner_exception.with_traceback(None) from err
+            raise
+        except compat.DynamoUnsupported as err:
+            raise TraceError(graph_break_message(err), {"dynamo": err}) from err

@@ -1,0 +1,293 @@
+"""The rewritten graphs the routes run: built from a capture, cached, and made callable.
+
+- **Block graphs** (the layer route, eagerly): a block call traced with its sublayers as calls
+  (:mod:`attnres_fx.block_tracer`), one trace per *kind* of block and call shape (:class:`TraceCache`:
+  blocks that run the same code with the same constants share it), then rewritten for one block and one
+  state layout (:func:`block_variant`): a copy of the trace, the block's planned sites matched and
+  rewritten with the stream's state as extra inputs and outputs, compiled to Python that resolves the
+  block's modules when it runs. What the graph takes and returns is one record,
+  :class:`LayerGraphSignature`.
+- **Dynamo graphs** (the model route; the layer route under Inductor, or for a block whose own code fx
+  cannot trace): the backends that rewrite a copy of each graph TorchDynamo captures
+  (:func:`rewritten_dynamo_graph`) and run it eagerly or hand it to Inductor with the AttnRes weights as
+  extra inputs (:class:`WeightReader`).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from torch import fx, nn
+
+from ..block_attnres import BlockAttnRes
+from ..block_tracer import BLOCK, Bound, CONSTANT_TYPES, CallShape, TracedBlock, compiled_forward, trace_block
+from ..capture import copy_graph_module
+from ..passes.pipeline import LayerTarget, rewrite_captured
+from ..passes.rewrite import Emitter, Entry, ModuleCalls, ParameterInputs, lift_attnres_weights
+from ..passes.two_phase import apply_two_phase
+from .. import compat
+
+if TYPE_CHECKING:
+    from .router import LayerRouter, Router
+
+FINAL = "attnres_final"           # a stream's final aggregation, on a block graph's ``self``
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The stream's state where a block's call begins: before residual site ``position``, ``blocks``
+    committed, with or without a partial sum; ``None`` as a whole when the call starts the stream."""
+
+    position: int
+    blocks: int
+    has_partial: bool
+
+
+@dataclass(frozen=True)
+class LayerGraphSignature:
+    """What one block's rewritten graph takes and returns, in order (after ``torch.export``'s
+    ``ExportGraphSignature``).
+
+    Inputs: the call's own graph inputs (``inputs`` of them; for a block graph the tensors and objects of
+    the call, in :func:`~attnres_fx.block_tracer.call_shape` order), then ``state_inputs``: the committed
+    block sums ``b_0 ..`` and the partial sum. ``stream_input``: which of the call's inputs is the stream
+    (the carrier; ``None`` if the graph starts the stream from a value it computes).
+
+    Outputs: the block's result, then ``state_outputs``: the partial sum and the blocks committed by
+    this block, unless the graph ends the stream. ``carrier``: where the stream leaves in the result (a
+    path of indices and keys; ``None`` where the graph ends the stream: its result holds the final
+    aggregation). ``next_position``: the residual site after the block's last one.
+    """
+
+    inputs: int
+    stream_input: int | None
+    state_inputs: tuple[str, ...]
+    carrier: tuple | None
+    state_outputs: tuple[str, ...]
+    next_position: int | None
+
+
+class BlockVariant:
+    """One block's rewritten graph for one call shape and state layout; ``forward(bound, *inputs, *state)``
+    returns ``(result, partial, *committed)`` (``(result,)`` where the graph ends the stream)."""
+
+    def __init__(self, forward: Callable, signature: LayerGraphSignature, bound: Bound,
+                 graph_module: fx.GraphModule):
+        self.forward = forward
+        self.signature = signature
+        self.bound = bound
+        self.graph_module = graph_module
+
+
+class TraceCache:
+    """Block traces of one converted model, by kind of block and call shape. A trace only records the
+    block's code and its sublayer calls (the sublayers themselves run as modules), so blocks of one kind
+    (:func:`kind_of`) share it. Thread-safe: a trace is made once, under a lock."""
+
+    def __init__(self):
+        self._traces: dict[tuple, TracedBlock | BaseException] = {}
+        self._lock = threading.Lock()
+
+    def get(self, kind: tuple, shape: CallShape, make: Callable[[], TracedBlock]) -> TracedBlock:
+        key = (kind, shape)
+        found = self._traces.get(key)
+        if found is None:
+            with self._lock:
+                found = self._traces.get(key)
+                if found is None:
+                    try:
+                        found = make()
+                    except Exception as err:  # noqa: BLE001 - remembered: the kind's calls take the fallback
+                        found = err
+                    self._traces[key] = found
+        if isinstance(found, BaseException):
+            raise found
+        return found
+
+    def clear(self) -> None:
+        self._traces.clear()
+
+    def __len__(self) -> int:
+        return sum(1 for found in self._traces.values() if not isinstance(found, BaseException))
+
+    def __getstate__(self) -> dict:
+        return {}                 # traces hold the model's modules and code: made again after a copy
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+
+
+def kind_of(module: nn.Module, forward: Callable, opened: frozenset[str]) -> tuple:
+    """What two blocks must share for one trace to serve both: the code traced (the forward and the
+    opened children's classes) and the constants that code may read from its modules (their plain
+    attributes: a trace bakes them in)."""
+    traced = [("", module), *((path, module.get_submodule(path)) for path in sorted(opened))]
+    return (forward, opened, tuple((path, type(m), _constants(m)) for path, m in traced))
+
+
+def _constants(module: nn.Module) -> tuple:
+    items = []
+    for name, value in module.__dict__.items():
+        if name.startswith("_") or name == "training" or not isinstance(value, CONSTANT_TYPES):
+            continue
+        try:
+            hash(value)
+        except TypeError:
+            continue
+        items.append((name, type(value), value))
+    return tuple(sorted(items, key=lambda item: item[0]))
+
+
+def trace(router: LayerRouter, args: tuple, kwargs: dict, shape: CallShape) -> TracedBlock:
+    """The block trace for this call shape, shared by the blocks of ``router``'s kind."""
+    return router.conversion.traces.get(router.kind, shape, lambda: trace_block(
+        router.module, router.forward_function, args, kwargs, router.opened, shape))
+
+
+class BlockModuleCalls(Emitter):
+    """Aggregations of a block graph as calls of the block's own ``BlockAttnRes`` modules (paths under
+    :data:`~attnres_fx.block_tracer.BLOCK`), a stream's final one as :data:`FINAL`: resolved when the
+    graph runs, on the :class:`~attnres_fx.block_tracer.Bound` it is given."""
+
+    def __init__(self, gm: fx.GraphModule, block_path: str, modules: dict[str, BlockAttnRes]):
+        self.gm = gm
+        self.block_path = block_path
+        self.modules = modules
+
+    def emit(self, graph, site, sources):
+        prefix = self.block_path + "."
+        target = f"{BLOCK}.{site.name[len(prefix):]}" if site.name.startswith(prefix) else FINAL
+        # On the graph module (a copy of the referenced tree) for the graph's checks; the code runs on the
+        # real block, given when it is called.
+        self.gm.add_submodule(target, self.modules[site.name])
+        return graph.call_module(target, tuple(sources))
+
+
+def block_variant(router: LayerRouter, traced: TracedBlock, layout: Layout | None) -> BlockVariant:
+    """``traced`` rewritten for ``router``'s block with the stream's state in ``layout``; see the module
+    docstring."""
+    plan = router.conversion.plan
+    entry = None if layout is None else Entry(layout.position, layout.blocks, layout.has_partial)
+    target = LayerTarget(router.planned, router.span, entry, router.ends)
+    modules = {site.name: router.root.get_submodule(site.name) for site in plan.sites
+               if site.stream == router.stream}
+    with compat.lazy_graph_modules():        # the code is generated once, below
+        gm = copy_graph_module(traced.graph_module, type(router.module).__name__)
+        (output,) = gm.graph.find_nodes(op="output")
+        output.args = ((output.args[0],),)       # the result as one value, the state outputs after it
+        result = rewrite_captured(gm, plan, lambda g: BlockModuleCalls(g, router.path, modules),
+                                  where=router.where, layer=target)
+    state_in = [node.name for node in result.rewrite.state_inputs]
+    signature = LayerGraphSignature(
+        inputs=len(gm.graph.find_nodes(op="placeholder")) - len(state_in),
+        stream_input=result.start_input if entry is None else _stream_input(gm, result),
+        state_inputs=tuple(state_in),
+        # The graph returns (result, *state): where the stream leaves, within the result.
+        carrier=None if router.ends else result.carrier_output[1:],
+        state_outputs=("partial", *(f"block_{k}" for k in range(result.rewrite.state_outputs - 1))),
+        next_position=result.next_position)
+    others = {FINAL: gm.get_submodule(FINAL)} if FINAL in gm._modules else {}
+    others.update({node.target: getattr(gm, node.target) for node in gm.graph.find_nodes(op="get_attr")
+                   if not node.target.startswith(BLOCK + ".") and node.target != FINAL})
+    bound = Bound(router.module, **others)
+    router.rewritten.append(gm)
+    return BlockVariant(compiled_forward(gm.graph, f"{router.where}"), signature, bound, gm)
+
+
+def _stream_input(gm: fx.GraphModule, result) -> int | None:
+    """The call input a block graph with state inputs takes the stream from (the rewrite's entry origin)."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    origin = result.rewrite.stream_origin
+    return placeholders.index(origin) if origin in placeholders else None
+
+
+# -- TorchDynamo graphs --------------------------------------------------------------------------------------
+
+def rewritten_dynamo_graph(router: Router, gm: fx.GraphModule, example_inputs: list, compiler: str, *,
+                           layer: LayerTarget | None = None):
+    """Rewrite a copy of Dynamo's graph (its own must stay as it is: its bookkeeping refers to it) and
+    make it runnable: the graph itself, calling the model's own BlockAttnRes modules (their hooks fire),
+    or Inductor's compilation with the AttnRes weights as extra inputs (parameters must be inputs there,
+    and then get gradients through AOTAutograd). Returns the runnable and what the rewrite did."""
+    plan = router.conversion.plan
+    graph_module = copy_graph_module(gm, type(router.module).__name__)
+    modules = {site.name: router.root.get_submodule(site.name) for site in plan.sites}
+    if compiler == "eager":
+        result = rewrite_captured(graph_module, plan, lambda g: ModuleCalls(g, modules), where=router.where,
+                                  prefix=router.path, layer=layer)
+        router.rewritten.append(graph_module)
+        return graph_module.forward, result
+    if torch.is_grad_enabled():
+        emitter = ParameterInputs(plan)
+        result = rewrite_captured(graph_module, plan, lambda g: emitter, where=router.where, prefix=router.path,
+                                  layer=layer)
+        names = emitter.names
+    else:
+        # Dynamo guards on grad mode, so this graph serves calls without gradients only: inference, where
+        # the two-phase schedule scores each block's pseudo-queries against its completed blocks at once
+        # (:mod:`attnres_fx.passes.two_phase`); its weights then become inputs as in the training graph.
+        result = rewrite_captured(graph_module, plan, lambda g: ModuleCalls(g, modules), where=router.where,
+                                  prefix=router.path, layer=layer)
+        apply_two_phase(graph_module)
+        names = lift_attnres_weights(graph_module)
+    router.rewritten.append(graph_module)
+    weights = WeightReader(router.root, names)
+    state = [node.meta["example_value"] for node in result.rewrite.state_inputs]
+    compiled = compat.inductor_compile(graph_module, [*example_inputs, *state, *weights.fake(example_inputs)],
+                                       config_patches=router.conversion.compile_options or None)
+    return RoutedGraph(compiled, weights), result
+
+
+class WeightReader:
+    """The AttnRes weights a rewritten graph takes as extra inputs, read from the model at every call
+    (so ``.to()``, ``load_state_dict(assign=True)``, optimizer steps and FSDP2's all-gathered parameters
+    are seen)."""
+
+    def __init__(self, root: nn.Module, names: list[str]):
+        self.names = names
+        self.holders = [(root.get_submodule(name.rsplit(".", 2)[0]), *name.rsplit(".", 2)[1:]) for name in names]
+
+    def read(self) -> list[torch.Tensor]:
+        return [getattr(getattr(module, child), attr) for module, child, attr in self.holders]
+
+    def fake(self, example_inputs: list) -> list[torch.Tensor]:
+        fake_mode = compat.detect_fake_mode(example_inputs)
+        tensors = self.read()
+        return [fake_mode.from_tensor(t, static_shapes=True) for t in tensors] if fake_mode else tensors
+
+
+class RoutedGraph:
+    """Dynamo calls this with the graph's own inputs; the AttnRes weights are appended."""
+
+    def __init__(self, compiled, weights: WeightReader):
+        self.compiled = compiled
+        self.weights = weights
+
+    def __call__(self, *args):
+        return self.compiled(*args, *self.weights.read())
+
+
+def at_path(value: Any, path: tuple) -> Any:
+    for key in path:
+        value = value[key]
+    return value
+
+
+def replaced_at(value: Any, path: tuple, new: Any) -> Any:
+    """``value`` with the item at ``path`` replaced by ``new`` (tuples and lists rebuilt, dicts copied)."""
+    if not path:
+        return new
+    key, rest = path[0], path[1:]
+    item = replaced_at(value[key], rest, new)
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return (*value[:key], item, *value[key + 1:])
+    if isinstance(value, tuple):
+        return value._replace(**{value._fields[key]: item})
+    if isinstance(value, list):
+        return [*value[:key], item, *value[key + 1:]]
+    copied = type(value)(value) if isinstance(value, dict) else value
+    copied[key] = item
+    return copied

@@ -1,0 +1,102 @@
+"""Installing the routing on a converted model, and taking it off again, from one record.
+
+:func:`install` registers the plan's ``BlockAttnRes`` modules where the plan names them, gives every
+routed module its router as an instance attribute ``forward``, and puts the stream watches on the
+owners of layer-routed streams; what it did is one :class:`Installed` record on the
+:class:`~attnres_fx.conversion.Conversion`, hook handles included, and :func:`uninstall` undoes exactly
+that. Both are all or nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from ..block_attnres import BlockAttnRes
+from ..config import AttnResConfig
+from ..conversion import Conversion, attach, detach
+from ..errors import RoutingError
+from ..passes.plan import Plan
+from .graphs import TraceCache
+from .router import LayerRouter, ModelRouter, Router
+from .watch import StreamWatch
+
+
+@dataclass(frozen=True)
+class Installed:
+    """What :func:`install` did to a model: the AttnRes modules it registered (by name), the modules it
+    routed (by path), and the stream watches' hook handles."""
+
+    modules: tuple[str, ...]
+    routed: tuple[str, ...]
+    handles: tuple
+
+
+def routers(model: nn.Module) -> list[Router]:
+    """The routers installed on ``model`` and its submodules."""
+    return [m.__dict__["forward"] for m in model.modules() if isinstance(m.__dict__.get("forward"), Router)]
+
+
+def install(model: nn.Module, plan: Plan, modules: dict[str, BlockAttnRes], config: AttnResConfig) -> Conversion:
+    """Register the AttnRes modules, the routers and the stream watches on ``model``; all or nothing."""
+    model_routed = [stream.owner for stream in plan.streams if stream.route == "model"]
+    routed = dict.fromkeys(([""] if model_routed else []) + model_routed)
+    layers = {span.owner: (stream.index, span) for stream in plan.streams for span in stream.layers}
+    routed.update(dict.fromkeys(layers))
+    targets = [(path, model.get_submodule(path)) for path in routed]
+    for path, module in targets:
+        if "forward" in module.__dict__:
+            raise RoutingError(
+                f"{type(module).__name__} at '{path or '<root>'}' has an instance attribute 'forward' (a "
+                f"wrapper installed by another library, e.g. accelerate's device-map hooks: "
+                f"{module.__dict__['forward']!r}); attnres_fx routes calls through forward itself. Convert "
+                "the model before adding such wrappers.")
+    conversion = Conversion(plan, config)
+    conversion.traces = TraceCache()
+    registered: list[tuple[nn.Module, str]] = []
+    handles = []
+    try:
+        for name, module in modules.items():
+            parent, _, attribute = name.rpartition(".")
+            holder = model.get_submodule(parent)
+            holder.add_module(attribute, module)
+            registered.append((holder, attribute))
+        for path, module in targets:
+            if path in layers:
+                stream, span = layers[path]
+                module.forward = LayerRouter(model, module, path, conversion, stream, span, span.opened)
+            else:
+                module.forward = ModelRouter(model, module, path, conversion)
+        for stream in plan.streams:
+            if stream.route == "layer":
+                watch = StreamWatch(conversion, stream.index)
+                owner = model.get_submodule(stream.owner)
+                handles.append(owner.register_forward_pre_hook(watch.enter))
+                handles.append(owner.register_forward_hook(watch.leave, always_call=True))
+        conversion.installed = Installed(tuple(modules), tuple(routed), tuple(handles))
+        attach(model, conversion)
+    except BaseException:
+        detach(model)
+        for handle in handles:
+            handle.remove()
+        for holder, attribute in registered:
+            delattr(holder, attribute)
+        for _, module in targets:
+            module.__dict__.pop("forward", None)
+        raise
+    return conversion
+
+
+def uninstall(model: nn.Module, conversion: Conversion) -> None:
+    """Undo :func:`install` from its record: the AttnRes modules, routers and watches go; nothing else was
+    touched."""
+    installed = conversion.installed
+    for handle in installed.handles:
+        handle.remove()
+    for name in installed.modules:
+        parent, _, attribute = name.rpartition(".")
+        delattr(model.get_submodule(parent), attribute)
+    for path in installed.routed:
+        model.get_submodule(path).__dict__.pop("forward", None)
+    detach(model)

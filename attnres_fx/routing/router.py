@@ -1,0 +1,533 @@
+"""Routers: the ``forward`` of a routed module, and what one call of it does.
+
+- :class:`LayerRouter` (the layer route): the forward of a module that performs residual sites (a block,
+  ``model.layers.3``). A call looks up the graph for its call shape and the stream's state
+  (:mod:`attnres_fx.routing.graphs`), runs it with the state the carrier brought, and returns the
+  block's result with the new state on the carrier (:mod:`attnres_fx.routing.state`). Under Inductor, or
+  for a block whose own code ``torch.fx`` cannot trace, the block runs on TorchDynamo instead
+  (:mod:`attnres_fx.routing.dynamo`).
+- :class:`ModelRouter` (the model route): the forward of the root (and of a stream's owner that is
+  called on its own): each call is one TorchDynamo graph, every stream in it rewritten.
+
+A routed call goes ``module(...)`` -> ``nn.Module.__call__`` (the module's own hooks, FSDP2's among them,
+as usual) -> the router. Nothing a call decides is shared with another thread or model: the stream's
+state travels with the call's tensors, the graphs are looked up by what the call is, and a capture in
+progress marks only its own thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import fx, nn
+
+from .. import compat
+from ..block_tracer import CallShape, call_shape
+from ..capture import in_own_call
+from ..compat import pytree
+from ..conversion import Conversion
+from ..diagnostics import first_line
+from ..errors import RoutingError, TraceError
+from ..passes.layers import LayerSpan
+from ..passes.pipeline import LayerTarget
+from ..passes.rewrite import Entry
+from . import dynamo, graphs
+from .graphs import Layout, at_path, replaced_at
+from .state import StreamState, attach, bundle, remember_for_recomputation, state_of, unbundle
+from .watch import note_stream_end, note_stream_start, refuse_foreign_fullgraph
+
+LOG = logging.getLogger("attnres_fx")
+COMPILERS = ("eager", "inductor")
+
+
+class Router:
+    """``module.forward`` of a routed module. ``root`` is the converted model (it holds the AttnRes
+    modules and the :class:`~attnres_fx.conversion.Conversion`), ``path`` this module's path in it."""
+
+    is_attnres_router = True          # what attnres_fx.capture looks for
+    route_name = ""
+
+    def __init__(self, root: nn.Module, module: nn.Module, path: str, conversion: Conversion):
+        self.root = root
+        self.module = module
+        self.path = path
+        self.conversion = conversion
+        self.where = f"{type(module).__name__} at '{path}'" if path else type(module).__name__
+        # Dynamo entries by compiler and key: a temporary switch of compiler keeps the other's graphs.
+        self._entries: dict[Any, Callable] = {}
+        # The rewritten graphs of this module's calls so far, to read.
+        self.rewritten: list[fx.GraphModule] = []
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        # What inspect.signature(model.forward) reports: Hugging Face generate() and Trainer read it.
+        return inspect.signature(type(self.module).forward.__get__(self.module))
+
+    @property
+    def __wrapped__(self):
+        return type(self.module).forward.__get__(self.module)
+
+    @property
+    def __code__(self):
+        # torch.export reads the code of forward before calling it.
+        return type(self.module).forward.__code__
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_entries": {}, "rewritten": []}
+
+    def __repr__(self) -> str:
+        return f"<attnres_fx {self.route_name}-routed forward of {type(self.module).__name__} at {self.path or '<root>'}>"
+
+    @functools.cached_property
+    def checkpointing_flag_holders(self) -> tuple[nn.Module, ...]:
+        # Found once: the module tree does not change after conversion.
+        return compat.checkpointing_flag_holders(self.module)
+
+    def _while_compiling(self, forward: Callable, args: tuple, kwargs: dict):
+        """A call reached by a TorchDynamo trace: attnres_fx's own capture takes the module as written; a
+        foreign ``torch.compile`` (not fullgraph) runs the route between its graphs; fullgraph refuses."""
+        if dynamo.inside_own_capture():
+            return forward(self.module, *args, **kwargs)
+        refuse_foreign_fullgraph(self.where)
+        return self._under_foreign_compiler(*args, **kwargs)
+
+    @torch.compiler.disable(reason=(
+        "a model converted by attnres_fx runs its AttnRes rewrite through its own route; torch.compile(model) "
+        "cannot include it in its graph. Use attnres_fx.compile(model) for Inductor (without fullgraph=True, "
+        "torch.compile(model) works too: this call then runs the AttnRes route)"))
+    def _under_foreign_compiler(self, *args, **kwargs):
+        return self(*args, **kwargs)
+
+    def _refuse_export(self) -> None:
+        raise RoutingError(
+            f"torch.export of a model converted by attnres_fx ({type(self.root).__name__}): the AttnRes rewrite is "
+            "applied to the graphs attnres_fx captures itself. Use attnres_fx.rewrite(model, example_inputs) for "
+            "an explicit graph, or attnres_fx.export.to_onnx(model, ...).")
+
+    def entry(self, key, backend: Callable[[str], Callable], forward: Callable | None = None) -> Callable:
+        """The Dynamo-compiled entry of ``forward`` (the module class's, by default) for the conversion's
+        compiler and ``key``: built at its first call, again after a pickle or :func:`set_compiler`."""
+        compiler = self.conversion.compiler
+        forward = forward or type(self.module).forward
+        entry = self._entries.get((compiler, key, forward))
+        if entry is None:
+            entry = self._entries[compiler, key, forward] = dynamo.compiled_entry(forward, backend(compiler), compiler)
+        return entry
+
+    def run_dynamo(self, entry: Callable, args: tuple, kwargs: dict):
+        return dynamo.run(entry, self.module, args, kwargs, lambda err: _graph_break_message(self, err),
+                          self.checkpointing_flag_holders)
+
+    def reset(self) -> None:
+        self._entries.clear()
+        self.rewritten.clear()
+
+
+class ModelRouter(Router):
+    """The model route: the whole call of the module as one graph, every stream in it rewritten."""
+
+    route_name = "model"
+
+    def __call__(self, *args, **kwargs):
+        if torch.compiler.is_dynamo_compiling():
+            return self._while_compiling(type(self.module).forward, args, kwargs)
+        if in_own_call():
+            return type(self.module).forward(self.module, *args, **kwargs)
+        if torch.compiler.is_exporting():
+            self._refuse_export()
+        return self.run_dynamo(self.entry(None, self._backend), args, kwargs)
+
+    def _backend(self, compiler: str):
+        def backend(gm: fx.GraphModule, example_inputs: list):
+            start = time.perf_counter()
+            compiled, _ = graphs.rewritten_dynamo_graph(self, gm, example_inputs, compiler)
+            LOG.info("rewrote the graph Dynamo captured for a call of %s (%s route) in %.2f s", self.where,
+                     compiler, time.perf_counter() - start)
+            return compiled
+        return backend
+
+
+_INTERCEPTORS = threading.local()
+
+
+@contextlib.contextmanager
+def intercepting(interceptor):
+    """Within, in this thread: every call of a layer-routed module of ``interceptor.conversion`` goes to
+    ``interceptor.intercept(router, args, kwargs, proceed)``, where ``proceed(*args, **kwargs)`` runs the
+    call as usual (:mod:`attnres_fx.pipelining`: stage boundaries, and the probe that prepares them)."""
+    stack = _INTERCEPTORS.__dict__.setdefault("stack", [])
+    stack.append(interceptor)
+    try:
+        yield interceptor
+    finally:
+        stack.remove(interceptor)
+
+
+@dataclass
+class _ShapeRoutes:
+    """How calls of one shape run on a block: its trace (``None``: on TorchDynamo), which of the call's
+    graph inputs carries the stream (found at the first call with a state), and its variants by layout."""
+
+    traced: Any
+    stream_input: int | None
+    variants: dict
+
+
+class LayerRouter(Router):
+    """The layer route for one module that performs residual sites ``span`` of stream ``stream``; see the
+    module docstring and :mod:`attnres_fx.routing.state`. ``opened``: the children whose forwards hold
+    part of the stream (traced through; every other child runs as a module)."""
+
+    route_name = "layer"
+
+    def __init__(self, root: nn.Module, module: nn.Module, path: str, conversion: Conversion, stream: int,
+                 span: LayerSpan, opened: frozenset[str]):
+        super().__init__(root, module, path, conversion)
+        self.stream = stream
+        self.span = span
+        self.opened = opened
+        self.planned = conversion.plan.streams[stream]
+        self.starts = span.start == 0
+        self.ends = span.stop == self.planned.num_positions
+        self.traced_modules = (module, *(module.get_submodule(path) for path in sorted(opened)))
+        self._shapes: dict[CallShape, _ShapeRoutes] = {}
+        self._forwards: dict[type, tuple] = {}
+
+    def __getstate__(self) -> dict:
+        return {**super().__getstate__(), "_shapes": {}, "_forwards": {}}
+
+    def reset(self) -> None:
+        super().reset()
+        self._shapes.clear()
+
+    def _class_forward(self) -> tuple[Callable, bool, tuple]:
+        """``(forward, checkpointed, kind)`` for the module's class now (FSDP2 swaps it): the forward the
+        route runs (inside transformers' checkpointing wrapper, if any), whether there is such a wrapper,
+        and the kind of block for shared traces."""
+        cls = type(self.module)
+        found = self._forwards.get(cls)
+        if found is None:
+            inner = compat.hf_checkpointed_forward(cls)
+            forward = inner or cls.forward
+            found = self._forwards[cls] = (forward, inner is not None,
+                                           graphs.kind_of(self.module, forward, self.opened))
+        return found
+
+    @property
+    def forward_function(self) -> Callable:
+        return self._class_forward()[0]
+
+    @property
+    def kind(self) -> tuple:
+        return self._class_forward()[2]
+
+    def __call__(self, *args, **kwargs):
+        forward, checkpointed, _ = self._class_forward()
+        if torch.compiler.is_dynamo_compiling():
+            return self._while_compiling(forward, args, kwargs)
+        if in_own_call():
+            # A capture of the model in this thread: the module as written.
+            return forward(self.module, *args, **kwargs)
+        if torch.compiler.is_exporting():
+            self._refuse_export()
+        if checkpointed and compat.hf_checkpointing_on(self.module):
+            return compat.hf_checkpointed_call(self.module, lambda *a, **k: self._intercepted(a, k), args, kwargs)
+        return self._intercepted(args, kwargs)
+
+    def _intercepted(self, args: tuple, kwargs: dict):
+        stack = _INTERCEPTORS.__dict__.get("stack")
+        if stack:
+            for interceptor in reversed(stack):
+                if interceptor.conversion is self.conversion:
+                    return interceptor.intercept(self, args, kwargs, self.proceed)
+        return self.proceed(*args, **kwargs)
+
+    def proceed(self, *args, **kwargs):
+        """Run this call of the block on its route (what an interceptor calls to go ahead)."""
+        if self.conversion.compiler == "eager":
+            shape, inputs = call_shape(args, kwargs, self.traced_modules)
+            routes = self._shapes.get(shape) or self._routes_for(shape, args, kwargs)
+            if routes.traced is not None and not (self.opened and self._opened_hooks()):
+                return self._run_block_graph(routes, inputs)
+        return self._run_dynamo(args, kwargs)
+
+    # -- block graphs --------------------------------------------------------------------------------
+
+    def _routes_for(self, shape: CallShape, args: tuple, kwargs: dict) -> _ShapeRoutes:
+        traced = None
+        if not self._opened_hooks():
+            try:
+                traced = graphs.trace(self, args, kwargs, shape)
+            except TraceError as err:
+                LOG.info("%s runs on TorchDynamo for this call shape: %s", self.where, first_line(err))
+        routes = self._shapes[shape] = _ShapeRoutes(traced, None, {})
+        return routes
+
+    def _opened_hooks(self) -> bool:
+        """Whether an opened child (traced through, so not called as a module) has hooks, which a block
+        graph would leave out: such calls run on TorchDynamo, which traces hooks."""
+        return any(compat.module_hooks(module) for module in self.traced_modules[1:])
+
+    def _run_block_graph(self, routes: _ShapeRoutes, inputs: list):
+        carrier, state, via = self._entering(routes, inputs)
+        # The state made at the stream's start (for reentrant checkpointing's recomputation) holds nothing.
+        layout = None if state is None or not (state.position or state.tensors) else Layout(
+            state.position, len(state.blocks), state.partial is not None)
+        variant = routes.variants.get(layout)
+        if variant is None:
+            variant = routes.variants[layout] = graphs.block_variant(self, routes.traced, layout)
+            if routes.stream_input is None:
+                routes.stream_input = variant.signature.stream_input
+        signature = variant.signature
+        given = inputs[signature.stream_input] if signature.stream_input is not None else None
+        before, reentrant = self._recomputable(given, state)
+        tensors: tuple[torch.Tensor, ...] = ()
+        if state is not None and state.tensors:
+            view, tensors = unbundle(state, carrier)
+            inputs[routes.stream_input] = view
+        results = variant.forward(variant.bound, *inputs, *tensors)
+        if self.starts:
+            note_stream_start(self.conversion, self.stream)
+        if self.ends:
+            note_stream_end(self.conversion, self.stream)
+            return results[0]
+        entered = tensors[:len(state.blocks)] if state is not None else ()
+        after = StreamState(self.conversion, self.stream, signature.next_position, entered + tuple(results[2:]),
+                            results[1])
+        carrier_out = self._leaving(at_path(results[0], signature.carrier), after, before, via, reentrant)
+        return replaced_at(results[0], signature.carrier, carrier_out)
+
+    def _entering(self, routes: _ShapeRoutes, inputs: list) -> tuple[torch.Tensor | None, StreamState | None, str]:
+        """The carrier this call takes and the state it brings (``None`` at the stream's start)."""
+        carrier, state, via = None, None, ""
+        if routes.stream_input is not None:
+            carrier = inputs[routes.stream_input]
+            state, via = state_of(carrier, self.conversion, self.stream)
+        elif not self.starts:
+            # The first call of this shape: the carrier is the input that carries the state.
+            for index, value in enumerate(inputs):
+                if isinstance(value, torch.Tensor):
+                    state, via = state_of(value, self.conversion, self.stream)
+                    if state is not None:
+                        carrier, routes.stream_input = value, index
+                        break
+        if state is None:
+            if not self.starts:
+                raise RoutingError(self._stateless_message())
+            return None, None, ""
+        if state.position > self.span.start:
+            raise RoutingError(f"{self.where} was called with the stream after residual site {state.position} of "
+                               f"stream {self.stream}, but its own sites start at {self.span.start}: the stream's "
+                               "modules must be called once each, in order")
+        return carrier, state, via
+
+    def _recomputable(self, given: torch.Tensor | None, state: StreamState | None) -> tuple[StreamState | None, bool]:
+        """Activation checkpointing recomputes a block on a copy of its input, which carries no state: in the
+        forward of reentrant checkpointing (no gradient recorded for an input that needs one) or of
+        non-reentrant checkpointing (saved-tensor hooks in place), remember the input so that the
+        recomputation finds its state (a new one at the stream's start). Returns the state the call
+        starts from, and whether this is reentrant checkpointing's forward."""
+        if given is None or not given.requires_grad:
+            return state, False
+        reentrant = not torch.is_grad_enabled()
+        if not reentrant and not compat.saved_tensor_hooks_active():
+            return state, False
+        if state is None:
+            state = StreamState(self.conversion, self.stream, 0)
+            attach(given, state)
+        remember_for_recomputation(given)
+        return state, reentrant
+
+    def _leaving(self, carrier: torch.Tensor, after: StreamState, before: StreamState | None, via: str,
+                 reentrant: bool) -> torch.Tensor:
+        """The carrier this call returns, with ``after`` attached (and gradients joined for reentrant
+        checkpointing, see :mod:`attnres_fx.routing.state`)."""
+        if via == "storage" and before is not None and before.successor is not None:
+            # Reentrant checkpointing recomputes this call on a detached copy of its input: its result
+            # joins the state the original call made, whose gradients the next block's recomputation sent.
+            return bundle(carrier, after.tensors, grads_from=before.successor)
+        carrier_out = bundle(carrier, after.tensors, grads_from=after)
+        attach(carrier_out, after)
+        if reentrant:
+            before.successor = after
+        return carrier_out
+
+    # -- TorchDynamo ---------------------------------------------------------------------------------
+
+    def _run_dynamo(self, args: tuple, kwargs: dict):
+        carrier, state, via = _find_state((args, kwargs), self.conversion, self.stream)
+        if state is None:
+            if not self.starts:
+                raise RoutingError(self._stateless_message())
+        elif state.position > self.span.start:
+            raise RoutingError(f"{self.where} was called with the stream after residual site {state.position} of "
+                               f"stream {self.stream}, but its own sites start at {self.span.start}: the stream's "
+                               "modules must be called once each, in order")
+        tensors: tuple[torch.Tensor, ...] = ()
+        if state is not None and state.tensors:
+            view, tensors = unbundle(state, carrier)
+            args, kwargs = _replaced((args, kwargs), carrier, view)
+        layout = None if state is None or not (state.position or state.tensors) else _DynamoLayout(
+            state.position, len(state.blocks), state.partial is not None, tuple(_described(t, carrier) for t in tensors))
+        call = _DynamoCall(tensors)
+        with _active(call):
+            out = self.run_dynamo(self.entry(layout, lambda compiler: self._dynamo_backend(compiler, layout),
+                                             self.forward_function), args, kwargs)
+        before, reentrant = self._recomputable(carrier if carrier is not None else call.start, state)
+        if self.starts:
+            note_stream_start(self.conversion, self.stream)
+        if self.ends:
+            note_stream_end(self.conversion, self.stream)
+            return out
+        entered = tensors[:len(state.blocks)] if state is not None else ()
+        after = StreamState(self.conversion, self.stream, call.next_position, entered + call.state_out[1:],
+                            call.state_out[0])
+        carrier_out = self._leaving(call.carrier, after, before, via, reentrant)
+        return _replaced(out, call.carrier, carrier_out, what=f"the result of {self.where}")
+
+    def _dynamo_backend(self, compiler: str, layout: _DynamoLayout | None):
+        def backend(gm: fx.GraphModule, example_inputs: list):
+            start = time.perf_counter()
+            outputs = len(gm.graph.find_nodes(op="output")[0].args[0])
+            entry = None if layout is None else Entry(layout.position, layout.blocks, layout.has_partial, layout.tensors)
+            target = LayerTarget(self.planned, self.span, entry, self.ends)
+            compiled, result = graphs.rewritten_dynamo_graph(self, gm, example_inputs, compiler, layer=target)
+            graph = _DynamoLayerGraph(compiled, outputs, result.carrier_output, result.start_input,
+                                      result.next_position)
+            LOG.info("rewrote the graph Dynamo captured for a call of %s (layer route, %s) in %.2f s", self.where,
+                     compiler, time.perf_counter() - start)
+            return graph
+        return backend
+
+    def _stateless_message(self) -> str:
+        first = self.planned.layers[0].owner
+        return (f"{self.where} was called with no AttnRes state for stream {self.stream}: its residual sites "
+                f"come after those of {first}, so it needs the result the module before it returned, which "
+                "carries the completed block sums. Causes: the module was called on its own or with a tensor "
+                "the previous module did not return (a copy, a cast, a tensor computed from it), or "
+                "reentrant activation checkpointing recomputes it on inputs it cannot trace back (use "
+                "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)). Call the stream's modules in "
+                "order with what each returns, or convert with route='model'.")
+
+
+@dataclass(frozen=True)
+class _DynamoLayout:
+    """What a block's Dynamo graph depends on besides what Dynamo guards: the state's layout, and for each
+    of its tensors the dtype, whether it needs a gradient and whether it has the carrier's shape (else
+    its shape): the placeholders' example values are made from them."""
+
+    position: int
+    blocks: int
+    has_partial: bool
+    tensors: tuple
+
+
+def _described(tensor: torch.Tensor, carrier: torch.Tensor) -> tuple:
+    return tensor.dtype, tensor.requires_grad, None if tensor.shape == carrier.shape else tuple(tensor.shape)
+
+
+class _DynamoCall:
+    """One call of a block on TorchDynamo: the state tensors its graph takes, and what the graph gave
+    back (set by :class:`_DynamoLayerGraph`)."""
+
+    def __init__(self, state_tensors: tuple[torch.Tensor, ...]):
+        self.state_tensors = state_tensors
+        self.carrier: torch.Tensor | None = None
+        self.state_out: tuple[torch.Tensor, ...] = ()
+        self.start: torch.Tensor | None = None
+        self.next_position = 0
+
+
+_CALLS = threading.local()
+
+
+@contextlib.contextmanager
+def _active(call: _DynamoCall):
+    stack = _CALLS.__dict__.setdefault("stack", [])
+    stack.append(call)
+    try:
+        yield call
+    finally:
+        stack.pop()
+
+
+class _DynamoLayerGraph:
+    """What Dynamo calls for a block's rewritten graph: appends this thread's current call's state
+    tensors to its inputs and hands the graph's extra outputs (the new state) to the call."""
+
+    def __init__(self, run, outputs: int, carrier: tuple | None, start: int | None, next_position: int):
+        self.run = run
+        self.outputs = outputs
+        self.carrier = carrier
+        self.start = start
+        self.next_position = next_position
+
+    def __call__(self, *args):
+        call = _CALLS.stack[-1]
+        results = self.run(*args, *call.state_tensors)
+        call.carrier = at_path(results, self.carrier) if self.carrier is not None else None
+        call.state_out = tuple(results[self.outputs:])
+        call.start = args[self.start] if self.start is not None else None
+        call.next_position = self.next_position
+        return tuple(results[:self.outputs])
+
+
+def _find_state(tree, owner, stream: int) -> tuple[torch.Tensor | None, StreamState | None, str]:
+    for leaf in pytree.tree_leaves(tree):
+        if isinstance(leaf, torch.Tensor):
+            state, via = state_of(leaf, owner, stream)
+            if state is not None:
+                return leaf, state, via
+    return None, None, ""
+
+
+def _replaced(tree, old: torch.Tensor, new: torch.Tensor, what: str = ""):
+    if old is new:
+        return tree
+    found = []
+
+    def swap(leaf):
+        if leaf is old:
+            found.append(leaf)
+            return new
+        return leaf
+    tree = pytree.tree_map_only(torch.Tensor, swap, tree)
+    if what and not found:
+        raise RoutingError(f"{what} holds its residual stream in a container torch.utils._pytree cannot look "
+                           "into, so the AttnRes state cannot travel with it; convert with route='model'")
+    return tree
+
+
+def _graph_break_message(router: Router, err: Exception) -> str:
+    lines = [f"TorchDynamo could not capture this call of {router.where} as one graph: "
+             f"{type(err).__name__}: {first_line(err)}"]
+    if router.route_name == "layer":
+        lines.append("On the layer route a block whose own code torch.fx cannot trace (or any block under "
+                     "Inductor) runs as one Dynamo graph (fullgraph), so that its sites are rewritten together.")
+    else:
+        lines.append("A converted model runs each call as one Dynamo graph (fullgraph), so that every residual "
+                     "stream is rewritten whole; a graph break would leave part of a stream unconverted.")
+    if _has_sharded_submodules(router.module):
+        lines.append("Here: FSDP2's fully_shard was applied to modules inside it; its hooks are kept out of "
+                     "Dynamo graphs. Shard whole blocks (fully_shard on each module that performs residual "
+                     "sites, then on the root), or use DistributedDataParallel.")
+    else:
+        lines.append("Remove the construct named above from forward() (data-dependent Python control flow, "
+                     "print, an unsupported library call); the full report is this error's __cause__.")
+    return "\n".join(lines)
+
+
+def _has_sharded_submodules(module: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return any(isinstance(m, FSDPModule) for m in module.modules() if m is not module)

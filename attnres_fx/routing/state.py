@@ -1,0 +1,184 @@
+"""The state of a layer-routed stream between two blocks: the completed block sums and the partial sum,
+travelling with the stream's *carrier*, the tensor one block returns and the next one takes.
+
+The code that calls the blocks (``for layer in self.layers: h = layer(h, ...)``) runs as written and only
+ever sees the carrier, the plain residual sum of the AttnRes branch outputs. Everything else a block
+needs rides in a :class:`StreamState` attached to the carrier tensor itself (:func:`attach`,
+:func:`state_of`): the state belongs to the call that made the carrier (its thread, its autograd graph),
+not to the model or the process, so several forwards may run before their backwards (gradient
+accumulation, pipeline schedules) and several threads may call one model at once.
+
+For autograd the carrier is the only edge between two blocks. A block's state tensors leave it through
+:func:`bundle` (one node, the carrier's) and enter the next block through :func:`unbundle` (one node on
+the carrier); their gradients go from the one to the other inside the state object, beside the carrier's
+own gradient. So whatever watches a block's inputs and outputs sees everything that flows: FSDP2
+all-gathers a block's parameters for backward when its output's gradient arrives and reduce-scatters
+them once its input's gradient is complete; activation checkpointing recomputes a block from its
+arguments; a pipeline stage's outputs carry all of their gradients.
+
+Reentrant activation checkpointing recomputes a block on a detached copy of its input, which carries no
+attribute: the input of a block called that way is remembered by its storage
+(:func:`remember_for_recomputation`), the recomputation finds it there (``via="storage"``) and joins the
+states of the original forward, so the gradients meet where they would have.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from ..compat import view_base
+
+ATTRIBUTE = "_attnres_stream_state"
+
+
+@dataclass(eq=False)
+class StreamState:
+    """Stream ``stream`` of the conversion ``owner`` before residual site ``position``: ``blocks``
+    committed, then ``partial`` (``None`` at the stream's start, where the carrier itself is ``b_0``, and
+    after a skipped block start). ``grads``: the gradients the following blocks sent back for
+    ``tensors``, summed."""
+
+    owner: object
+    stream: int
+    position: int
+    blocks: tuple[torch.Tensor, ...] = ()
+    partial: torch.Tensor | None = None
+    grads: list = field(default_factory=list)
+    successor: StreamState | None = None      # the state a block made from this one, kept for reentrant
+                                              # checkpointing's recomputation only
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The state's tensors in the order a block's graph takes them: the blocks, then the partial."""
+        return self.blocks if self.partial is None else (*self.blocks, self.partial)
+
+    def add_grads(self, grads) -> None:
+        if not self.grads:
+            self.grads = [None] * len(grads)
+        for k, grad in enumerate(grads):
+            if grad is not None:
+                self.grads[k] = grad if self.grads[k] is None else self.grads[k] + grad
+
+    def take_grads(self, count: int) -> list:
+        grads, self.grads = (self.grads or [None] * count), []
+        return grads
+
+
+def attach(carrier: torch.Tensor, state: StreamState) -> None:
+    """Make ``state`` travel with ``carrier``."""
+    setattr(carrier, ATTRIBUTE, state)
+
+
+def state_of(tensor: torch.Tensor, owner: object, stream: int) -> tuple[StreamState | None, str]:
+    """The state of ``owner``'s stream ``stream`` that ``tensor`` carries, and how it was found:
+    ``"carrier"`` (the tensor itself, or an autograd alias of it such as FSDP2's view of a module's
+    inputs), ``"storage"`` (a detached copy: reentrant checkpointing's recomputation), or ``""``."""
+    state = getattr(tensor, ATTRIBUTE, None)
+    if state is None:
+        base = view_base(tensor)
+        state = getattr(base, ATTRIBUTE, None) if base is not None else None
+    if state is not None and state.owner is owner and state.stream == stream:
+        return state, "carrier"
+    if _REMEMBERED:
+        original = _remembered(tensor)
+        state = getattr(original, ATTRIBUTE, None) if original is not None else None
+        if state is not None and state.owner is owner and state.stream == stream:
+            return state, "storage"
+    return None, ""
+
+
+_REMEMBERED: dict[tuple, weakref.ReferenceType] = {}
+_REMEMBERED_LOCK = threading.Lock()
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple | None:
+    if tensor.device.type == "meta":
+        return None
+    return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(),
+            tensor.dtype, tensor.device)
+
+
+def remember_for_recomputation(carrier: torch.Tensor) -> None:
+    """Let a detached copy of ``carrier`` (what reentrant checkpointing recomputes a block on) find the
+    state ``carrier`` carries."""
+    key = _storage_key(carrier)
+    if key is None:
+        return
+    with _REMEMBERED_LOCK:
+        _REMEMBERED[key] = weakref.ref(carrier)
+        for stale in [k for k, ref in _REMEMBERED.items() if ref() is None]:
+            del _REMEMBERED[stale]
+
+
+def _remembered(tensor: torch.Tensor) -> torch.Tensor | None:
+    key = _storage_key(tensor)
+    with _REMEMBERED_LOCK:
+        reference = _REMEMBERED.get(key) if key is not None else None
+    original = reference() if reference is not None else None
+    return original if original is not tensor else None
+
+
+class _Bundle(torch.autograd.Function):
+    """The carrier a block returns, taking the state's tensors as inputs too. Backward: the carrier's
+    gradient, and for the state's tensors what the following blocks sent back. The result shares the
+    carrier's storage but is no view of it: hooks that watch a module's results (FSDP2's) treat views as
+    fragile."""
+
+    @staticmethod
+    def forward(ctx, state: StreamState, carrier: torch.Tensor, *tensors: torch.Tensor):
+        ctx.state = state
+        ctx.count = len(tensors)
+        ctx.set_materialize_grads(False)
+        return carrier.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None, grad, *ctx.state.take_grads(ctx.count))
+
+
+class _Unbundle(torch.autograd.Function):
+    """A block's view of the carrier it was given and of the state's tensors, all outputs of one node on
+    the carrier. Backward: the state's gradients go to the state object (the previous block's
+    :class:`_Bundle` takes them), the carrier's to the carrier, zeros when nothing read it, so that
+    hooks on the carrier's gradient fire."""
+
+    @staticmethod
+    def forward(ctx, state: StreamState, carrier: torch.Tensor):
+        ctx.state = state
+        ctx.carrier = (carrier.shape, carrier.dtype, carrier.device)
+        ctx.set_materialize_grads(False)
+        return (carrier.view_as(carrier), *(t.view_as(t) for t in state.tensors))
+
+    @staticmethod
+    def backward(ctx, grad_carrier, *grads):
+        ctx.state.add_grads(grads)
+        if grad_carrier is None:
+            shape, dtype, device = ctx.carrier
+            grad_carrier = torch.zeros((), dtype=dtype, device=device).expand(shape)
+        return None, grad_carrier
+
+
+def _recorded(carrier: torch.Tensor, tensors) -> bool:
+    return torch.is_grad_enabled() and (carrier.requires_grad or any(t.requires_grad for t in tensors))
+
+
+def bundle(carrier: torch.Tensor, tensors: tuple[torch.Tensor, ...], grads_from: StreamState) -> torch.Tensor:
+    """The carrier a block returns with its state's ``tensors`` (itself when no gradient is recorded):
+    their gradients will be what the following blocks send back into ``grads_from``."""
+    if not _recorded(carrier, tensors):
+        return carrier
+    return _Bundle.apply(grads_from, carrier, *tensors)
+
+
+def unbundle(state: StreamState, carrier: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """The carrier and the state's tensors as a block reads them (one autograd node when a gradient is
+    recorded, see the module docstring)."""
+    tensors = state.tensors
+    if not _recorded(carrier, tensors):
+        return carrier, tensors
+    carrier, *tensors = _Unbundle.apply(state, carrier)
+    return carrier, tuple(tensors)

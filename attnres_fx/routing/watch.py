@@ -1,0 +1,99 @@
+"""Whether a call of a layer-routed stream's owner ran the stream to its end.
+
+On the layer route the owner's code (``LlamaModel.forward``) runs as written and calls the blocks; a call
+that runs the stream's first blocks but not its last (fewer layers than converted) never takes the final
+aggregation. Forward hooks on the owner (:class:`StreamWatch`) keep a per-thread record of each of its
+calls; the first and last blocks mark it (:func:`note_stream_start`, :func:`note_stream_end`), and a call
+that started the stream without ending it raises :class:`~attnres_fx.StreamMismatchError`, as the model
+route does for the same call.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import torch
+from torch import nn
+
+from ..errors import StreamMismatchError, refuse_fullgraph_trace
+
+_WATCHED = threading.local()
+
+
+class _Record:
+    __slots__ = ("conversion", "stream", "started", "finished")
+
+    def __init__(self, conversion, stream: int):
+        self.conversion, self.stream, self.started, self.finished = conversion, stream, False, False
+
+
+class StreamWatch:
+    """The hooks on the owner of stream ``stream`` of ``conversion``."""
+
+    def __init__(self, conversion, stream: int):
+        self.conversion = conversion
+        self.stream = stream
+
+    def enter(self, module, args):
+        if torch.compiler.is_dynamo_compiling():
+            from .dynamo import inside_own_capture
+
+            if not inside_own_capture():
+                refuse_foreign_fullgraph(f"{type(module).__name__} (the owner of residual stream {self.stream})")
+            return None
+        self._enter()
+        return None
+
+    @torch.compiler.disable
+    def _enter(self):
+        _WATCHED.__dict__.setdefault("stack", []).append(_Record(self.conversion, self.stream))
+
+    @torch.compiler.disable
+    def leave(self, module, args, output):
+        record = _current(self.conversion, self.stream)
+        if record is None:
+            return None
+        _WATCHED.stack.remove(record)
+        if record.started and not record.finished and sys.exc_info()[0] is None:
+            raise stream_ended_early(self.conversion, self.stream, module)
+        return None
+
+
+def _current(conversion, stream: int) -> _Record | None:
+    for record in reversed(_WATCHED.__dict__.get("stack") or ()):
+        if record.conversion is conversion and record.stream == stream:
+            return record
+    return None
+
+
+def note_stream_start(conversion, stream: int) -> None:
+    record = _current(conversion, stream)
+    if record is not None:
+        record.started = True
+
+
+def note_stream_end(conversion, stream: int) -> None:
+    record = _current(conversion, stream)
+    if record is not None:
+        record.finished = True
+
+
+def stream_ended_early(conversion, stream: int, owner: nn.Module) -> StreamMismatchError:
+    planned = conversion.plan.streams[stream]
+    return StreamMismatchError(
+        f"this call of {type(owner).__name__} ran the first modules of residual stream {stream} but not its last "
+        f"one ({planned.layers[-1].owner}), so the stream ended early and its final aggregation was never "
+        "taken. This happens when a call takes a code path the conversion did not see (fewer layers), or when "
+        "the model changed after conversion (attnres_fx.remove, then convert again).")
+
+
+def refuse_foreign_fullgraph(where: str) -> None:
+    """Raise :class:`~attnres_fx.ForeignCompileError` while another ``torch.compile(..., fullgraph=True)``
+    traces ``where`` (a routed module or a stream's owner): nothing of a converted model's route can be
+    part of its single graph."""
+    refuse_fullgraph_trace(
+        f"torch.compile(..., fullgraph=True) reached {where}, which runs the AttnRes rewrite through "
+        "attnres_fx's own route and cannot be part of another compilation's single graph. Use "
+        "attnres_fx.compile(model) for Inductor (it compiles each block's rewritten graph), or drop "
+        "fullgraph=True (this call then runs the AttnRes route between the compiled graphs).")

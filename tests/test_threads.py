@@ -1,0 +1,124 @@
+"""Converted models called from several threads at once, as servers and data loaders call them.
+
+Numerical: every output (and every gradient) of a concurrent call equals that of the same call made
+serially, exactly (the same ops on the same inputs: torch.equal), on both routes; the first calls may
+race (graphs are traced while other threads run). Failure: nothing raised in any thread; an output
+equal to the *original* model's instead (AttnRes silently skipped) is the failure this guards against,
+and is reported as such.
+"""
+
+import copy
+import threading
+
+import pytest
+import torch
+
+import attnres_fx
+from attnres_fx.testing import randomise_pseudo_queries
+
+pytest.importorskip("transformers")
+
+THREADS = 4
+CALLS = 12
+
+
+def llama(seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=100)
+    return LlamaForCausalLM(config).eval()
+
+
+def inputs(count=CALLS):
+    generator = torch.Generator().manual_seed(7)
+    return [torch.randint(1, 100, (2, 4 + k % 5), generator=generator) for k in range(count)]
+
+
+def run_threads(work, count=THREADS):
+    errors = []
+
+    def guarded(index):
+        try:
+            work(index)
+        except Exception as err:  # noqa: BLE001 - collected and reported by the test
+            errors.append(f"thread {index}: {type(err).__name__}: {err}")
+    threads = [threading.Thread(target=guarded, args=(k,)) for k in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, "\n".join(errors)
+
+
+def differing(got, want, original):
+    """Indices whose output differs from the serial one, each marked if it is the original model's."""
+    return [(k, torch.allclose(g, o, atol=1e-6)) for k, (g, w, o) in enumerate(zip(got, want, original))
+            if not torch.equal(g, w)]
+
+
+@pytest.mark.parametrize("route", ["layer", "model"])
+def test_one_model_called_from_several_threads_gives_the_serial_outputs(route):
+    base = llama()
+    model = randomise_pseudo_queries(attnres_fx.attnresify(copy.deepcopy(base), route=route))
+    calls = inputs()
+    with torch.inference_mode():
+        original = [base(x).logits for x in calls]
+    reference = randomise_pseudo_queries(attnres_fx.attnresify(copy.deepcopy(base), route=route))
+    reference.load_state_dict(model.state_dict())
+    with torch.inference_mode():
+        want = [reference(x).logits for x in calls]
+    got = [[None] * len(calls) for _ in range(THREADS)]
+
+    def work(thread):
+        with torch.inference_mode():
+            for k in range(len(calls)):
+                index = (k + 3 * thread) % len(calls)       # threads meet the same shapes at different times
+                got[thread][index] = model(calls[index]).logits
+    run_threads(work)       # cold: the first calls of every shape race
+    for thread in range(THREADS):
+        assert not differing(got[thread], want, original), f"thread {thread}: (index, is the original's)"
+
+
+def test_two_models_in_two_threads_give_their_serial_outputs():
+    models = [randomise_pseudo_queries(attnres_fx.attnresify(llama(seed))) for seed in (0, 1)]
+    calls = inputs()
+    with torch.inference_mode():
+        want = [[model(x).logits for x in calls] for model in models]
+    got = [[None] * len(calls), [None] * len(calls)]
+
+    def work(index):
+        with torch.inference_mode():
+            for k, x in enumerate(calls):
+                got[index][k] = models[index](x).logits
+    run_threads(work, count=2)
+    for index in range(2):
+        assert all(torch.equal(g, w) for g, w in zip(got[index], want[index])), f"model {index}"
+
+
+def test_training_in_two_threads_gives_the_serial_gradients():
+    """Two converted models trained in two threads (each its own backward): every step's loss and the
+    final parameters equal a serial run's."""
+    def train(model, calls):
+        model.train()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for x in calls:
+            optimizer.zero_grad()
+            loss = model(x, labels=x).loss
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.detach())
+        return losses
+
+    calls = inputs(6)
+    serial = [randomise_pseudo_queries(attnres_fx.attnresify(llama(seed))) for seed in (0, 1)]
+    concurrent = [copy.deepcopy(model) for model in serial]
+    want = [train(model, calls) for model in serial]
+    got = [None, None]
+    run_threads(lambda index: got.__setitem__(index, train(concurrent[index], calls)), count=2)
+    for index in range(2):
+        assert all(torch.equal(g, w) for g, w in zip(got[index], want[index])), f"losses of model {index}"
+        for (name, p), q in zip(concurrent[index].named_parameters(), serial[index].parameters()):
+            assert torch.equal(p, q), f"model {index}: {name}"
