@@ -25,7 +25,9 @@ from attnres_fx.passes.rewrite import ModuleCalls, new_modules
 from . import routing
 from .block_attnres import BlockAttnRes
 from .config import AttnResConfig
-from .capture import as_args, capture_dynamo, capture_for_plan, ready_to_capture, trace
+from .capture import as_args, capture_dynamo, capture_for_plan, plan_inputs, ready_to_capture, trace
+from .recording import MODULE_CALLS
+from .routing import trial
 from .compat import unwrap_compiled
 from .conversion import conversion_of, require
 from .conversion import conversion_options, is_converted, plan_of, sites  # noqa: F401 - the public face
@@ -90,16 +92,14 @@ def attnresify(model: nn.Module, example_inputs: Any = None, *, example_kwargs: 
     example_inputs = as_args(example_inputs)
     with ready_to_capture(model):
         traced = capture_for_plan(model, example_inputs, example_kwargs)
-    detection = detect_residual_streams(traced.graph_module)
-    _check_detection(model, detection, allow_partial)
-    _warn_raw_reads(detection, preserve_scale)
-    plan = make_plan(detection, dict(model.named_modules()), num_blocks=num_blocks, block_size=block_size,
-                     preserve_scale=preserve_scale, eps=eps, route=route)
-    # The rewrite runs on the captured graph before the model is touched: a plan that cannot be applied
-    # fails here, not at the model's first call.
-    rewrite_captured(traced.graph_module, plan, lambda g: ModuleCalls(g, new_modules(plan, g)),
-                     where=type(model).__name__)
-    routing.install(model, plan, new_modules(plan, like=model), config)
+        detection = detect_residual_streams(traced.graph_module)
+        _check_detection(model, detection, allow_partial)
+        _warn_raw_reads(detection, preserve_scale)
+        plan = make_plan(detection, dict(model.named_modules()), num_blocks=num_blocks, block_size=block_size,
+                         preserve_scale=preserve_scale, eps=eps, route=route)
+        modules = new_modules(plan, like=model)
+        _try_routes(model, plan, modules, traced, example_inputs, example_kwargs)
+    routing.install(model, plan, modules, config)
     LOG.info("converted %s in %.1f s (%s capture): %d sites in %d stream(s), block sizes %s, routes %s",
              type(model).__name__, time.perf_counter() - start, traced.frontend, len(plan.sites),
              len(plan.streams), ", ".join(map(str, plan.block_sizes)), ", ".join(plan.routes))
@@ -179,6 +179,19 @@ def detect(model: nn.Module, example_inputs: Any = None, *, example_kwargs: dict
     else:
         gm = trace(model, example_inputs, example_kwargs, tracer, dynamic_shapes).graph_module
     return detect_residual_streams(gm)
+
+
+def _try_routes(model: nn.Module, plan, modules: dict, traced, example_inputs, example_kwargs) -> None:
+    """Every route's rewrite tried before the model is touched (:mod:`attnres_fx.routing.trial`): a plan
+    that cannot be applied fails here, not at the model's first call. A graph that is no recording (fx
+    symbolic tracing, TorchDynamo's capture) is the routes' own IR: its rewrite is the trial."""
+    calls = traced.graph_module.meta.get(MODULE_CALLS)
+    if calls is None:
+        rewrite_captured(traced.graph_module, plan, lambda g: ModuleCalls(g, modules), where=type(model).__name__)
+        return
+    trial.try_layer_route(model, plan, modules, calls)
+    if "model" in plan.routes:
+        trial.try_model_route(model, plan, modules, plan_inputs(model, example_inputs, example_kwargs))
 
 
 def _config(config: AttnResConfig | None, options: dict[str, Any]) -> AttnResConfig:

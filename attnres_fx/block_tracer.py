@@ -49,8 +49,12 @@ BLOCK = "block"         # the traced block, as a submodule of the tracer's root
 class _Tensor:
     """Marks a tensor in a call shape."""
 
+    def __repr__(self) -> str:
+        return "Tensor"
+
 
 TENSOR = _Tensor()
+_SIMPLE_CONSTANTS = frozenset({type(None), bool, int, float, str})
 
 
 @dataclass(frozen=True)
@@ -75,10 +79,12 @@ def call_shape(args: tuple, kwargs: dict, traced: tuple[nn.Module, ...]) -> tupl
 
 
 def _shape_of(value: Any, inputs: list) -> Any:
-    if isinstance(value, torch.Tensor):
+    kind = type(value)
+    if kind is torch.Tensor or isinstance(value, torch.Tensor):
         inputs.append(value)
         return TENSOR
-    kind = type(value)
+    if kind in _SIMPLE_CONSTANTS:
+        return kind, value
     if kind is tuple or kind is list:
         return kind, tuple(_shape_of(item, inputs) for item in value)
     if kind is dict:

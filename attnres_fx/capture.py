@@ -178,16 +178,18 @@ class _Captured(Exception):
     """Raised by the capture backend to stop Dynamo once it has the graph: nothing runs."""
 
 
-def capture_dynamo(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, list]:
-    """The graph Dynamo captures for ``model(*args, **kwargs)`` (its own forward, ``fullgraph``) and the
-    fake tensors it traced with; the model is not run."""
+def capture_dynamo(model: nn.Module, args: tuple, kwargs: dict, forward: Callable | None = None
+                   ) -> tuple[fx.GraphModule, list]:
+    """The graph Dynamo captures for ``forward(model, *args, **kwargs)`` (the class's own forward by
+    default, ``fullgraph``) and the fake tensors it traced with; the model is not run."""
     graphs: list = []
 
     def stop(gm, example_inputs):
         graphs.append((gm, list(example_inputs)))
         raise _Captured
 
-    entry = torch.compile(entry_function(type(model).forward), backend=stop, fullgraph=True, dynamic=False)
+    entry = torch.compile(entry_function(forward or type(model).forward), backend=stop, fullgraph=True,
+                          dynamic=False)
     with capturing():
         try:
             entry(model, *args, **kwargs)

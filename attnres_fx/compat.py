@@ -48,6 +48,9 @@ from torch._subclasses.fake_tensor import FakeTensor, is_fake  # noqa: E402, F40
 # torch.utils._pytree: the flattening torch.export and Dynamo apply to inputs and outputs (no public module).
 import torch.utils._pytree as pytree  # noqa: E402, F401
 
+# nn.Module's global hook dicts live in its module.
+from torch.nn.modules import module as _modules_module  # noqa: E402
+
 # torch.nn's private base classes: what every dropout, batch/instance norm and convolution derives from.
 DropoutBase = nn.modules.dropout._DropoutNd
 NormBase = nn.modules.batchnorm._NormBase
@@ -134,11 +137,10 @@ def saved_tensor_hooks_active() -> bool:
 def module_hooks(module: nn.Module) -> bool:
     """Whether ``module`` has forward or backward hooks of its own, or any module has global ones (the
     private hook dicts of ``nn.Module`` and ``torch.nn.modules.module``; no public accessor)."""
-    from torch.nn.modules import module as module_module
-
     return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or module_module._global_forward_hooks
-                or module_module._global_forward_pre_hooks)
+                or module._backward_pre_hooks or _modules_module._global_forward_hooks
+                or _modules_module._global_forward_pre_hooks or _modules_module._global_backward_hooks
+                or _modules_module._global_backward_pre_hooks)
 
 
 def nn_module_hook_guards():

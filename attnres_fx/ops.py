@@ -66,8 +66,13 @@ def check_inputs(sources, proj_weight: torch.Tensor, norm_weight: torch.Tensor, 
 def uniform(sources) -> bool:
     """Whether the operator takes these sources: one shape, dtype and device, a supported dtype."""
     first = sources[0]
-    return first.dtype in DTYPES and all(
-        s.shape == first.shape and s.dtype == first.dtype and s.device == first.device for s in sources[1:])
+    shape, dtype, device = first.shape, first.dtype, first.device
+    if dtype not in DTYPES:
+        return False
+    for source in sources:
+        if source.shape != shape or source.dtype != dtype or source.device != device:
+            return False
+    return True
 
 
 def reference_forward(sources, proj_weight, norm_weight, eps: float, preserve_scale: bool) -> torch.Tensor:
@@ -193,6 +198,7 @@ def eager(proj_weight: torch.Tensor, norm_weight: torch.Tensor, sources, *, eps:
     if sources[0].device.type == "cpu":
         if cpu.available():
             if not needs_grad:
+                # Checked above (uniform) and by the kernel itself: the C++ function straight away.
                 return torch.ops.attnres_cpu.aggregate(sources, proj_weight, norm_weight, eps, preserve_scale)
         elif len(sources) > 1 and sources[0].numel() <= aggregation.STACKED_MAX_ELEMENTS:
             return aggregation.stacked(proj_weight, norm_weight, sources, eps=eps, preserve_scale=preserve_scale)

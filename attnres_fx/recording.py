@@ -46,14 +46,19 @@ _OPERATORS.update({name: (getattr(operator, op), True) for name, op in (
     ("__rpow__", "pow"), ("__rmatmul__", "matmul"))})
 
 
+# ``graph_module.meta[MODULE_CALLS]``: each module's first call in the recording, ``{path: (args, kwargs)}``.
+MODULE_CALLS = "attnres_module_calls"
+
+
 def record_graph(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
-    """The graph of ``model(*args, **kwargs)``, recorded as it runs; see the module docstring."""
+    """The graph of ``model(*args, **kwargs)``, recorded as it runs; see the module docstring. Its
+    ``meta[MODULE_CALLS]`` holds the inputs each module was first called with."""
     recorder = _Recorder(model)
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
     handles = []
     for path, module in model.named_modules():
         handles.append(module.register_forward_pre_hook(
-            lambda m, a, path=path: recorder.enter(path, type(m))))
+            lambda m, a, k, path=path: recorder.enter(path, type(m), a, k), with_kwargs=True))
         handles.append(module.register_forward_hook(lambda m, a, out: recorder.leave(), always_call=True))
     try:
         inputs = recorder.placeholders((args, kwargs))
@@ -75,7 +80,7 @@ def record_graph(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
                 buffer.copy_(buffers[name])
     recorder.graph.output(recorder.argument(_plain(output)))
     graph_module = fx.GraphModule(model, recorder.graph, class_name=type(model).__name__)
-    graph_module.meta["recorded"] = True
+    graph_module.meta[MODULE_CALLS] = recorder.calls
     return graph_module
 
 
@@ -97,6 +102,7 @@ class _Recorder(TorchFunctionMode):
         self.values: dict[int, fx.Node] = {}
         self.alive: list = []                  # keeps every recorded tensor alive: ids stay unique
         self.stack: list[tuple[str, type]] = []
+        self.calls: dict[str, tuple[tuple, dict]] = {}
         self.named = {id(t): name for name, t in model.named_parameters(remove_duplicate=False)}
         self.named.update({id(t): name for name, t in model.named_buffers(remove_duplicate=False)})
         for path, module in model.named_modules():
@@ -104,8 +110,9 @@ class _Recorder(TorchFunctionMode):
                 if isinstance(value, torch.Tensor) and id(value) not in self.named:
                     self.named[id(value)] = f"{path}.{name}" if path else name
 
-    def enter(self, path: str, cls: type) -> None:
+    def enter(self, path: str, cls: type, args: tuple, kwargs: dict) -> None:
         self.stack.append((path, cls))
+        self.calls.setdefault(path, (args, kwargs))
 
     def leave(self) -> None:
         self.stack.pop()

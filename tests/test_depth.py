@@ -150,7 +150,7 @@ def test_an_inductor_routed_model_is_measured_on_the_eager_route_and_stays_compi
     expected = compiled(ids)
     routers = routing.routers(compiled)
     inductor_entries = [dict(router._entries) for router in routers]
-    assert all(compiler == "inductor" for entries in inductor_entries for compiler, _ in entries)
+    assert all(compiler == "inductor" for entries in inductor_entries for compiler, *_ in entries)
     weights = attnres_fx.depth_weights(compiled, ids)
     np.testing.assert_allclose(weights.to_numpy(), attnres_fx.depth_weights(model, ids).to_numpy(), atol=1e-6)
     assert conversion_of(compiled).compiler == "inductor"

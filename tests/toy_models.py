@@ -208,15 +208,17 @@ class NoResidualModel(nn.Module):
 
 
 class DataDependentModel(nn.Module):
-    """Python control flow on tensor values: torch.fx cannot trace it."""
+    """Python control flow on tensor values around a residual stream the model's own forward performs:
+    neither torch.fx nor TorchDynamo (in one graph) can capture it."""
 
     def __init__(self, dim=32):
         super().__init__()
-        self.lin = nn.Linear(dim, dim)
+        self.lin, self.lin2 = nn.Linear(dim, dim), nn.Linear(dim, dim)
 
     def forward(self, x):
-        if x.sum() > 0:
-            return x + self.lin(x)
+        if x.abs().sum() > 0:
+            x = x + self.lin(x)
+            return x + self.lin2(x)
         return x
 
 

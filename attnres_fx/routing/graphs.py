@@ -22,9 +22,12 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import fx, nn
 
-from ..block_attnres import BlockAttnRes
+from ..block_attnres import BlockAttnRes, run_site
 from ..block_tracer import BLOCK, Bound, CONSTANT_TYPES, CallShape, TracedBlock, compiled_forward, trace_block
 from ..capture import copy_graph_module
+from ..errors import TraceError
+from ..passes.detect import detect_residual_streams
+from ..passes.node_kinds import is_reshape
 from ..passes.pipeline import LayerTarget, rewrite_captured
 from ..passes.rewrite import Emitter, Entry, ModuleCalls, ParameterInputs, lift_attnres_weights
 from ..passes.two_phase import apply_two_phase
@@ -143,8 +146,22 @@ def _constants(module: nn.Module) -> tuple:
 
 def trace(router: LayerRouter, args: tuple, kwargs: dict, shape: CallShape) -> TracedBlock:
     """The block trace for this call shape, shared by the blocks of ``router``'s kind."""
-    return router.conversion.traces.get(router.kind, shape, lambda: trace_block(
+    return router.conversion.traces.get(router.kind, shape, lambda: routable_trace(
         router.module, router.forward_function, args, kwargs, router.opened, shape))
+
+
+def routable_trace(block: nn.Module, forward: Callable, args: tuple, kwargs: dict, opened: frozenset[str],
+                   shape: CallShape) -> TracedBlock:
+    """:func:`~attnres_fx.block_tracer.trace_block`, refused (:class:`~attnres_fx.TraceError`) where the
+    stream changes its leading shape inside the block (``h.reshape(-1, d)`` before a sublayer): sources
+    of two layouts must then be reshaped to each other, which needs the shapes a trace with sublayers as
+    calls does not have; such a block runs on TorchDynamo."""
+    traced = trace_block(block, forward, args, kwargs, opened, shape)
+    for stream in detect_residual_streams(traced.graph_module, min_sites=1).streams:
+        if any(is_reshape(op) for site in stream.sites for op in site.inbound):
+            raise TraceError(f"the residual stream of {type(block).__name__} changes its leading shape between "
+                             "sites, which a trace with its sublayers as calls cannot follow")
+    return traced
 
 
 class BlockModuleCalls(Emitter):
@@ -163,32 +180,42 @@ class BlockModuleCalls(Emitter):
         # On the graph module (a copy of the referenced tree) for the graph's checks; the code runs on the
         # real block, given when it is called.
         self.gm.add_submodule(target, self.modules[site.name])
-        return graph.call_module(target, tuple(sources))
+        return graph.call_function(run_site, (graph.get_attr(target), *sources))
+
+
+def entry_of(layout: Layout | None) -> Entry | None:
+    return None if layout is None else Entry(layout.position, layout.blocks, layout.has_partial)
+
+
+def rewrite_block(traced: TracedBlock, plan, target: LayerTarget, block_path: str,
+                  modules: dict[str, BlockAttnRes], where: str) -> tuple[fx.GraphModule, LayerGraphSignature]:
+    """A copy of ``traced`` with the block's planned sites rewritten (``target``: its stream, span, the
+    state it receives and whether it ends the stream; ``modules``: the AttnRes modules by site name), and
+    the record of what it takes and returns."""
+    with compat.lazy_graph_modules():        # the code is generated once, from the final graph
+        gm = copy_graph_module(traced.graph_module, where)
+        (output,) = gm.graph.find_nodes(op="output")
+        output.args = ((output.args[0],),)       # the result as one value, the state outputs after it
+        result = rewrite_captured(gm, plan, lambda g: BlockModuleCalls(g, block_path, modules), where=where,
+                                  layer=target)
+    state_in = [node.name for node in result.rewrite.state_inputs]
+    signature = LayerGraphSignature(
+        inputs=len(gm.graph.find_nodes(op="placeholder")) - len(state_in),
+        stream_input=result.start_input if target.entry is None else _stream_input(gm, result),
+        state_inputs=tuple(state_in),
+        # The graph returns (result, *state): where the stream leaves, within the result.
+        carrier=None if target.ends else result.carrier_output[1:],
+        state_outputs=("partial", *(f"block_{k}" for k in range(result.rewrite.state_outputs - 1))),
+        next_position=result.next_position)
+    return gm, signature
 
 
 def block_variant(router: LayerRouter, traced: TracedBlock, layout: Layout | None) -> BlockVariant:
     """``traced`` rewritten for ``router``'s block with the stream's state in ``layout``; see the module
     docstring."""
-    plan = router.conversion.plan
-    entry = None if layout is None else Entry(layout.position, layout.blocks, layout.has_partial)
-    target = LayerTarget(router.planned, router.span, entry, router.ends)
-    modules = {site.name: router.root.get_submodule(site.name) for site in plan.sites
-               if site.stream == router.stream}
-    with compat.lazy_graph_modules():        # the code is generated once, below
-        gm = copy_graph_module(traced.graph_module, type(router.module).__name__)
-        (output,) = gm.graph.find_nodes(op="output")
-        output.args = ((output.args[0],),)       # the result as one value, the state outputs after it
-        result = rewrite_captured(gm, plan, lambda g: BlockModuleCalls(g, router.path, modules),
-                                  where=router.where, layer=target)
-    state_in = [node.name for node in result.rewrite.state_inputs]
-    signature = LayerGraphSignature(
-        inputs=len(gm.graph.find_nodes(op="placeholder")) - len(state_in),
-        stream_input=result.start_input if entry is None else _stream_input(gm, result),
-        state_inputs=tuple(state_in),
-        # The graph returns (result, *state): where the stream leaves, within the result.
-        carrier=None if router.ends else result.carrier_output[1:],
-        state_outputs=("partial", *(f"block_{k}" for k in range(result.rewrite.state_outputs - 1))),
-        next_position=result.next_position)
+    target = LayerTarget(router.planned, router.span, entry_of(layout), router.ends)
+    modules = {site.name: router.root.get_submodule(site.name) for site in router.planned.sites}
+    gm, signature = rewrite_block(traced, router.conversion.plan, target, router.path, modules, router.where)
     others = {FINAL: gm.get_submodule(FINAL)} if FINAL in gm._modules else {}
     others.update({node.target: getattr(gm, node.target) for node in gm.graph.find_nodes(op="get_attr")
                    if not node.target.startswith(BLOCK + ".") and node.target != FINAL})

@@ -1,0 +1,62 @@
+"""Every route tried on the conversion's own call before the model is touched: a plan a route cannot
+apply fails in :func:`attnres_fx.attnresify`, atomically, not at the model's first call.
+
+- layer route: each block as that route runs it, with its sublayers as calls
+  (:func:`~attnres_fx.routing.graphs.routable_trace`, one trace per kind of block), its sites matched and
+  rewritten for the state it receives; where torch.fx cannot trace a block, TorchDynamo's capture of it;
+- model route: TorchDynamo's capture of the whole call, rewritten.
+
+The blocks are tried on the inputs the conversion's recording saw them called with
+(:data:`attnres_fx.recording.MODULE_CALLS`).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .. import compat
+from ..block_tracer import call_shape
+from ..capture import capture_dynamo
+from ..errors import TraceError
+from ..passes.pipeline import LayerTarget, rewrite_captured
+from ..passes.plan import Plan, StreamPlan
+from ..passes.rewrite import ModuleCalls
+from .graphs import Layout, entry_of, kind_of, rewrite_block, routable_trace
+
+
+def try_layer_route(model: nn.Module, plan: Plan, modules: dict, calls: dict) -> None:
+    """Rewrite every layer-routed block of ``plan`` as its route will, on its recorded call."""
+    traces: dict = {}
+    for stream in plan.streams:
+        if stream.route != "layer":
+            continue
+        for span in stream.layers:
+            if span.owner in calls:
+                _try_block(model, plan, stream, span, modules, calls[span.owner], traces)
+
+
+def _try_block(model, plan: Plan, stream: StreamPlan, span, modules: dict, call: tuple, traces: dict) -> None:
+    block = model.get_submodule(span.owner)
+    args, kwargs = call
+    forward = compat.hf_checkpointed_forward(type(block)) or type(block).forward
+    position = span.start
+    layout = None if position == 0 else Layout(position, stream.completed_before(position), True)
+    target = LayerTarget(stream, span, entry_of(layout), span.stop == stream.num_positions)
+    where = f"{type(block).__name__} at '{span.owner}'"
+    traced_modules = (block, *(block.get_submodule(path) for path in sorted(span.opened)))
+    shape, _ = call_shape(args, kwargs, traced_modules)
+    key = (kind_of(block, forward, span.opened), shape)
+    try:
+        if key not in traces:
+            traces[key] = routable_trace(block, forward, args, kwargs, span.opened, shape)
+        rewrite_block(traces[key], plan, target, span.owner, modules, where)
+    except TraceError:
+        # The route runs such a block on TorchDynamo: its capture of the block must work.
+        graph_module, _ = capture_dynamo(block, args, kwargs, forward)
+        rewrite_captured(graph_module, plan, lambda g: ModuleCalls(g, modules), where=where, layer=target)
+
+
+def try_model_route(model: nn.Module, plan: Plan, modules: dict, inputs: tuple[tuple, dict]) -> None:
+    """Rewrite TorchDynamo's capture of the whole call, as the model route will."""
+    graph_module, _ = capture_dynamo(model, *inputs)
+    rewrite_captured(graph_module, plan, lambda g: ModuleCalls(g, modules), where=type(model).__name__)
