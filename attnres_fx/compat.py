@@ -41,6 +41,7 @@ _check_torch_version(torch.__version__)
 # tensors, a backend failure), FakeTensor (what a capture's example values are), the op overload types
 # of aten graphs, Inductor's graph compiler, fake-mode discovery.
 from torch._dynamo.exc import BackendCompilerFailed, TorchDynamoException, TorchRuntimeError  # noqa: E402, F401
+from torch._dynamo.exc import ObservedException  # noqa: E402, F401
 from torch._dynamo.exc import Unsupported as DynamoUnsupported  # noqa: E402, F401
 from torch._guards import detect_fake_mode  # noqa: E402, F401
 from torch._ops import OpOverload, OpOverloadPacket  # noqa: E402, F401
@@ -135,9 +136,10 @@ def saved_tensor_hooks_active() -> bool:
 
 
 def module_hooks(module: nn.Module) -> bool:
-    """Whether ``module`` has forward or backward hooks of its own, or any module has global ones (the
-    private hook dicts of ``nn.Module`` and ``torch.nn.modules.module``; no public accessor)."""
-    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+    """Whether calling ``module`` does more than its class's forward: forward or backward hooks of its own,
+    global ones (the private hook dicts of ``nn.Module`` and ``torch.nn.modules.module``; no public
+    accessor), or a wrapper another library set as its instance ``forward`` (accelerate's device hooks)."""
+    return bool("forward" in module.__dict__ or module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
                 or module._backward_pre_hooks or _modules_module._global_forward_hooks
                 or _modules_module._global_forward_pre_hooks or _modules_module._global_backward_hooks
                 or _modules_module._global_backward_pre_hooks)

@@ -191,6 +191,12 @@ def eager(proj_weight: torch.Tensor, norm_weight: torch.Tensor, sources, *, eps:
       :func:`~attnres_fx.aggregation.fusable` without a gradient.
     """
     sources = list(sources)
+    if proj_weight.device != sources[0].device:
+        raise RuntimeError(
+            f"the AttnRes weights of this aggregation are on {proj_weight.device}, its sources on {sources[0].device}: "
+            "something moved the weights of a BlockAttnRes's submodules away without calling them (accelerate's "
+            "cpu_offload / disk offload: pass preload_module_classes=['BlockAttnRes'], which loads a module's "
+            "submodules' weights when it is called)")
     if not uniform(sources):
         return aggregation.fusable(proj_weight, norm_weight, sources, eps=eps, preserve_scale=preserve_scale)
     needs_grad = torch.is_grad_enabled() and (proj_weight.requires_grad or norm_weight.requires_grad

@@ -135,6 +135,10 @@ class _Recorder(TorchFunctionMode):
         if not inputs and not outputs:
             return result
         name = getattr(func, "__name__", "")
+        if any(result is t for t in inputs) and not _writes(name):
+            # A no-op that hands its input back (``x.to(x.dtype)``, ``x.contiguous()``): the same value,
+            # which other code reads under other names; nothing to record.
+            return result
         if name == "__get__":
             # A tensor property with a tensor value (``x.mT``, ``x.data``), as torch.fx records it.
             node = self.graph.call_function(getattr, (self.argument(args[0]), func.__self__.__name__))
@@ -205,9 +209,18 @@ _METADATA = {"size", "dim", "numel", "shape", "dtype", "device", "ndim", "is_cud
              "is_sparse", "is_quantized", "is_meta", "is_nested", "untyped_storage", "_version", "__array__"}
 
 
+def _writes(name: str) -> bool:
+    """Whether a tensor method or operator of this name writes into its first argument."""
+    return name in ("__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__") or (
+        name.endswith("_") and not name.startswith("_"))
+
+
 def _is_metadata(func) -> bool:
-    """Whether ``func`` reads what a tensor is rather than computing a new one (a property getter)."""
+    """Whether ``func`` reads or sets what a tensor is rather than computing a new one (a property getter,
+    a setter such as ``requires_grad``)."""
     name = getattr(func, "__name__", "")
+    if name == "__set__":
+        return True
     if name == "__get__":
         name = getattr(getattr(func, "__self__", None), "__name__", "")
     return name in _METADATA

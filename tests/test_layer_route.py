@@ -79,7 +79,7 @@ def test_what_is_routed_and_what_each_block_graph_takes_and_returns():
     assert len(output.args[0]) == 1 + 2
     (last,) = routers["blocks.2"].rewritten
     assert len(last.graph.find_nodes(op="output")[0].args[0]) == 1, "the last block returns the final aggregate"
-    assert any(n.op == "call_module" and last.get_submodule(n.target) is model.final_res for n in last.graph.nodes)
+    assert any(n.meta.get("attnres", {}).get("name") == "final_res" for n in last.graph.nodes)
 
 
 def test_between_blocks_the_stream_is_the_plain_sum_of_the_branch_outputs():
@@ -137,14 +137,18 @@ def test_a_graph_break_outside_every_block_converts_and_runs(untouched):
 
 
 class TalkativeBlock(torch.nn.Module):
+    """A block whose own forward branches on a value: neither torch.fx nor TorchDynamo (in one graph) can
+    take it."""
+
     def __init__(self, block):
         super().__init__()
-        self.block = block
+        self.ln1, self.attn, self.ln2, self.mlp = block.ln1, block.attn, block.ln2, block.mlp
 
     def forward(self, x):
-        if x.sum() > 0:                     # data-dependent: no single graph
-            x = x + 0
-        return self.block(x)
+        x = x + self.attn(self.ln1(x))
+        if x.abs().sum() > 0:               # data-dependent: no single graph
+            x = x + self.mlp(self.ln2(x))
+        return x
 
 
 def test_a_block_that_cannot_be_captured_is_named_with_the_construct():
@@ -159,7 +163,7 @@ class CastBetweenBlocks(TinyTransformer):
     def forward(self, ids):
         x = self.embed(ids)
         for block in self.blocks:
-            x = block(x).to(torch.float32)
+            x = block(x).double().float()       # casts that make new tensors (a no-op .to() hands back its input)
         return self.head(self.ln_f(x))
 
 
@@ -168,7 +172,7 @@ def test_a_stream_changed_between_blocks_takes_the_model_route_or_is_refused():
     ids = example_ids(model.config)
     assert attnres_fx.plan_of(attnres_fx.attnresify(copy.deepcopy(model), (ids,))).routes == ("model",)
     with pytest.raises(attnres_fx.UnsupportedArchitectureError, match=r"between blocks\.0 and blocks\.1 the stream "
-                                                                      r"passes through .*to.* outside both"):
+                                                                      r"passes through .*double.* outside both"):
         attnres_fx.attnresify(copy.deepcopy(model), (ids,), route="layer")
 
 

@@ -78,10 +78,12 @@ def compiled_entry(forward: Callable, backend: Callable, compiler: str) -> Calla
                          recompile_limit=RECOMPILE_LIMIT)
 
 
-def run(entry: Callable, module, args: tuple, kwargs: dict, graph_break_message: Callable[[Exception], str],
-        checkpointing_flag_holders: tuple = ()) -> Any:
+def run(entry: Callable, forward: Callable, module, args: tuple, kwargs: dict,
+        graph_break_message: Callable[[Exception], str], checkpointing_flag_holders: tuple = ()) -> Any:
     """``entry(module, *args, **kwargs)``; an attnres_fx error raised in the backend is raised as itself, a
-    graph break as :class:`~attnres_fx.TraceError` with ``graph_break_message(err)``."""
+    graph break as :class:`~attnres_fx.TraceError` with ``graph_break_message(err)``. Where the model's own
+    code raised while Dynamo traced it, the call runs as written (``forward``) to raise the model's own
+    exception, as itself: the original model raises it too."""
     from ..errors import TraceError
 
     with dynamo_call(checkpointing_flag_holders):
@@ -92,4 +94,15 @@ def run(entry: Callable, module, args: tuple, kwargs: dict, graph_break_message:
                 raise err.inner_exception.with_traceback(None) from err
             raise
         except compat.DynamoUnsupported as err:
+            if _raised_by_traced_code(err):
+                forward(module, *args, **kwargs)
             raise TraceError(graph_break_message(err), {"dynamo": err}) from err
+
+
+def _raised_by_traced_code(err: BaseException) -> bool:
+    """Whether a Dynamo failure is the traced code raising an exception (an ``ObservedException``)."""
+    while err is not None:
+        if isinstance(err, compat.ObservedException):
+            return True
+        err = err.__cause__ or err.__context__
+    return False

@@ -122,9 +122,9 @@ class Router:
             entry = self._entries[compiler, key, forward] = dynamo.compiled_entry(forward, backend(compiler), compiler)
         return entry
 
-    def run_dynamo(self, entry: Callable, args: tuple, kwargs: dict):
-        return dynamo.run(entry, self.module, args, kwargs, lambda err: _graph_break_message(self, err),
-                          self.checkpointing_flag_holders)
+    def run_dynamo(self, entry: Callable, args: tuple, kwargs: dict, forward: Callable | None = None):
+        return dynamo.run(entry, forward or type(self.module).forward, self.module, args, kwargs,
+                          lambda err: _graph_break_message(self, err), self.checkpointing_flag_holders)
 
     def reset(self) -> None:
         self._entries.clear()
@@ -380,7 +380,7 @@ class LayerRouter(Router):
         call = _DynamoCall(tensors)
         with _active(call):
             out = self.run_dynamo(self.entry(layout, lambda compiler: self._dynamo_backend(compiler, layout),
-                                             self.forward_function), args, kwargs)
+                                             self.forward_function), args, kwargs, self.forward_function)
         before, reentrant = self._recomputable(carrier if carrier is not None else call.start, state)
         if self.starts:
             note_stream_start(self.conversion, self.stream)

@@ -103,13 +103,15 @@ def _storage_key(tensor: torch.Tensor) -> tuple | None:
 
 
 def remember_for_recomputation(carrier: torch.Tensor) -> None:
-    """Let a detached copy of ``carrier`` (what reentrant checkpointing recomputes a block on) find the
-    state ``carrier`` carries."""
+    """Let a detached copy of ``carrier`` (what checkpointing recomputes a block on) find the state
+    ``carrier`` carries: kept by the tensor that holds it (``carrier``, or the tensor it is a view of, which
+    outlives a view made for one call)."""
     key = _storage_key(carrier)
     if key is None:
         return
+    holder = carrier if getattr(carrier, ATTRIBUTE, None) is not None else view_base(carrier)
     with _REMEMBERED_LOCK:
-        _REMEMBERED[key] = weakref.ref(carrier)
+        _REMEMBERED[key] = weakref.ref(holder if holder is not None else carrier)
         for stale in [k for k, ref in _REMEMBERED.items() if ref() is None]:
             del _REMEMBERED[stale]
 

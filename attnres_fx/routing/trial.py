@@ -50,10 +50,17 @@ def _try_block(model, plan: Plan, stream: StreamPlan, span, modules: dict, call:
         if key not in traces:
             traces[key] = routable_trace(block, forward, args, kwargs, span.opened, shape)
         rewrite_block(traces[key], plan, target, span.owner, modules, where)
-    except TraceError:
-        # The route runs such a block on TorchDynamo: its capture of the block must work.
+        return
+    except TraceError as untraceable:
+        reason = untraceable
+    # The route runs such a block on TorchDynamo: its capture of the block must work.
+    try:
         graph_module, _ = capture_dynamo(block, args, kwargs, forward)
-        rewrite_captured(graph_module, plan, lambda g: ModuleCalls(g, modules), where=where, layer=target)
+    except TraceError as err:
+        raise TraceError(f"{span.owner} ({type(block).__name__}) cannot be captured as one graph, which the layer "
+                         f"route needs for a block whose own code torch.fx cannot trace ({reason}): {err}",
+                         {**reason.causes, **err.causes}) from err
+    rewrite_captured(graph_module, plan, lambda g: ModuleCalls(g, modules), where=where, layer=target)
 
 
 def try_model_route(model: nn.Module, plan: Plan, modules: dict, inputs: tuple[tuple, dict]) -> None:

@@ -1,0 +1,161 @@
+"""Converted models on the paths users take beyond the plain call: an exception inside a sublayer, the
+meta device, accelerate's hooks added after conversion, a model whose own forward TorchDynamo cannot
+capture, caches the conversion's call does not use, expert loops that depend on the data.
+
+Numerical: with ``preserve_scale=True`` at zero init a converted model computes the original function;
+here exactly (0.0: the same ops, sums in the same order) unless said otherwise, and with random
+pseudo-queries the same as before the unusual step. Failure: the user's own exception comes out as
+itself, once; a library setup the route cannot run raises an error that names the way out.
+"""
+
+import copy
+
+import pytest
+import torch
+
+import attnres_fx
+from attnres_fx.models import TinyTransformer, example_ids
+from attnres_fx.testing import randomise_pseudo_queries
+
+transformers = pytest.importorskip("transformers")
+
+
+def llama(layers=2):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                      num_attention_heads=2, vocab_size=128)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def ids(batch=2, length=8):
+    return torch.randint(1, 100, (batch, length), generator=torch.Generator().manual_seed(3))
+
+
+class Flaky:
+    """A sublayer's forward that raises the first time it is called, then runs as before."""
+
+    def __init__(self, forward):
+        self.forward, self.calls = forward, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == 1:
+            raise ValueError("the sublayer's own failure")
+        return self.forward(*args, **kwargs)
+
+
+@pytest.mark.parametrize("route", ["layer", "model"])
+def test_an_exception_inside_a_sublayer_propagates_as_itself_once(route):
+    model = randomise_pseudo_queries(attnres_fx.attnresify(llama(), route=route))
+    x = ids()
+    want = model(x).logits
+    mlp = model.model.layers[1].mlp
+    mlp.forward = Flaky(mlp.forward)
+    with pytest.raises(ValueError, match="the sublayer's own failure"):
+        model(x)
+    torch.testing.assert_close(model(x).logits, want, rtol=0, atol=0)
+
+
+def test_a_hook_that_raises_once_propagates_as_itself_and_the_next_call_works():
+    model = randomise_pseudo_queries(attnres_fx.attnresify(llama()))
+    x = ids()
+    want = model(x).logits
+    raised = []
+
+    def hook(module, args, output):
+        if not raised:
+            raised.append(True)
+            raise KeyError("the hook's own failure")
+    model.model.layers[0].self_attn.register_forward_hook(hook)
+    with pytest.raises(KeyError, match="the hook's own failure"):
+        model(x)
+    torch.testing.assert_close(model(x).logits, want, rtol=0, atol=0)
+
+
+def test_a_converted_model_runs_on_the_meta_device():
+    model = attnres_fx.attnresify(llama()).to("meta")
+    out = model(ids().to("meta")).logits
+    assert out.device.type == "meta" and out.shape == (2, 8, 128)
+
+
+def test_accelerate_offloading_after_conversion_runs_exactly_or_names_the_option():
+    accelerate = pytest.importorskip("accelerate")
+    model = randomise_pseudo_queries(attnres_fx.attnresify(llama()))
+    x = ids()
+    with torch.no_grad():
+        want = model(x).logits
+        offloaded = copy.deepcopy(model)
+        accelerate.cpu_offload(offloaded, preload_module_classes=["BlockAttnRes"])
+        torch.testing.assert_close(offloaded(x).logits, want, rtol=0, atol=0)
+        plain = copy.deepcopy(model)
+        accelerate.cpu_offload(plain)
+        with pytest.raises(RuntimeError, match=r"preload_module_classes=\['BlockAttnRes'\]"):
+            plain(x)
+
+
+class BreakingRoot(TinyTransformer):
+    """A model whose own forward TorchDynamo cannot capture as one graph: a value read into Python."""
+
+    def forward(self, ids):
+        if int(ids.max()) >= 10**9:
+            print("out of range")
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def test_a_graph_break_outside_every_block_converts_on_the_layer_route():
+    torch.manual_seed(0)
+    original = BreakingRoot(dim=32, num_layers=3, num_heads=4).eval()
+    x = example_ids(original.config)
+    model = attnres_fx.attnresify(copy.deepcopy(original), (x,), preserve_scale=True)
+    assert attnres_fx.plan_of(model).routes == ("layer",)
+    torch.testing.assert_close(model(x), original(x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["falcon", "gpt_neo"])
+def test_models_converted_with_example_inputs_while_their_config_caches(name):
+    """Falcon (parallel attention, multi-query) and GPT-Neo (local attention) with ``use_cache`` on in
+    their config: the conversion's call runs without a cache; generate with one gives the same tokens."""
+    torch.manual_seed(0)
+    if name == "falcon":
+        config = transformers.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, vocab_size=128,
+                                           alibi=False, new_decoder_architecture=False, parallel_attn=True,
+                                           multi_query=True)
+        original = transformers.FalconForCausalLM(config).eval()
+    else:
+        config = transformers.GPTNeoConfig(hidden_size=32, num_layers=2, num_heads=2, vocab_size=128,
+                                           attention_types=[[["global", "local"], 1]], window_size=4,
+                                           max_position_embeddings=64)
+        original = transformers.GPTNeoForCausalLM(config).eval()
+    assert original.config.use_cache
+    x = ids()
+    model = attnres_fx.attnresify(copy.deepcopy(original), (x,), preserve_scale=True)
+    torch.testing.assert_close(model(x).logits, original(x).logits, rtol=0, atol=0)
+    kwargs = dict(max_new_tokens=5, do_sample=False)
+    assert torch.equal(model.generate(x, **kwargs), original.generate(x, **kwargs))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["dbrx", "switch"])
+def test_expert_loops_that_depend_on_the_data_run_as_sublayer_calls(name):
+    """DBRX and SwitchTransformers route tokens to experts in a Python loop over the experts hit: no single
+    graph holds it, but the layer route calls the MLP as a module, so they convert and run exactly."""
+    torch.manual_seed(0)
+    x = ids()
+    if name == "dbrx":
+        config = transformers.DbrxConfig(d_model=32, n_heads=2, n_layers=2, max_seq_len=64, vocab_size=128,
+                                         attn_config={"kv_n_heads": 1, "rope_theta": 10000.0, "clip_qkv": 8.0},
+                                         ffn_config={"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2})
+        original, call = transformers.DbrxForCausalLM(config).eval(), {"input_ids": x}
+    else:
+        config = transformers.SwitchTransformersConfig(d_model=32, d_kv=16, d_ff=64, num_layers=2, num_decoder_layers=2,
+                                                       num_heads=2, num_experts=4, vocab_size=128,
+                                                       decoder_start_token_id=0, dropout_rate=0.0)
+        original = transformers.SwitchTransformersForConditionalGeneration(config).eval()
+        call = {"input_ids": x, "decoder_input_ids": x}
+    model = attnres_fx.attnresify(copy.deepcopy(original), preserve_scale=True)
+    assert set(attnres_fx.plan_of(model).routes) == {"layer"}
+    torch.testing.assert_close(model(**call).logits, original(**call).logits, rtol=0, atol=0)
