@@ -57,38 +57,52 @@ TENSOR = _Tensor()
 _SIMPLE_CONSTANTS = frozenset({type(None), bool, int, float, str})
 
 
-@dataclass(frozen=True)
-class CallShape:
-    """What a block's traced graph is specialised to: the structure of the call (``args``, ``kwargs``)
-    with tensors as :data:`TENSOR`, other objects as their type, constants as ``(type, value)``; and the
-    train/eval flags of the modules whose code the graph holds."""
-
-    args: tuple
-    kwargs: tuple
-    training: tuple[bool, ...]
+# What a block's traced graph is specialised to: ``(args, kwargs, training)``, the structure of the call
+# with tensors as :data:`TENSOR`, other objects as their type and constants as ``(type, value)``, and the
+# train/eval flags of the modules whose code the graph holds. A plain tuple: it is made and hashed at
+# every call.
+CallShape = tuple
 
 
 def call_shape(args: tuple, kwargs: dict, traced: tuple[nn.Module, ...]) -> tuple[CallShape, list]:
     """The call shape of ``module(*args, **kwargs)`` and its graph inputs (tensors and objects, in order),
     in one walk; ``traced``: the modules whose own code the graph holds (the block, its opened children)."""
     inputs: list = []
-    shape = CallShape(tuple(_shape_of(value, inputs) for value in args),
-                      tuple((key, _shape_of(value, inputs)) for key, value in kwargs.items()),
-                      tuple(module.training for module in traced))
-    return shape, inputs
+    positional = []
+    for value in args:
+        if type(value) is torch.Tensor:             # the common case, without a call
+            inputs.append(value)
+            positional.append(TENSOR)
+        else:
+            positional.append(_shape_of(value, inputs))
+    keywords = []
+    for key, value in kwargs.items():
+        kind = type(value)
+        if kind is torch.Tensor:
+            inputs.append(value)
+            keywords.append((key, TENSOR))
+        elif kind in _SIMPLE_CONSTANTS:
+            keywords.append((key, (kind, value)))
+        else:
+            keywords.append((key, _shape_of(value, inputs)))
+    training = traced[0].training if len(traced) == 1 else tuple(module.training for module in traced)
+    return (tuple(positional), tuple(keywords), training), inputs
 
 
 def _shape_of(value: Any, inputs: list) -> Any:
     kind = type(value)
-    if kind is torch.Tensor or isinstance(value, torch.Tensor):
+    if kind is torch.Tensor or kind is nn.Parameter:
         inputs.append(value)
         return TENSOR
     if kind in _SIMPLE_CONSTANTS:
         return kind, value
+    if isinstance(value, torch.Tensor):
+        inputs.append(value)
+        return TENSOR
     if kind is tuple or kind is list:
-        return kind, tuple(_shape_of(item, inputs) for item in value)
+        return kind, tuple([_shape_of(item, inputs) for item in value])
     if kind is dict:
-        return kind, tuple((key, _shape_of(item, inputs)) for key, item in value.items())
+        return kind, tuple([(key, _shape_of(item, inputs)) for key, item in value.items()])
     if isinstance(value, CONSTANT_TYPES) and _hashable(value):
         return kind, value
     inputs.append(value)

@@ -84,6 +84,20 @@ def record_graph(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
     return graph_module
 
 
+def _tensors(value: Any, found: list | None = None) -> list:
+    """The tensors in ``value`` (nested tuples, lists and dicts), in order: what an op takes or returns."""
+    found = [] if found is None else found
+    if isinstance(value, torch.Tensor):
+        found.append(value)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            _tensors(item, found)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _tensors(item, found)
+    return found
+
+
 def _plain(output: Any) -> Any:
     """Model outputs (``ModelOutput`` and other dict subclasses) as plain dicts, tuples as tuples."""
     if isinstance(output, dict):
@@ -130,8 +144,8 @@ class _Recorder(TorchFunctionMode):
         result = func(*args, **kwargs)
         if _is_metadata(func):
             return result
-        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        outputs = [t for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
+        inputs = _tensors((args, kwargs))
+        outputs = _tensors(result)
         if not inputs and not outputs:
             return result
         name = getattr(func, "__name__", "")

@@ -41,7 +41,7 @@ from ..passes.pipeline import LayerTarget
 from ..passes.rewrite import Entry
 from . import dynamo, graphs
 from .graphs import Layout, at_path, replaced_at
-from .state import StreamState, attach, bundle, remember_for_recomputation, state_of, unbundle
+from .state import ATTRIBUTE, StreamState, attach, bundle, remember_for_recomputation, state_of, unbundle
 from .watch import note_stream_end, note_stream_start, refuse_foreign_fullgraph
 
 LOG = logging.getLogger("attnres_fx")
@@ -230,7 +230,7 @@ class LayerRouter(Router):
         return self._class_forward()[2]
 
     def __call__(self, *args, **kwargs):
-        forward, checkpointed, _ = self._class_forward()
+        forward, checkpointed, _ = self._forwards.get(type(self.module)) or self._class_forward()
         if torch.compiler.is_dynamo_compiling():
             return self._while_compiling(forward, args, kwargs)
         if in_own_call():
@@ -240,14 +240,14 @@ class LayerRouter(Router):
             self._refuse_export()
         if checkpointed and compat.hf_checkpointing_on(self.module):
             return compat.hf_checkpointed_call(self.module, lambda *a, **k: self._intercepted(a, k), args, kwargs)
-        return self._intercepted(args, kwargs)
+        if _INTERCEPTORS.__dict__.get("stack"):
+            return self._intercepted(args, kwargs)
+        return self.proceed(*args, **kwargs)
 
     def _intercepted(self, args: tuple, kwargs: dict):
-        stack = _INTERCEPTORS.__dict__.get("stack")
-        if stack:
-            for interceptor in reversed(stack):
-                if interceptor.conversion is self.conversion:
-                    return interceptor.intercept(self, args, kwargs, self.proceed)
+        for interceptor in reversed(_INTERCEPTORS.__dict__.get("stack") or ()):
+            if interceptor.conversion is self.conversion:
+                return interceptor.intercept(self, args, kwargs, self.proceed)
         return self.proceed(*args, **kwargs)
 
     def proceed(self, *args, **kwargs):
@@ -279,16 +279,18 @@ class LayerRouter(Router):
     def _run_block_graph(self, routes: _ShapeRoutes, inputs: list):
         carrier, state, via = self._entering(routes, inputs)
         # The state made at the stream's start (for reentrant checkpointing's recomputation) holds nothing.
-        layout = None if state is None or not (state.position or state.tensors) else Layout(
+        layout = None if state is None or not (state.position or state.tensors) else (
             state.position, len(state.blocks), state.partial is not None)
         variant = routes.variants.get(layout)
         if variant is None:
-            variant = routes.variants[layout] = graphs.block_variant(self, routes.traced, layout)
+            variant = routes.variants[layout] = graphs.block_variant(
+                self, routes.traced, layout if layout is None else Layout(*layout))
             if routes.stream_input is None:
                 routes.stream_input = variant.signature.stream_input
         signature = variant.signature
         given = inputs[signature.stream_input] if signature.stream_input is not None else None
-        before, reentrant = self._recomputable(given, state)
+        before, reentrant = (state, False) if given is None or not given.requires_grad else \
+            self._recomputable(given, state)
         tensors: tuple[torch.Tensor, ...] = ()
         if state is not None and state.tensors:
             view, tensors = unbundle(state, carrier)
@@ -310,7 +312,11 @@ class LayerRouter(Router):
         carrier, state, via = None, None, ""
         if routes.stream_input is not None:
             carrier = inputs[routes.stream_input]
-            state, via = state_of(carrier, self.conversion, self.stream)
+            state = getattr(carrier, ATTRIBUTE, None)
+            if state is not None and state.owner is self.conversion and state.stream == self.stream:
+                via = "carrier"
+            else:
+                state, via = state_of(carrier, self.conversion, self.stream)
         elif not self.starts:
             # The first call of this shape: the carrier is the input that carries the state.
             for index, value in enumerate(inputs):

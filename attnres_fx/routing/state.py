@@ -35,7 +35,7 @@ from ..compat import view_base
 ATTRIBUTE = "_attnres_stream_state"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class StreamState:
     """Stream ``stream`` of the conversion ``owner`` before residual site ``position``: ``blocks``
     committed, then ``partial`` (``None`` at the stream's start, where the carrier itself is ``b_0``, and
@@ -165,7 +165,14 @@ class _Unbundle(torch.autograd.Function):
 
 
 def _recorded(carrier: torch.Tensor, tensors) -> bool:
-    return torch.is_grad_enabled() and (carrier.requires_grad or any(t.requires_grad for t in tensors))
+    if not torch.is_grad_enabled():
+        return False
+    if carrier.requires_grad:
+        return True
+    for tensor in tensors:
+        if tensor.requires_grad:
+            return True
+    return False
 
 
 def bundle(carrier: torch.Tensor, tensors: tuple[torch.Tensor, ...], grads_from: StreamState) -> torch.Tensor:

@@ -12,6 +12,7 @@ The blocks are tried on the inputs the conversion's recording saw them called wi
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from .. import compat
@@ -25,14 +26,16 @@ from .graphs import Layout, entry_of, kind_of, rewrite_block, routable_trace
 
 
 def try_layer_route(model: nn.Module, plan: Plan, modules: dict, calls: dict) -> None:
-    """Rewrite every layer-routed block of ``plan`` as its route will, on its recorded call."""
+    """Rewrite every layer-routed block of ``plan`` as its route will, on its recorded call (made without
+    gradients, as the recording runs: its tensors take no gradient-recording op)."""
     traces: dict = {}
-    for stream in plan.streams:
-        if stream.route != "layer":
-            continue
-        for span in stream.layers:
-            if span.owner in calls:
-                _try_block(model, plan, stream, span, modules, calls[span.owner], traces)
+    with torch.no_grad():
+        for stream in plan.streams:
+            if stream.route != "layer":
+                continue
+            for span in stream.layers:
+                if span.owner in calls:
+                    _try_block(model, plan, stream, span, modules, calls[span.owner], traces)
 
 
 def _try_block(model, plan: Plan, stream: StreamPlan, span, modules: dict, call: tuple, traces: dict) -> None:

@@ -1,0 +1,248 @@
+"""The routes' figures for ``benchmarks/bench.py``: what users of the default route pay.
+
+- ``llama``: transformers' ``LlamaForCausalLM`` built from a config (:data:`LLAMA`), batch 2 x 128: eager
+  forward, training step (AdamW), ``attnres_fx.compile`` forward, greedy decoding at batch 1; the original,
+  the default route (``converted``) and ``route="model"``, interleaved in one process.
+- ``startup``: ``attnresify`` and the first call (the default one: ``model(ids)``, which builds a KV
+  cache) of Llamas of hidden 256 at depths 8, 16 and 32, on both routes; and an 8B-shaped Llama
+  (hidden 4096, 32 layers) built on the meta device, converted in a fresh process (seconds, peak
+  resident memory).
+- ``overhead``: microseconds a block call costs beyond the original's, where it shows most: a narrow
+  Llama decoding one token without a cache, one thread, CPU time of this thread, interleaved medians.
+- ``threads``: calls per second of one model from 1 and 4 threads (``inference_mode``), original and
+  converted.
+- ``demo``: the forward of the model ``make demo`` converts (the built-in TinyTransformer, d=64, 4 layers,
+  batch 2 x 16).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+import torch.nn.functional as F
+
+import attnres_fx
+from attnres_fx.models import TinyConfig, TinyTransformer, example_ids
+from attnres_fx.testing import randomise_pseudo_queries
+from attnres_fx.timing import interleaved
+
+LLAMA = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+             num_key_value_heads=4, vocab_size=4096)
+LLAMA_QUICK = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=256)
+META_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256)
+VARIANTS = ("original", "converted", "model_route")
+
+
+def llama(config: dict, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**config)).eval()
+
+
+def converted_variants(base) -> dict:
+    """The original, the default route and the model route, with the same random pseudo-queries."""
+    default = randomise_pseudo_queries(attnres_fx.attnresify(copy.deepcopy(base)))
+    model_route = attnres_fx.attnresify(copy.deepcopy(base), route="model")
+    model_route.load_state_dict(default.state_dict())
+    return {"original": base, "converted": default, "model_route": model_route}
+
+
+def llama_section(quick: bool, runs: int, warmup: int, summarise, progress) -> dict:
+    config = LLAMA_QUICK if quick else LLAMA
+    batch, length, new_tokens = (2, 16, 4) if quick else (2, 128, 32)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, config["vocab_size"], (batch, length), generator=generator)
+    models = converted_variants(llama(config))
+    result: dict = {"model": f"LlamaForCausalLM {config}", "batch": f"{batch} x {length}"}
+    progress("llama forward, eager")
+    with torch.no_grad():
+        result["forward"] = summarise(interleaved({v: functools.partial(m, ids) for v, m in models.items()},
+                                                  runs, warmup), "original")
+    progress("llama training step, eager")
+    steps = {v: _train_step(copy.deepcopy(m).train(), ids) for v, m in models.items()}
+    result["train"] = summarise(interleaved(steps, runs, warmup), "original")
+    progress("llama decoding, eager")
+    prompt = torch.randint(1, config["vocab_size"], (1, 16), generator=generator)
+    result["decode"] = _decode(models, prompt, new_tokens, max(3, runs // 3), warmup, summarise)
+    progress("llama forward and decoding, compiled (Inductor compiles each variant first)")
+    compiled = {"original": torch.compile(models["original"], backend="inductor", fullgraph=True),
+                "converted": attnres_fx.compile(models["converted"]),
+                "model_route": attnres_fx.compile(models["model_route"])}
+    with torch.no_grad():
+        result["compiled"] = summarise(interleaved({v: functools.partial(m, ids, use_cache=False)
+                                                    for v, m in compiled.items()}, runs, warmup), "original")
+    models["original"].forward = torch.compile(models["original"].forward, backend="inductor", fullgraph=True)
+    result["decode_compiled"] = _decode(models, prompt, new_tokens, max(3, runs // 3), warmup, summarise)
+    torch._dynamo.reset()
+    for row in ("forward", "train", "compiled", "decode", "decode_compiled"):
+        entries = result[row]
+        entries["versus_model_route"] = {"ratio": entries["converted"]["ratio"] / entries["model_route"]["ratio"],
+                                         "ratio_min": entries["converted"]["ratio_min"] / entries["model_route"]["ratio_min"]}
+    return result
+
+
+def _train_step(model, ids):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(ids, use_cache=False).logits
+        F.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
+        optimizer.step()
+    return step
+
+
+def _decode(models: dict, prompt, new_tokens: int, runs: int, warmup: int, summarise) -> dict:
+    def generate(model):
+        with torch.no_grad():
+            model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                           pad_token_id=0)
+    return summarise(interleaved({v: functools.partial(generate, m) for v, m in models.items()}, runs, warmup),
+                     "original", per_call=new_tokens)
+
+
+def startup_section(quick: bool, progress) -> dict:
+    """Seconds to convert and of the first and second calls, per depth and route; the 8B-shaped meta
+    conversion in a fresh process."""
+    depths = (2, 4) if quick else (8, 16, 32)
+    result: dict = {"hidden": 64 if quick else 256, "batch": "2 x 32", "depths": {}}
+    ids = torch.randint(1, 1000, (2, 32), generator=torch.Generator().manual_seed(0))
+    for depth in depths:
+        config = dict(hidden_size=result["hidden"], intermediate_size=2 * result["hidden"], num_hidden_layers=depth,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=1000)
+        for route in ("auto", "model"):
+            progress(f"startup depth {depth} route {route}")
+            model = llama(config)
+            start = time.perf_counter()
+            attnres_fx.attnresify(model, route=route)
+            convert_s = time.perf_counter() - start
+            with torch.no_grad():
+                start = time.perf_counter()
+                model(ids)
+                first_s = time.perf_counter() - start
+                start = time.perf_counter()
+                model(ids)
+                second_s = time.perf_counter() - start
+            torch._dynamo.reset()
+            result["depths"].setdefault(str(depth), {})["converted" if route == "auto" else "model_route"] = {
+                "convert_s": convert_s, "first_call_s": first_s, "second_call_s": second_s,
+                "total_s": convert_s + first_s}
+    deepest, shallowest = str(depths[-1]), str(depths[0])
+    result["deepest"] = {"value": result["depths"][deepest]["converted"]["total_s"]}
+    result["depth_growth"] = {"value": result["deepest"]["value"] / result["depths"][shallowest]["converted"]["total_s"]}
+    progress("startup: an 8B-shaped Llama on the meta device, in a fresh process")
+    command = [sys.executable, os.path.abspath(__file__), "--child-meta", json.dumps(LLAMA_QUICK if quick else META_8B)]
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    result["meta_8b"] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def child_meta(config: dict) -> dict:
+    """Runs in a fresh process: build the model on the meta device, convert it; seconds and peak resident
+    memory of the conversion (``VmHWM``)."""
+    with torch.device("meta"):
+        model = llama(config)
+    before = _status_mb("VmRSS")
+    start = time.perf_counter()
+    attnres_fx.attnresify(model)
+    seconds = time.perf_counter() - start
+    return {"convert_s": seconds, "peak_mb": _status_mb("VmHWM"), "before_mb": before,
+            "sites": len(attnres_fx.sites(model)), "config": config}
+
+
+def _status_mb(field: str) -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def overhead_section(quick: bool) -> dict:
+    """Microseconds per block call beyond the original's: one thread, CPU time, interleaved medians."""
+    layers, runs = (2, 50) if quick else (8, 400)
+    config = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=128)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        models = converted_variants(llama(config))
+        token = torch.tensor([[5]])
+        times = {name: [] for name in models}
+        with torch.inference_mode():
+            for model in models.values():
+                model(token, use_cache=False)
+            for round_ in range(runs):
+                for name in VARIANTS if round_ % 2 == 0 else VARIANTS[::-1]:
+                    start = time.thread_time_ns()
+                    models[name](token, use_cache=False)
+                    times[name].append(time.thread_time_ns() - start)
+    finally:
+        torch.set_num_threads(threads)
+    medians = {name: statistics.median(t) / 1e3 for name, t in times.items()}
+    result = {"layers": layers, "call": "batch 1 x 1 token, no cache, hidden 64", "runs": runs,
+              "original_us": medians["original"]}
+    for name in ("converted", "model_route"):
+        result[name] = {"us": medians[name], "per_block_us": (medians[name] - medians["original"]) / layers,
+                        "ratio": medians[name] / medians["original"]}
+    return result
+
+
+def threads_section(quick: bool, progress) -> dict:
+    """Calls per second of one model from 1 and 4 threads, each thread its own inputs."""
+    config = LLAMA_QUICK if quick else dict(LLAMA, num_hidden_layers=4)
+    calls = 4 if quick else 24
+    base = llama(config)
+    models = {"original": base, "converted": randomise_pseudo_queries(attnres_fx.attnresify(copy.deepcopy(base)))}
+    ids = torch.randint(1, config["vocab_size"], (1, 32), generator=torch.Generator().manual_seed(0))
+    result: dict = {"model": f"LlamaForCausalLM {config}", "call": "batch 1 x 32", "calls_per_thread": calls}
+    for name, model in models.items():
+        with torch.inference_mode():
+            model(ids)
+        for count in (1, 4):
+            progress(f"threads: {name}, {count} thread(s)")
+
+            def work():
+                with torch.inference_mode():
+                    for _ in range(calls):
+                        model(ids)
+            workers = [threading.Thread(target=work) for _ in range(count)]
+            start = time.perf_counter()
+            for worker in workers:
+                worker.start()
+            for worker in workers:
+                worker.join()
+            result.setdefault(name, {})[f"threads{count}"] = count * calls / (time.perf_counter() - start)
+    result["versus_original"] = {f"threads{count}": result["converted"][f"threads{count}"] /
+                                 result["original"][f"threads{count}"] for count in (1, 4)}
+    return result
+
+
+def demo_section(runs: int, warmup: int, summarise) -> dict:
+    """The forward of the model ``make demo`` converts, as the demo times it."""
+    torch.manual_seed(0)
+    config = TinyConfig(dim=64, num_layers=4, num_heads=4)
+    original = TinyTransformer(config).eval()
+    ids = example_ids(config, batch=2, seq=16)
+    model = attnres_fx.attnresify(copy.deepcopy(original), (ids,))
+    with torch.no_grad():
+        times = interleaved({"original": functools.partial(original, ids), "converted": functools.partial(model, ids)},
+                            runs * 4, warmup)
+    return {"model": "TinyTransformer d=64, 4 layers, batch 2 x 16", "forward": summarise(times, "original")}
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--child-meta"]:
+        print(json.dumps(child_meta(json.loads(sys.argv[2]))))
