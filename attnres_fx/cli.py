@@ -128,7 +128,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     detection = api.detect(model, inputs, example_kwargs=kwargs)
     print(f"\nResidual stream(s) found ({detection.num_sites} sites):")
     print(detection.table())
-    with step("\nConverting (capture with TorchDynamo on fake tensors, detect, plan)"):
+    with step("\nConverting (record one call, detect, plan, try the routes)"):
         api.attnresify(model, inputs, example_kwargs=kwargs, preserve_scale=args.preserve_scale, **options)
     plan = api.plan_of(model)
     sizes = ", ".join(str(size) for size in plan.block_sizes)
@@ -136,7 +136,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print("Injected BlockAttnRes aggregations (block 0 is the embedding):")
     print(plan.table(indent="  "))
 
-    with step("First call (Dynamo capture and rewrite of this call's graph)"), torch.no_grad():
+    with step("First call (each block's graph traced and rewritten for this call)"), torch.no_grad():
         converted = main_output(args.model, model(*inputs, **kwargs))
     with torch.no_grad():
         reference = main_output(args.model, original(*inputs, **kwargs))

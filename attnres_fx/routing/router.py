@@ -40,7 +40,7 @@ from ..passes.layers import LayerSpan
 from ..passes.pipeline import LayerTarget
 from ..passes.rewrite import Entry
 from . import dynamo, graphs
-from .graphs import Layout, at_path, replaced_at
+from .graphs import Layout, LayerGraphSignature, at_path, replaced_at
 from .state import ATTRIBUTE, StreamState, attach, bundle, remember_for_recomputation, state_of, unbundle
 from .watch import note_stream_end, note_stream_start, refuse_foreign_fullgraph
 
@@ -406,8 +406,12 @@ class LayerRouter(Router):
             entry = None if layout is None else Entry(layout.position, layout.blocks, layout.has_partial, layout.tensors)
             target = LayerTarget(self.planned, self.span, entry, self.ends)
             compiled, result = graphs.rewritten_dynamo_graph(self, gm, example_inputs, compiler, layer=target)
-            graph = _DynamoLayerGraph(compiled, outputs, result.carrier_output, result.start_input,
-                                      result.next_position)
+            state_in = tuple(node.name for node in result.rewrite.state_inputs)
+            signature = LayerGraphSignature(
+                inputs=len(example_inputs), stream_input=result.start_input, state_inputs=state_in,
+                carrier=result.carrier_output, next_position=result.next_position,
+                state_outputs=("partial", *(f"block_{k}" for k in range(result.rewrite.state_outputs - 1))))
+            graph = _DynamoLayerGraph(compiled, outputs, signature)
             LOG.info("rewrote the graph Dynamo captured for a call of %s (layer route, %s) in %.2f s", self.where,
                      compiler, time.perf_counter() - start)
             return graph
@@ -466,23 +470,24 @@ def _active(call: _DynamoCall):
 
 
 class _DynamoLayerGraph:
-    """What Dynamo calls for a block's rewritten graph: appends this thread's current call's state
-    tensors to its inputs and hands the graph's extra outputs (the new state) to the call."""
+    """What Dynamo calls for a block's rewritten graph (``outputs``: how many of the graph's outputs are
+    Dynamo's own; ``signature``: the rest, with the carrier's place among them): appends this thread's
+    current call's state tensors to its inputs and hands the graph's extra outputs (the new state) to
+    the call."""
 
-    def __init__(self, run, outputs: int, carrier: tuple | None, start: int | None, next_position: int):
+    def __init__(self, run, outputs: int, signature: LayerGraphSignature):
         self.run = run
         self.outputs = outputs
-        self.carrier = carrier
-        self.start = start
-        self.next_position = next_position
+        self.signature = signature
 
     def __call__(self, *args):
         call = _CALLS.stack[-1]
+        signature = self.signature
         results = self.run(*args, *call.state_tensors)
-        call.carrier = at_path(results, self.carrier) if self.carrier is not None else None
+        call.carrier = at_path(results, signature.carrier) if signature.carrier is not None else None
         call.state_out = tuple(results[self.outputs:])
-        call.start = args[self.start] if self.start is not None else None
-        call.next_position = self.next_position
+        call.start = args[signature.stream_input] if signature.stream_input is not None else None
+        call.next_position = signature.next_position
         return tuple(results[:self.outputs])
 
 
