@@ -61,13 +61,16 @@ class Rewritten:
 
 
 def rewrite_captured(graph_module: fx.GraphModule, plan: Plan, emitter: Callable[[fx.GraphModule], Emitter], *,
-                     where: str, prefix: str = "", within: str = "", layer: LayerTarget | None = None) -> Rewritten:
-    """Rewrite ``graph_module`` in place; see the module docstring. ``prefix`` / ``within``: where the
-    captured module sits in the converted model, and the model in the captured module
+                     where: str, prefix: str = "", within: str = "", layer: LayerTarget | None = None,
+                     carriers: bool = False) -> Rewritten:
+    """Rewrite ``graph_module`` in place; see the module docstring. ``carriers``: a graph of a whole call
+    keeps the layer route's carriers for its layer-routed streams (what reads the stream between blocks
+    reads the plain residual sum, as when the blocks run their own graphs). ``prefix`` / ``within``: where
+    the captured module sits in the converted model, and the model in the captured module
     (:func:`~attnres_fx.passes.plan.signature`). The passes run in order, each checking its contract,
     and the graph is linted after each."""
     opening = OpenCheckpoints()
-    rewriting = _RewriteStreams(plan, emitter, where, prefix, within, layer)
+    rewriting = _RewriteStreams(plan, emitter, where, prefix, within, layer, carriers)
     for step in (opening, rewriting, CloseCheckpoints(opening)):
         step(graph_module)
         graph_module.graph.lint()
@@ -81,17 +84,18 @@ class _RewriteStreams(PassBase):
     value inside them)."""
 
     def __init__(self, plan: Plan, emitter: Callable[[fx.GraphModule], Emitter], where: str, prefix: str,
-                 within: str, layer: LayerTarget | None):
+                 within: str, layer: LayerTarget | None, carriers: bool):
         super().__init__()
         self.plan, self.emitter, self.where, self.prefix, self.within, self.layer = (
             plan, emitter, where, prefix, within, layer)
+        self.carriers = carriers
         self.result: Rewritten | None = None
 
     def call(self, graph_module: fx.GraphModule) -> PassResult:
         layer, where = self.layer, self.where
         if layer is None:
             detection = detect_residual_streams(graph_module)
-            spans = [StreamSpan(m.planned, m.positions)
+            spans = [StreamSpan(m.planned, m.positions, layer=self.carriers and m.planned.route == "layer")
                      for m in match_streams(detection, self.plan, prefix=self.prefix, within=self.within, where=where)]
         else:
             detection = detect_residual_streams(graph_module, min_sites=1)

@@ -256,3 +256,48 @@ def test_an_explicit_graph_splits_into_pipeline_stages_at_a_block():
     # blocks.2 begins at site 4: b_0 and b_1 completed (block size 3), and the partial sum.
     assert len(boundary) == attnres_fx.plan_of(model).streams[0].completed_before(4) + 1 == 3
     torch.testing.assert_close(second(*boundary), model(ids), rtol=1e-5, atol=1e-5)
+
+
+class AddingSublayer(torch.nn.Module):
+    """A sublayer that adds the residual itself, its input normalised by the block (Bloom's layers): the
+    block's graph must be traced through it."""
+
+    def __init__(self, branch):
+        super().__init__()
+        self.branch = branch
+
+    def forward(self, normed, residual):
+        return residual + self.branch(normed)
+
+
+class NestedBlock(torch.nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.ln1, self.ln2 = block.ln1, block.ln2
+        self.first, self.second = AddingSublayer(block.attn), AddingSublayer(block.mlp)
+
+    def forward(self, x):
+        x = self.first(self.ln1(x), x)
+        return self.second(self.ln2(x), x)
+
+
+def test_a_block_graph_calls_its_sublayers_and_traces_through_the_ones_that_hold_the_stream():
+    """Structural: a block's graph calls each sublayer (attention, MLP, norms) as the module, and traces
+    through the children that add residuals themselves (opened). A hook registered later on an opened
+    child fires too (such calls run on TorchDynamo, which traces hooks), and the outputs stay those of the
+    model route."""
+    model = tiny()
+    for index, block in enumerate(model.blocks):
+        model.blocks[index] = NestedBlock(block)
+    layer, whole = both_routes(model)
+    ids = example_ids(layer.config)
+    torch.testing.assert_close(layer(ids), whole(ids), rtol=TIGHT, atol=TIGHT)
+    spans = attnres_fx.plan_of(layer).streams[0].layers
+    assert [span.opened for span in spans] == [frozenset({"first", "second"})] * 3
+    (graph,) = routing.routers(layer)[1].rewritten
+    called = {node.target for node in graph.graph.nodes if node.op == "call_module"}
+    assert called == {"block.ln1", "block.first.branch", "block.ln2", "block.second.branch"}
+    seen = []
+    layer.blocks[1].second.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    torch.testing.assert_close(layer(ids), whole(ids), rtol=TIGHT, atol=TIGHT)
+    assert len(seen) == 1, "the hook on an opened child fired"

@@ -36,11 +36,11 @@ from typing import Any
 from torch import nn
 
 from ..conversion import Conversion, conversion_of
-from .install import install, routers, uninstall
-from .router import COMPILERS, LayerRouter, ModelRouter, Router, intercepting
+from .install import install, routers, uninstall, whole_call
+from .router import COMPILERS, LayerRouter, ModelRouter, Router, WholeCallRouter, intercepting
 
-__all__ = ["COMPILERS", "LayerRouter", "ModelRouter", "Router", "compiler_route", "eager_route", "install",
-           "intercepting", "routers", "set_compiler", "uninstall"]
+__all__ = ["COMPILERS", "LayerRouter", "ModelRouter", "Router", "WholeCallRouter", "compiler_route", "eager_route",
+           "install", "intercepting", "routers", "set_compiler", "uninstall"]
 
 
 @contextlib.contextmanager
@@ -70,10 +70,13 @@ def compiler_route(model: nn.Module, compiler: str):
 
 
 def set_compiler(model: nn.Module, conversion: Conversion, compiler: str, options: dict[str, Any]) -> None:
+    """Run ``model``'s routes with ``compiler``; under Inductor a conversion whose root is not routed gets
+    a :class:`~attnres_fx.routing.router.WholeCallRouter`, so that a call of the model compiles whole."""
     if compiler not in COMPILERS:
         raise ValueError(f"compiler must be one of {COMPILERS}, got {compiler!r}")
     conversion.compiler = compiler
     conversion.compile_options = dict(options)
     conversion.traces.clear()
+    whole_call(model, conversion, compiler == "inductor")
     for router in routers(model):
         router.reset()

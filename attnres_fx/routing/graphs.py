@@ -234,7 +234,7 @@ def _stream_input(gm: fx.GraphModule, result) -> int | None:
 # -- TorchDynamo graphs --------------------------------------------------------------------------------------
 
 def rewritten_dynamo_graph(router: Router, gm: fx.GraphModule, example_inputs: list, compiler: str, *,
-                           layer: LayerTarget | None = None):
+                           layer: LayerTarget | None = None, carriers: bool = False):
     """Rewrite a copy of Dynamo's graph (its own must stay as it is: its bookkeeping refers to it) and
     make it runnable: the graph itself, calling the model's own BlockAttnRes modules (their hooks fire),
     or Inductor's compilation with the AttnRes weights as extra inputs (parameters must be inputs there,
@@ -244,20 +244,20 @@ def rewritten_dynamo_graph(router: Router, gm: fx.GraphModule, example_inputs: l
     modules = {site.name: router.root.get_submodule(site.name) for site in plan.sites}
     if compiler == "eager":
         result = rewrite_captured(graph_module, plan, lambda g: ModuleCalls(g, modules), where=router.where,
-                                  prefix=router.path, layer=layer)
+                                  prefix=router.path, layer=layer, carriers=carriers)
         router.rewritten.append(graph_module)
         return graph_module.forward, result
     if torch.is_grad_enabled():
         emitter = ParameterInputs(plan)
         result = rewrite_captured(graph_module, plan, lambda g: emitter, where=router.where, prefix=router.path,
-                                  layer=layer)
+                                  layer=layer, carriers=carriers)
         names = emitter.names
     else:
         # Dynamo guards on grad mode, so this graph serves calls without gradients only: inference, where
         # the two-phase schedule scores each block's pseudo-queries against its completed blocks at once
         # (:mod:`attnres_fx.passes.two_phase`); its weights then become inputs as in the training graph.
         result = rewrite_captured(graph_module, plan, lambda g: ModuleCalls(g, modules), where=router.where,
-                                  prefix=router.path, layer=layer)
+                                  prefix=router.path, layer=layer, carriers=carriers)
         apply_two_phase(graph_module)
         names = lift_attnres_weights(graph_module)
     router.rewritten.append(graph_module)

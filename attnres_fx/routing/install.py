@@ -9,6 +9,7 @@ that. Both are all or nothing.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from torch import nn
@@ -19,7 +20,7 @@ from ..conversion import Conversion, attach, detach
 from ..errors import RoutingError
 from ..passes.plan import Plan
 from .graphs import TraceCache
-from .router import LayerRouter, ModelRouter, Router
+from .router import LayerRouter, ModelRouter, Router, WholeCallRouter
 from .watch import StreamWatch
 
 
@@ -86,6 +87,20 @@ def install(model: nn.Module, plan: Plan, modules: dict[str, BlockAttnRes], conf
             module.__dict__.pop("forward", None)
         raise
     return conversion
+
+
+def whole_call(model: nn.Module, conversion: Conversion, on: bool) -> None:
+    """Give the root of a conversion whose root is not routed a :class:`WholeCallRouter` (``on``), or take
+    it off; recorded in ``conversion.installed``. A root whose ``forward`` another library replaced keeps
+    its blocks' routes only."""
+    installed = conversion.installed
+    has = isinstance(model.__dict__.get("forward"), WholeCallRouter)
+    if on and not has and "" not in installed.routed and "forward" not in model.__dict__:
+        model.forward = WholeCallRouter(model, model, "", conversion)
+        conversion.installed = dataclasses.replace(installed, routed=(*installed.routed, ""))
+    elif not on and has:
+        del model.__dict__["forward"]
+        conversion.installed = dataclasses.replace(installed, routed=tuple(p for p in installed.routed if p))
 
 
 def uninstall(model: nn.Module, conversion: Conversion) -> None:

@@ -135,6 +135,7 @@ class ModelRouter(Router):
     """The model route: the whole call of the module as one graph, every stream in it rewritten."""
 
     route_name = "model"
+    carriers = False          # whether the graph keeps the layer route's carriers for its layer-routed streams
 
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_dynamo_compiling():
@@ -148,11 +149,44 @@ class ModelRouter(Router):
     def _backend(self, compiler: str):
         def backend(gm: fx.GraphModule, example_inputs: list):
             start = time.perf_counter()
-            compiled, _ = graphs.rewritten_dynamo_graph(self, gm, example_inputs, compiler)
+            compiled, _ = graphs.rewritten_dynamo_graph(self, gm, example_inputs, compiler, carriers=self.carriers)
             LOG.info("rewrote the graph Dynamo captured for a call of %s (%s route) in %.2f s", self.where,
                      compiler, time.perf_counter() - start)
             return compiled
         return backend
+
+
+class WholeCallRouter(ModelRouter):
+    """The root of a layer-routed conversion under Inductor (:func:`attnres_fx.compile`): each call as one
+    TorchDynamo graph whose layer-routed streams keep the layer route's carriers (a block's result is the
+    plain residual sum, as when each block runs its own graph), so that Inductor compiles the whole call,
+    as ``torch.compile(model)`` compiles the original. Where Dynamo cannot take the call as one graph
+    (FSDP2's hooks on the blocks, a graph break between them) the call runs as written, each block its own
+    compiled graph; eagerly (:func:`~attnres_fx.routing.eager_route`) it runs as written too."""
+
+    carriers = True
+
+    def __init__(self, root: nn.Module, module: nn.Module, path: str, conversion: Conversion):
+        super().__init__(root, module, path, conversion)
+        self.whole = True
+
+    def __call__(self, *args, **kwargs):
+        forward = type(self.module).forward
+        if torch.compiler.is_dynamo_compiling():
+            return self._while_compiling(forward, args, kwargs)
+        if in_own_call() or not self.whole or self.conversion.compiler != "inductor":
+            return forward(self.module, *args, **kwargs)
+        try:
+            return self.run_dynamo(self.entry(None, self._backend), args, kwargs)
+        except TraceError as err:
+            # Nothing ran: Dynamo stops at the construct it cannot take into one graph.
+            self.whole = False
+            LOG.info("%s is compiled block by block: %s", self.where, first_line(err))
+            return forward(self.module, *args, **kwargs)
+
+    def reset(self) -> None:
+        super().reset()
+        self.whole = True
 
 
 _INTERCEPTORS = threading.local()

@@ -49,8 +49,13 @@ class StreamWatch:
     def _enter(self):
         _WATCHED.__dict__.setdefault("stack", []).append(_Record(self.conversion, self.stream))
 
-    @torch.compiler.disable
     def leave(self, module, args, output):
+        if torch.compiler.is_dynamo_compiling():
+            return None            # in attnres_fx's own capture of the owner's call (enter refused others)
+        return self._leave(module)
+
+    @torch.compiler.disable
+    def _leave(self, module):
         record = _current(self.conversion, self.stream)
         if record is None:
             return None
