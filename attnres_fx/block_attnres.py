@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from . import aggregation, compat, ops
+from .kernels.cpu import loaded as cpu_kernel
 from .compat import is_fake
 
 if TYPE_CHECKING:
@@ -108,8 +109,16 @@ class BlockAttnRes(nn.Module):
 def run_site(module: BlockAttnRes, *sources: torch.Tensor) -> torch.Tensor:
     """``module(*sources)``, without ``nn.Module``'s call machinery where the module has no hooks (any hook,
     its own or global, and the call goes through the module as usual): what a block's graph calls for
-    each aggregation, a few microseconds a call."""
+    each aggregation. Without gradients on the CPU, straight to the C++ kernel, which checks its inputs
+    itself (sources of mixed shapes or dtypes take :func:`aggregate`): a decoding step's few microseconds."""
     if compat.module_hooks(module):
         return module(*sources)
-    return aggregate(module.proj.weight, module.norm.weight, sources, eps=module.eps,
-                     preserve_scale=module.preserve_scale)
+    proj, norm = module.proj.weight, module.norm.weight
+    first = sources[0]
+    if (type(first) is torch.Tensor and first.device.type == "cpu" and proj.device.type == "cpu"
+            and not torch.is_grad_enabled() and cpu_kernel()):
+        try:
+            return torch.ops.attnres_cpu.aggregate(list(sources), proj, norm, module.eps, module.preserve_scale)
+        except RuntimeError:
+            pass
+    return aggregate(proj, norm, sources, eps=module.eps, preserve_scale=module.preserve_scale)

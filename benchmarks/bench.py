@@ -309,19 +309,8 @@ def first_call_section(settings: Settings) -> dict:
     ids, _ = inputs(shape)
     result: dict = {"shape": shape.describe()}
     for route in ("layer", "model"):
-        model = original(shape)
-        start = time.perf_counter()
-        attnres_fx.attnresify(model, (ids,), num_blocks=shape.num_blocks, route=route)
-        convert_s = time.perf_counter() - start
-        with torch.no_grad():
-            start = time.perf_counter()
-            model(ids)
-            first_s = time.perf_counter() - start
-            start = time.perf_counter()
-            model(ids)
-            second_s = time.perf_counter() - start
-        torch._dynamo.reset()
-        result[route] = {"convert_s": convert_s, "first_call_s": first_s, "second_call_s": second_s}
+        result[route] = routes.time_conversion(original(shape), (ids,), example_inputs=(ids,),
+                                               num_blocks=shape.num_blocks, route=route)
     return result
 
 

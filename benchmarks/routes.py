@@ -124,21 +124,8 @@ def startup_section(quick: bool, progress) -> dict:
                       num_attention_heads=4, num_key_value_heads=2, vocab_size=1000)
         for route in ("auto", "model"):
             progress(f"startup depth {depth} route {route}")
-            model = llama(config)
-            start = time.perf_counter()
-            attnres_fx.attnresify(model, route=route)
-            convert_s = time.perf_counter() - start
-            with torch.no_grad():
-                start = time.perf_counter()
-                model(ids)
-                first_s = time.perf_counter() - start
-                start = time.perf_counter()
-                model(ids)
-                second_s = time.perf_counter() - start
-            torch._dynamo.reset()
-            result["depths"].setdefault(str(depth), {})["converted" if route == "auto" else "model_route"] = {
-                "convert_s": convert_s, "first_call_s": first_s, "second_call_s": second_s,
-                "total_s": convert_s + first_s}
+            result["depths"].setdefault(str(depth), {})["converted" if route == "auto" else "model_route"] = \
+                time_conversion(llama(config), (ids,), route=route)
     deepest, shallowest = str(depths[-1]), str(depths[0])
     result["deepest"] = {"value": result["depths"][deepest]["converted"]["total_s"]}
     result["depth_growth"] = {"value": result["deepest"]["value"] / result["depths"][shallowest]["converted"]["total_s"]}
@@ -147,6 +134,23 @@ def startup_section(quick: bool, progress) -> dict:
     done = subprocess.run(command, capture_output=True, text=True, check=True)
     result["meta_8b"] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
+
+
+def time_conversion(model, call: tuple, **options) -> dict:
+    """Seconds of ``attnresify(model, **options)``, of the first call ``model(*call)`` (graphs traced and
+    rewritten) and of the second, which costs what every later one does."""
+    start = time.perf_counter()
+    attnres_fx.attnresify(model, **options)
+    convert_s = time.perf_counter() - start
+    with torch.no_grad():
+        start = time.perf_counter()
+        model(*call)
+        first_s = time.perf_counter() - start
+        start = time.perf_counter()
+        model(*call)
+        second_s = time.perf_counter() - start
+    torch._dynamo.reset()
+    return {"convert_s": convert_s, "first_call_s": first_s, "second_call_s": second_s, "total_s": convert_s + first_s}
 
 
 def child_meta(config: dict) -> dict:

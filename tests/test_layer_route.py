@@ -301,3 +301,29 @@ def test_a_block_graph_calls_its_sublayers_and_traces_through_the_ones_that_hold
     layer.blocks[1].second.register_forward_hook(lambda module, args, out: seen.append(out.shape))
     torch.testing.assert_close(layer(ids), whole(ids), rtol=TIGHT, atol=TIGHT)
     assert len(seen) == 1, "the hook on an opened child fired"
+
+
+@pytest.mark.slow
+def test_compile_takes_the_whole_call_where_it_can_and_block_by_block_where_it_cannot():
+    """attnres_fx.compile: one Inductor graph of the whole call, the blocks' results still the plain
+    residual sums (the same values the eager layer route returns, 1e-5: Inductor reorders fp32 sums);
+    a model whose own forward is no single graph compiles block by block. Either way remove() restores
+    the original exactly."""
+    ids = example_ids(tiny().config)
+    for cls, whole in ((TinyTransformer, True), (Chatty, False)):
+        model = randomise_pseudo_queries(attnres_fx.attnresify(tiny(cls=cls), (ids,), block_size=2))
+        seen = []
+        model.blocks[1].register_forward_hook(lambda module, args, out: seen.append(out.detach()))
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            eager = model(ids)
+            attnres_fx.compile(model)
+            compiled = model(ids)
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(seen[-1], seen[0], rtol=1e-5, atol=1e-5)
+        root = model.__dict__["forward"]
+        assert isinstance(root, routing.WholeCallRouter) and root.whole is whole
+        block_graphs = [len(router.rewritten) for router in routing.routers(model) if router is not root]
+        assert block_graphs == ([0, 0, 0] if whole else [1, 1, 1])
+        attnres_fx.remove(model)
+        assert "forward" not in model.__dict__ and not routing.routers(model)

@@ -55,6 +55,11 @@ def available() -> bool:
     return _State.loaded
 
 
+def loaded() -> bool:
+    """:func:`available`, once it has been asked: one attribute read on the hot path."""
+    return _State.loaded if _State.loaded is not None else available()
+
+
 def unavailable_reason() -> str | None:
     """Why :func:`available` returned False (``None`` when it was not asked, or the kernel loaded)."""
     return _State.reason
