@@ -106,11 +106,14 @@ class BlockAttnRes(nn.Module):
                          preserve_scale=self.preserve_scale)
 
 
-def run_site(module: BlockAttnRes, *sources: torch.Tensor) -> torch.Tensor:
-    """``module(*sources)``, without ``nn.Module``'s call machinery where the module has no hooks (any hook,
-    its own or global, and the call goes through the module as usual): what a block's graph calls for
-    each aggregation. Without gradients on the CPU, straight to the C++ kernel, which checks its inputs
-    itself (sources of mixed shapes or dtypes take :func:`aggregate`): a decoding step's few microseconds."""
+def run_site(module: BlockAttnRes, entered, *sources: torch.Tensor) -> torch.Tensor:
+    """``module(*entered, *sources)`` (``entered``: the completed blocks a layer's graph received, as one
+    sequence), without ``nn.Module``'s call machinery where the module has no hooks (any hook, its own or
+    global, and the call goes through the module as usual): what a block's graph calls for each
+    aggregation. Without gradients on the CPU, straight to the C++ kernel, which checks its inputs itself
+    (sources of mixed shapes or dtypes take :func:`aggregate`): a decoding step's few microseconds."""
+    if entered:
+        sources = (*entered, *sources)
     if compat.module_hooks(module):
         return module(*sources)
     proj, norm = module.proj.weight, module.norm.weight

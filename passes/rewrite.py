@@ -79,10 +79,17 @@ class Replacement:
 
 
 class Emitter:
-    """Turns one planned aggregation into a graph node."""
+    """Turns one planned aggregation into a graph node. ``entered``: where a layer's graph takes the
+    blocks it receives as one list (:attr:`Entry.as_list`), that list's node, its blocks the first
+    sources; emitters that take no such list refuse it."""
 
-    def emit(self, graph: fx.Graph, site: Site, sources: list[fx.Node]) -> fx.Node:
+    def emit(self, graph: fx.Graph, site: Site, sources: list[fx.Node], entered: fx.Node | None = None) -> fx.Node:
         raise NotImplementedError
+
+    @staticmethod
+    def _no_list(entered: fx.Node | None) -> None:
+        if entered is not None:
+            raise PassContractError("this emitter takes each source as a node of its own, not a list of them")
 
 
 class ModuleCalls(Emitter):
@@ -98,7 +105,8 @@ class ModuleCalls(Emitter):
         self.modules = modules
         self.prefix = prefix
 
-    def emit(self, graph, site, sources):
+    def emit(self, graph, site, sources, entered=None):
+        self._no_list(entered)
         target = f"{self.prefix}.{site.name}" if self.prefix else site.name
         self.gm.add_submodule(target, self.modules[site.name])
         return graph.call_module(target, tuple(sources))
@@ -117,7 +125,8 @@ class ParameterInputs(Emitter):
         self.plan = plan
         self.names: list[str] = []
 
-    def emit(self, graph, site, sources):
+    def emit(self, graph, site, sources, entered=None):
+        self._no_list(entered)
         weights = []
         last_input = list(graph.find_nodes(op="placeholder"))[-1]
         for parameter in ("proj.weight", "norm.weight"):
@@ -135,12 +144,15 @@ class Entry:
     partial sum (``has_partial`` is False only after a skipped block start), at residual site
     ``position``. ``tensors``: per placeholder (blocks first, then the partial) its dtype, whether it
     needs a gradient, and its shape, ``None`` for the shape of the stream's input (symbolic where that
-    one is), from which the placeholders' example values are made."""
+    one is), from which the placeholders' example values are made. ``as_list``: the blocks as one list
+    placeholder, however many (``blocks`` is then ignored): a graph that serves every layer of a kind
+    whatever its depth."""
 
     position: int
     blocks: int
     has_partial: bool
     tensors: tuple = ()
+    as_list: bool = False
 
 
 @dataclass(frozen=True)
@@ -247,13 +259,18 @@ class _StreamSurgery:
         self.entered_blocks = 0
         self.carrier_out: fx.Node | None = None
         self.entered: list[fx.Node] = []
+        self.entered_list: fx.Node | None = None
         self.origin: fx.Node | None = None
 
     def _enter(self, entry: Entry, origin: fx.Node) -> None:
         """New placeholders for the state the layer's graph receives, after the graph's own inputs, with
         example values like those of the stream's input ``origin``."""
         anchor = list(self.graph.find_nodes(op="placeholder"))[-1]
-        names = [f"attnres_block_{k}" for k in range(entry.blocks)] + (["attnres_partial"] if entry.has_partial else [])
+        blocks = 0 if entry.as_list else entry.blocks
+        if entry.as_list:
+            with self.graph.inserting_after(anchor):
+                anchor = self.entered_list = self.graph.placeholder("attnres_blocks")
+        names = [f"attnres_block_{k}" for k in range(blocks)] + (["attnres_partial"] if entry.has_partial else [])
         example = origin.meta.get("example_value")
         fake_mode = getattr(example, "fake_mode", None)
         nodes = []
@@ -269,11 +286,11 @@ class _StreamSurgery:
             self.layout_of[anchor] = layout
             self.carrier.setdefault(layout, anchor)
             nodes.append(anchor)
-        self.blocks = nodes[:entry.blocks]
-        self.partial = nodes[entry.blocks] if entry.has_partial else None
+        self.blocks = nodes[:blocks]
+        self.partial = nodes[blocks] if entry.has_partial else None
         self.position = entry.position
-        self.entered_blocks = entry.blocks
-        self.entered = nodes
+        self.entered_blocks = blocks
+        self.entered = ([self.entered_list] if entry.as_list else []) + nodes
 
     def run(self) -> None:
         value_nodes = [self.stream.start]      # nodes carrying the stream value the next site reads
@@ -427,7 +444,8 @@ class _StreamSurgery:
                 self.graph.erase_node(node)
 
     def _emit(self, site: Site, sources: list[fx.Node], origin: fx.Node, role: str) -> fx.Node:
-        node = self.emitter.emit(self.graph, site, sources)
+        node = self.emitter.emit(self.graph, site, sources, self.entered_list) if self.entered_list is not None \
+            else self.emitter.emit(self.graph, site, sources)
         # A site's aggregate belongs where its residual add was (a checkpointed layer recomputes it);
         # the final one is read after the last layer, outside it.
         path = node.target if node.op == "call_module" else site.name

@@ -72,9 +72,10 @@ def test_what_is_routed_and_what_each_block_graph_takes_and_returns():
     model(example_ids(model.config))
     # block_size=2: blocks.1 begins at site 2 with b_0 committed and the partial sum of sites 0 and 1; it
     # commits that partial sum as b_1 at site 2, and returns its own partial sum and b_1 after its result.
+    # The completed blocks come in as one list: the graph serves blocks of this kind at any depth.
     (graph,) = routers["blocks.1"].rewritten
     inputs = [n.name for n in graph.graph.find_nodes(op="placeholder") if n.name.startswith("attnres_")]
-    assert inputs == ["attnres_block_0", "attnres_partial"]
+    assert inputs == ["attnres_blocks", "attnres_partial"]
     (output,) = graph.graph.find_nodes(op="output")
     assert len(output.args[0]) == 1 + 2
     (last,) = routers["blocks.2"].rewritten
@@ -327,3 +328,20 @@ def test_compile_takes_the_whole_call_where_it_can_and_block_by_block_where_it_c
         assert block_graphs == ([0, 0, 0] if whole else [1, 1, 1])
         attnres_fx.remove(model)
         assert "forward" not in model.__dict__ and not routing.routers(model)
+
+
+def test_blocks_of_one_kind_share_their_trace_and_their_rewritten_graphs():
+    """Conversion and first call cost what the kinds of block cost, not the depth: one trace for the six
+    identical blocks, and one rewritten graph per place in a stream block (12 sites, blocks of 4 sites:
+    the first layer, a layer starting a stream block, a layer in the middle of one, the last)."""
+    model = randomise_pseudo_queries(attnres_fx.attnresify(tiny(layers=6), block_size=4))
+    ids = example_ids(model.config)
+    model(ids)
+    assert len(conversion_of(model).traces) == 1
+    routers = routing.routers(model)
+    graphs = [router.rewritten[-1] for router in routers]
+    assert len({id(graph) for graph in graphs}) == 4
+    assert graphs[1] is graphs[3] and graphs[2] is graphs[4]
+    whole = attnres_fx.attnresify(tiny(layers=6), block_size=4, route="model")
+    whole.load_state_dict(model.state_dict())
+    torch.testing.assert_close(model(ids), whole(ids), rtol=TIGHT, atol=TIGHT)

@@ -62,7 +62,8 @@ class LayerGraphSignature:
     Outputs: the block's result, then ``state_outputs``: the partial sum and the blocks committed by
     this block, unless the graph ends the stream. ``carrier``: where the stream leaves in the result (a
     path of indices and keys; ``None`` where the graph ends the stream: its result holds the final
-    aggregation). ``next_position``: the residual site after the block's last one.
+    aggregation). ``next_offset``: the residual site after the block's last one, counted from the block's
+    first (the graph then serves every block of its kind at that place in a stream block).
     """
 
     inputs: int
@@ -70,7 +71,7 @@ class LayerGraphSignature:
     state_inputs: tuple[str, ...]
     carrier: tuple | None
     state_outputs: tuple[str, ...]
-    next_position: int | None
+    next_offset: int | None
 
 
 class BlockVariant:
@@ -94,7 +95,7 @@ class TraceCache:
         self._traces: dict[tuple, TracedBlock | BaseException] = {}
         self._lock = threading.Lock()
 
-    def get(self, kind: tuple, shape: CallShape, make: Callable[[], TracedBlock]) -> TracedBlock:
+    def get(self, kind: tuple, shape: CallShape | None, make: Callable[[], Any]) -> Any:
         key = (kind, shape)
         found = self._traces.get(key)
         if found is None:
@@ -114,7 +115,9 @@ class TraceCache:
         self._traces.clear()
 
     def __len__(self) -> int:
-        return sum(1 for found in self._traces.values() if not isinstance(found, BaseException))
+        """How many block traces (not rewritten graphs) it holds."""
+        return sum(1 for (kind, _), found in self._traces.items()
+                   if kind[0] != "variant" and not isinstance(found, BaseException))
 
     def __getstate__(self) -> dict:
         return {}                 # traces hold the model's modules and code: made again after a copy
@@ -174,17 +177,19 @@ class BlockModuleCalls(Emitter):
         self.block_path = block_path
         self.modules = modules
 
-    def emit(self, graph, site, sources):
+    def emit(self, graph, site, sources, entered=None):
         prefix = self.block_path + "."
         target = f"{BLOCK}.{site.name[len(prefix):]}" if site.name.startswith(prefix) else FINAL
         # On the graph module (a copy of the referenced tree) for the graph's checks; the code runs on the
         # real block, given when it is called.
         self.gm.add_submodule(target, self.modules[site.name])
-        return graph.call_function(run_site, (graph.get_attr(target), *sources))
+        return graph.call_function(run_site, (graph.get_attr(target), () if entered is None else entered, *sources))
 
 
 def entry_of(layout: Layout | None) -> Entry | None:
-    return None if layout is None else Entry(layout.position, layout.blocks, layout.has_partial)
+    """The rewrite's entry for a block receiving the stream's state in ``layout``: the completed blocks as
+    one list, however many."""
+    return None if layout is None else Entry(layout.position, layout.blocks, layout.has_partial, as_list=True)
 
 
 def rewrite_block(traced: TracedBlock, plan, target: LayerTarget, block_path: str,
@@ -206,22 +211,31 @@ def rewrite_block(traced: TracedBlock, plan, target: LayerTarget, block_path: st
         # The graph returns (result, *state): where the stream leaves, within the result.
         carrier=None if target.ends else result.carrier_output[1:],
         state_outputs=("partial", *(f"block_{k}" for k in range(result.rewrite.state_outputs - 1))),
-        next_position=result.next_position)
+        next_offset=result.next_position - target.span.start)
     return gm, signature
 
 
-def block_variant(router: LayerRouter, traced: TracedBlock, layout: Layout | None) -> BlockVariant:
+def block_variant(router: LayerRouter, traced: TracedBlock, shape: CallShape, layout: Layout | None) -> BlockVariant:
     """``traced`` rewritten for ``router``'s block with the stream's state in ``layout``; see the module
-    docstring."""
-    target = LayerTarget(router.planned, router.span, entry_of(layout), router.ends)
-    modules = {site.name: router.root.get_submodule(site.name) for site in router.planned.sites}
-    gm, signature = rewrite_block(traced, router.conversion.plan, target, router.path, modules, router.where)
-    others = {FINAL: gm.get_submodule(FINAL)} if FINAL in gm._modules else {}
+    docstring. The rewritten code is shared by the blocks of one kind that sit at the same place in a
+    stream block and name their aggregations alike: it takes the completed blocks as one list and finds
+    the block's modules on the ``self`` it is given."""
+    planned = router.planned
+    place = "start" if layout is None else (router.span.start - layout.position, layout.position % planned.block_size,
+                                            layout.has_partial)
+    key = ("variant", router.kind, shape, place, router.ends, router.relative_names)
+
+    def rewrite() -> tuple:
+        target = LayerTarget(planned, router.span, entry_of(layout), router.ends)
+        modules = {site.name: router.root.get_submodule(site.name) for site in planned.sites}
+        gm, signature = rewrite_block(traced, router.conversion.plan, target, router.path, modules, router.where)
+        return compiled_forward(gm.graph, f"{type(router.module).__name__} graph"), signature, gm
+    forward, signature, gm = router.conversion.traces.get(key, None, rewrite)
+    others = {FINAL: router.root.get_submodule(planned.final.name)} if FINAL in gm._modules else {}
     others.update({node.target: getattr(gm, node.target) for node in gm.graph.find_nodes(op="get_attr")
                    if not node.target.startswith(BLOCK + ".") and node.target != FINAL})
-    bound = Bound(router.module, **others)
     router.rewritten.append(gm)
-    return BlockVariant(compiled_forward(gm.graph, f"{router.where}"), signature, bound, gm)
+    return BlockVariant(forward, signature, Bound(router.module, **others), gm)
 
 
 def _stream_input(gm: fx.GraphModule, result) -> int | None:

@@ -210,6 +210,7 @@ class _ShapeRoutes:
     """How calls of one shape run on a block: its trace (``None``: on TorchDynamo), which of the call's
     graph inputs carries the stream (found at the first call with a state), and its variants by layout."""
 
+    shape: CallShape
     traced: Any
     stream_input: int | None
     variants: dict
@@ -242,6 +243,15 @@ class LayerRouter(Router):
         super().reset()
         self._shapes.clear()
 
+    @functools.cached_property
+    def relative_names(self) -> tuple[str, ...]:
+        """The names of this block's aggregations below it (its stream's final one as ``None``): blocks of
+        one kind that name them alike share their rewritten graphs."""
+        prefix = self.path + "."
+        return tuple(site.name[len(prefix):] if site.name.startswith(prefix) else None
+                     for site in self.planned.sites
+                     if site.position is None or self.span.start <= site.position < self.span.stop)
+
     def _class_forward(self) -> tuple[Callable, bool, tuple]:
         """``(forward, checkpointed, kind)`` for the module's class now (FSDP2 swaps it): the forward the
         route runs (inside transformers' checkpointing wrapper, if any), whether there is such a wrapper,
@@ -264,9 +274,10 @@ class LayerRouter(Router):
         return self._class_forward()[2]
 
     def __call__(self, *args, **kwargs):
-        forward, checkpointed, _ = self._forwards.get(type(self.module)) or self._class_forward()
         if torch.compiler.is_dynamo_compiling():
-            return self._while_compiling(forward, args, kwargs)
+            # Read nothing of the router's own state here: Dynamo would guard on it.
+            return self._while_compiling(type(self.module).forward, args, kwargs)
+        forward, checkpointed, _ = self._forwards.get(type(self.module)) or self._class_forward()
         if in_own_call():
             # A capture of the model in this thread: the module as written.
             return forward(self.module, *args, **kwargs)
@@ -302,7 +313,7 @@ class LayerRouter(Router):
                 traced = graphs.trace(self, args, kwargs, shape)
             except TraceError as err:
                 LOG.info("%s runs on TorchDynamo for this call shape: %s", self.where, first_line(err))
-        routes = self._shapes[shape] = _ShapeRoutes(traced, None, {})
+        routes = self._shapes[shape] = _ShapeRoutes(shape, traced, None, {})
         return routes
 
     def _opened_hooks(self) -> bool:
@@ -318,7 +329,7 @@ class LayerRouter(Router):
         variant = routes.variants.get(layout)
         if variant is None:
             variant = routes.variants[layout] = graphs.block_variant(
-                self, routes.traced, layout if layout is None else Layout(*layout))
+                self, routes.traced, routes.shape, layout if layout is None else Layout(*layout))
             if routes.stream_input is None:
                 routes.stream_input = variant.signature.stream_input
         signature = variant.signature
@@ -326,18 +337,22 @@ class LayerRouter(Router):
         before, reentrant = (state, False) if given is None or not given.requires_grad else \
             self._recomputable(given, state)
         tensors: tuple[torch.Tensor, ...] = ()
-        if state is not None and state.tensors:
+        state_inputs: tuple = ()
+        if layout is not None:
             view, tensors = unbundle(state, carrier)
             inputs[routes.stream_input] = view
-        results = variant.forward(variant.bound, *inputs, *tensors)
+            # The graph takes the completed blocks as one list, then the partial sum.
+            count = layout[1]
+            state_inputs = (list(tensors[:count]), *tensors[count:])
+        results = variant.forward(variant.bound, *inputs, *state_inputs)
         if self.starts:
             note_stream_start(self.conversion, self.stream)
         if self.ends:
             note_stream_end(self.conversion, self.stream)
             return results[0]
         entered = tensors[:len(state.blocks)] if state is not None else ()
-        after = StreamState(self.conversion, self.stream, signature.next_position, entered + tuple(results[2:]),
-                            results[1])
+        after = StreamState(self.conversion, self.stream, self.span.start + signature.next_offset,
+                            entered + tuple(results[2:]), results[1])
         carrier_out = self._leaving(at_path(results[0], signature.carrier), after, before, via, reentrant)
         return replaced_at(results[0], signature.carrier, carrier_out)
 
@@ -428,8 +443,8 @@ class LayerRouter(Router):
             note_stream_end(self.conversion, self.stream)
             return out
         entered = tensors[:len(state.blocks)] if state is not None else ()
-        after = StreamState(self.conversion, self.stream, call.next_position, entered + call.state_out[1:],
-                            call.state_out[0])
+        after = StreamState(self.conversion, self.stream, self.span.start + call.next_offset,
+                            entered + call.state_out[1:], call.state_out[0])
         carrier_out = self._leaving(call.carrier, after, before, via, reentrant)
         return _replaced(out, call.carrier, carrier_out, what=f"the result of {self.where}")
 
@@ -443,7 +458,7 @@ class LayerRouter(Router):
             state_in = tuple(node.name for node in result.rewrite.state_inputs)
             signature = LayerGraphSignature(
                 inputs=len(example_inputs), stream_input=result.start_input, state_inputs=state_in,
-                carrier=result.carrier_output, next_position=result.next_position,
+                carrier=result.carrier_output, next_offset=result.next_position - self.span.start,
                 state_outputs=("partial", *(f"block_{k}" for k in range(result.rewrite.state_outputs - 1))))
             graph = _DynamoLayerGraph(compiled, outputs, signature)
             LOG.info("rewrote the graph Dynamo captured for a call of %s (layer route, %s) in %.2f s", self.where,
@@ -487,7 +502,7 @@ class _DynamoCall:
         self.carrier: torch.Tensor | None = None
         self.state_out: tuple[torch.Tensor, ...] = ()
         self.start: torch.Tensor | None = None
-        self.next_position = 0
+        self.next_offset = 0
 
 
 _CALLS = threading.local()
@@ -521,7 +536,7 @@ class _DynamoLayerGraph:
         call.carrier = at_path(results, signature.carrier) if signature.carrier is not None else None
         call.state_out = tuple(results[self.outputs:])
         call.start = args[signature.stream_input] if signature.stream_input is not None else None
-        call.next_position = signature.next_position
+        call.next_offset = signature.next_offset
         return tuple(results[:self.outputs])
 
 

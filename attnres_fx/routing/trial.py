@@ -48,11 +48,16 @@ def _try_block(model, plan: Plan, stream: StreamPlan, span, modules: dict, call:
     where = f"{type(block).__name__} at '{span.owner}'"
     traced_modules = (block, *(block.get_submodule(path) for path in sorted(span.opened)))
     shape, _ = call_shape(args, kwargs, traced_modules)
-    key = (kind_of(block, forward, span.opened), shape)
+    kind = kind_of(block, forward, span.opened)
+    # The route shares a rewritten graph between blocks of one kind at one place in a stream block.
+    place = (position % stream.block_size, target.ends, tuple(
+        site.name[len(span.owner) + 1:] for site in stream.sites if site.position in range(span.start, span.stop)))
     try:
-        if key not in traces:
-            traces[key] = routable_trace(block, forward, args, kwargs, span.opened, shape)
-        rewrite_block(traces[key], plan, target, span.owner, modules, where)
+        if (kind, shape) not in traces:
+            traces[kind, shape] = routable_trace(block, forward, args, kwargs, span.opened, shape)
+        if (kind, shape, place) not in traces:
+            rewrite_block(traces[kind, shape], plan, target, span.owner, modules, where)
+            traces[kind, shape, place] = True
         return
     except TraceError as untraceable:
         reason = untraceable
