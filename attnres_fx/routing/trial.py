@@ -12,6 +12,8 @@ The blocks are tried on the inputs the conversion's recording saw them called wi
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -68,7 +70,10 @@ def _try_block(model, plan: Plan, stream: StreamPlan, span, modules: dict, call:
         raise TraceError(f"{span.owner} ({type(block).__name__}) cannot be captured as one graph, which the layer "
                          f"route needs for a block whose own code torch.fx cannot trace ({reason}): {err}",
                          {**reason.causes, **err.causes}) from err
-    rewrite_captured(graph_module, plan, lambda g: ModuleCalls(g, modules), where=where, layer=target)
+    # A Dynamo graph takes the blocks one by one, as the route's Dynamo graphs do.
+    entry = target.entry and dataclasses.replace(target.entry, as_list=False)
+    rewrite_captured(graph_module, plan, lambda g: ModuleCalls(g, modules), where=where,
+                     layer=dataclasses.replace(target, entry=entry))
 
 
 def try_model_route(model: nn.Module, plan: Plan, modules: dict, inputs: tuple[tuple, dict]) -> None:
