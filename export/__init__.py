@@ -7,6 +7,7 @@
     fast = export.compile(graph)                                 # an explicit graph, Inductor fullgraph
     path = export.to_onnx(lm, (ids,), "decoder.onnx", with_cache=True)    # past keys/values in and out
     tokens = export.generate_onnx(export.session(path), ids, max_new_tokens=20)
+    folder = export.to_genai(lm, "served", tokenizer=tokenizer)          # an onnxruntime-genai model folder
 
 Every failure raises :class:`attnres_fx.ExportError` with the root cause and a hint. The ONNX packages
 are an optional extra (``pip install 'attnres-fx[onnx]'``): they are imported by the functions that
@@ -22,6 +23,7 @@ _WHERE = {
     "to_onnx": "onnx", "attnres_node_groups": "onnx",
     "three_way_report": "report",
     "generate_onnx": "decoding",
+    "to_genai": "genai",
     "OutputDiff": "runtime", "VerifyReport": "runtime", "session": "runtime", "verify": "runtime",
 }
 
