@@ -268,12 +268,14 @@ def cmd_genai(args: argparse.Namespace) -> int:
     if args.provider != "cpu":
         print(f"Not checked here: the {args.provider} execution provider needs onnxruntime-genai-cuda on a GPU.")
         return 0
+    # One prompt: a batch would be right-padded with the pad id, which a random example row may end with.
     prompt = (inputs[0] if inputs else kwargs["input_ids"])[:1]
+    pad = json.loads((folder / "genai_config.json").read_text())["model"]["pad_token_id"]
     with step("Greedy decoding, 8 new tokens, in onnxruntime-genai and with model.generate"):
         got = generate_genai(folder, prompt.tolist(), max_new_tokens=8)[0]
         with torch.no_grad():
             want = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False,
-                                  pad_token_id=json.loads((folder / "genai_config.json").read_text())["model"]["pad_token_id"])
+                                  pad_token_id=pad)
         want = want[0, prompt.shape[1]:].tolist()[:len(got)]
     same = got == want
     print(f"{'PASS' if same else 'FAIL'} onnxruntime-genai {'generates the same tokens as' if same else 'differs from'} "
