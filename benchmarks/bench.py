@@ -357,8 +357,9 @@ def decode_section(settings: Settings, backends: list[str]) -> dict:
 
 
 # Per configuration: the families timed and their size (full: the decode section's Llama shape). Sliding
-# windows as long as the context, as in real models whose sequences fit their window.
-GENAI = {"full": dict(families=("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3"), prompt=32,
+# windows as long as the context, as in real models whose sequences fit their window. Gemma 2 stands for
+# its family: the builder (0.18) cannot read transformers' Gemma 3 config (a rope per layer type).
+GENAI = {"full": dict(families=("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2"), prompt=32,
                       model=dict(num_hidden_layers=8, hidden_size=256, intermediate_size=1024, num_attention_heads=4,
                                  num_key_value_heads=4, head_dim=64, vocab_size=1024, max_position_embeddings=512)),
          "quick": dict(families=("llama",), prompt=8, model={})}
@@ -396,9 +397,11 @@ def genai_section(settings: Settings, config_name: str) -> dict:
 def genai_model(family: str, size: dict) -> nn.Module:
     from attnres_fx.testing.serving import serving_model
 
-    windows = {"sliding_window": size["max_position_embeddings"]} if size and family in ("mistral", "gemma3") else {}
-    layer_types = {"layer_types": None} if size and family == "gemma3" else {}     # Gemma 3's own pattern
-    return serving_model(family, use_cache=True, **size, **windows, **layer_types)
+    context = size.get("max_position_embeddings")
+    fields = {"mistral": {"sliding_window": context}, "gemma2": {"sliding_window": context},
+              # Phi-3 without long-context rope scaling (which the builder reads from rope_scaling).
+              "phi3": {"original_max_position_embeddings": context}}.get(family, {}) if size else {}
+    return serving_model(family, use_cache=True, **size, **fields)
 
 
 def genai_folders(model: nn.Module, tokenizer, root: Path) -> tuple[dict[str, Path], str]:

@@ -38,6 +38,8 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     # Its fused qkv and gate/up projections; eager attention (the others take transformers' default, sdpa).
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"original_max_position_embeddings": 128,
                                                "attn_implementation": "eager"}),
+    # Sliding-window and full layers alternating, logit soft-capping, norms before and after each sublayer.
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"sliding_window": SLIDING_WINDOW, "query_pre_attn_scalar": 16}),
     # One sliding-window layer and one full one; query and key norms, embeddings scaled by sqrt(hidden).
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"sliding_window": SLIDING_WINDOW,
                                                          "layer_types": ["sliding_attention", "full_attention"],
