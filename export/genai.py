@@ -204,8 +204,10 @@ def export_decoder(model: nn.Module, shape: DecoderShape, dtype: torch.dtype, pa
         _check_cache(type(model).__name__, shape, outputs)
         input_names = ["input_ids", "attention_mask", *cache_names("past_key_values", shape.layers)]
         output_names = ["logits", *cache_names("present", shape.layers)]
+        # Weights in model.onnx.data beside the graph, as the builder writes them: onnxruntime then reads
+        # them without holding a second copy in the graph's protobuf while it loads.
         return write_onnx(wrapper, args, {}, dynamic_shapes, input_names, output_names, path, opset=opset,
-                          two_phase=two_phase)
+                          external_data=True, two_phase=two_phase)
     finally:
         model.train(training)
 

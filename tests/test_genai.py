@@ -103,7 +103,7 @@ def relative_error(got: np.ndarray, want: torch.Tensor) -> float:
 def test_cli_writes_the_folder_and_checks_it_generates_as_the_model(served):
     assert served.exit_code == 0, served.output
     assert "PASS onnxruntime-genai generates the same tokens as model.generate" in served.output
-    assert "genai_config.json, model.onnx, tokenizer.json, tokenizer_config.json" in served.output
+    assert "genai_config.json, model.onnx, model.onnx.data, tokenizer.json, tokenizer_config.json" in served.output
 
 
 @pytest.mark.slow
