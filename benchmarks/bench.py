@@ -356,9 +356,10 @@ def decode_section(settings: Settings, backends: list[str]) -> dict:
     return result
 
 
-# Per configuration: the families timed and their size (full: the decode section's Llama shape). Sliding
-# windows as long as the context, as in real models whose sequences fit their window. Gemma 2 stands for
-# its family: the builder (0.18) cannot read transformers' Gemma 3 config (a rope per layer type).
+# Per configuration: the families timed and their size (full: the decode section's Llama shape), sliding
+# windows as long as the prompt (the builder's Gemma 2 needs the window within the generated length).
+# Gemma 2 stands for its family: the builder (0.18) cannot read transformers' Gemma 3 config (a rope per
+# layer type).
 GENAI = {"full": dict(families=("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2"), prompt=32,
                       model=dict(num_hidden_layers=8, hidden_size=256, intermediate_size=1024, num_attention_heads=4,
                                  num_key_value_heads=4, head_dim=64, vocab_size=1024, max_position_embeddings=512)),
@@ -374,7 +375,7 @@ def genai_section(settings: Settings, config_name: str) -> dict:
     result: dict = {"new_tokens": settings.decode_tokens, "prompt": plan["prompt"]}
     with tempfile.TemporaryDirectory() as tmp:
         for family in plan["families"]:
-            model = genai_model(family, plan["model"])
+            model = genai_model(family, plan["model"], plan["prompt"])
             progress(f"genai {family}: the builder's folder and export.to_genai's")
             folders, baseline = genai_folders(model, tiny_tokenizer(model.config.vocab_size), Path(tmp) / family)
             config = model.config
@@ -394,14 +395,13 @@ def genai_section(settings: Settings, config_name: str) -> dict:
     return result
 
 
-def genai_model(family: str, size: dict) -> nn.Module:
+def genai_model(family: str, size: dict, window: int) -> nn.Module:
     from attnres_fx.testing.serving import serving_model
 
-    context = size.get("max_position_embeddings")
-    fields = {"mistral": {"sliding_window": context}, "gemma2": {"sliding_window": context},
+    fields = {"mistral": {"sliding_window": window}, "gemma2": {"sliding_window": window},
               # Phi-3 without long-context rope scaling (which the builder reads from rope_scaling).
-              "phi3": {"original_max_position_embeddings": context}}.get(family, {}) if size else {}
-    return serving_model(family, use_cache=True, **size, **fields)
+              "phi3": {"original_max_position_embeddings": size.get("max_position_embeddings")}}
+    return serving_model(family, use_cache=True, **size, **(fields.get(family, {}) if size else {}))
 
 
 def genai_folders(model: nn.Module, tokenizer, root: Path) -> tuple[dict[str, Path], str]:
