@@ -357,7 +357,8 @@ def decode_section(settings: Settings, backends: list[str]) -> dict:
 
 
 # Per configuration: the families timed and their size (full: the decode section's Llama shape), sliding
-# windows as long as the prompt (the builder's Gemma 2 needs the window within the generated length).
+# windows as long as the whole sequence: onnxruntime-genai's windowed cache for the builder's folders
+# needs the window within the sequence's length and, in 0.18, fails once the window slides.
 # Gemma 2 stands for its family: the builder (0.18) cannot read transformers' Gemma 3 config (a rope per
 # layer type).
 GENAI = {"full": dict(families=("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2"), prompt=32,
@@ -375,7 +376,7 @@ def genai_section(settings: Settings, config_name: str) -> dict:
     result: dict = {"new_tokens": settings.decode_tokens, "prompt": plan["prompt"]}
     with tempfile.TemporaryDirectory() as tmp:
         for family in plan["families"]:
-            model = genai_model(family, plan["model"], plan["prompt"])
+            model = genai_model(family, plan["model"], plan["prompt"] + settings.decode_tokens)
             progress(f"genai {family}: the builder's folder and export.to_genai's")
             folders, baseline = genai_folders(model, tiny_tokenizer(model.config.vocab_size), Path(tmp) / family)
             config = model.config
