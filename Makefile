@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet torch==2.13.0
-	$(PIP) install --quiet -e '.[hf,onnx,test,viz,bench,kernels,triton]'
+	$(PIP) install --quiet -e '.[hf,onnx,genai,test,viz,bench,kernels,triton]'
 	touch $(STAMP)
 
 demo: venv

@@ -27,6 +27,7 @@ from .errors import (
     NoResidualStreamError,
     PassContractError,
     RoutingError,
+    ServingLayoutError,
     StreamMismatchError,
     TraceError,
     UnsupportedArchitectureError,
@@ -47,7 +48,7 @@ from .training import (
 
 __all__ = [
     "AttnResConfig", "AttnResError", "AttnResWarning", "BlockAttnRes", "CheckpointMismatchError", "DepthRecorder", "DepthWeights",
-    "DepthWeightsError", "ExportError", "ForeignCompileError", "NoResidualStreamError", "PassContractError", "RoutingError", "Site", "SiteWeights",
+    "DepthWeightsError", "ExportError", "ForeignCompileError", "NoResidualStreamError", "PassContractError", "RoutingError", "ServingLayoutError", "Site", "SiteWeights",
     "StreamMismatchError", "TraceError", "UnsupportedArchitectureError", "attnresify", "compile",
     "config_of", "conversion_options", "depth_metrics", "depth_monitor_callback", "depth_weights", "detect", "freeze",
     "from_pretrained", "is_converted", "monitor_depth", "param_groups", "pipeline_stages", "plan_of", "remove",

@@ -3,6 +3,7 @@
     attnres-fx demo [--model NAME] [--num-blocks N | --block-size S] [--preserve-scale] [--no-backends]
     attnres-fx convert PATH_OR_NAME --out DIR [--num-blocks N | --block-size S] [--preserve-scale]
     attnres-fx export MODEL_OR_DIR --onnx OUT.onnx [--with-cache] [--num-blocks N | --block-size S]
+    attnres-fx genai MODEL_OR_DIR --out DIR [--precision fp32|fp16] [--provider cpu|cuda] [--chunk-size N]
     attnres-fx inspect MODEL_OR_DIR [--png OUT.png] [--text TEXT]
 
 NAME is ``tiny`` (the built-in model) or a tiny random-weight Hugging Face model (``llama``, ``t5``...);
@@ -242,6 +243,46 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def directory_tokenizer(name: str):
+    """The tokenizer saved in the model directory ``name``, if it holds one."""
+    directory = Path(name)
+    if name in MODELS or not (directory / "tokenizer_config.json").is_file():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(directory)
+
+
+def cmd_genai(args: argparse.Namespace) -> int:
+    # Imported here: the ONNX packages are an optional extra that only this command needs.
+    from .export import generate_genai, to_genai
+
+    model, inputs, kwargs = model_or_directory(args.model, args)
+    tokenizer = directory_tokenizer(args.model)
+    with step(f"Writing the onnxruntime-genai folder {args.out} ({args.precision}, {args.provider})"):
+        folder = to_genai(model, args.out, tokenizer=tokenizer, precision=args.precision,
+                          execution_provider=args.provider, context_length=args.context_length,
+                          chunk_size=args.chunk_size)
+    files = ", ".join(sorted(path.name for path in folder.iterdir()))
+    print(f"{type(model).__name__}: {len(api.sites(model))} BlockAttnRes sites; {folder}: {files}")
+    if args.provider != "cpu":
+        print(f"Not checked here: the {args.provider} execution provider needs onnxruntime-genai-cuda on a GPU.")
+        return 0
+    # One prompt: a batch would be right-padded with the pad id, which a random example row may end with.
+    prompt = (inputs[0] if inputs else kwargs["input_ids"])[:1]
+    pad = json.loads((folder / "genai_config.json").read_text())["model"]["pad_token_id"]
+    with step("Greedy decoding, 8 new tokens, in onnxruntime-genai and with model.generate"):
+        got = generate_genai(folder, prompt.tolist(), max_new_tokens=8)[0]
+        with torch.no_grad():
+            want = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False,
+                                  pad_token_id=pad)
+        want = want[0, prompt.shape[1]:].tolist()[:len(got)]
+    same = got == want
+    print(f"{'PASS' if same else 'FAIL'} onnxruntime-genai {'generates the same tokens as' if same else 'differs from'} "
+          f"model.generate: {got}" + ("" if same else f" against {want}"))
+    return 0 if same else 1
+
+
 def inspect_inputs(model: torch.nn.Module, inputs: tuple, kwargs: dict, text: str | None,
                    directory: Path | None) -> tuple[tuple, dict]:
     """The inputs depth weights are measured on: ``text`` through the directory's tokenizer when it has
@@ -350,6 +391,23 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
                         help="onnxruntime device (default: cpu)")
     export.set_defaults(func=cmd_export)
+
+    genai = sub.add_parser("genai", help="write an onnxruntime-genai model folder and check it generates as the model",
+                           description="Convert MODEL (or load a directory written by convert) and write the folder "
+                                       "onnxruntime-genai serves: model.onnx with the KV cache, genai_config.json, "
+                                       "and the directory's tokenizer if it has one; then compare greedy decoding "
+                                       "in onnxruntime-genai with model.generate (CPU only).")
+    genai.add_argument("model", metavar="MODEL_OR_DIR", help=f"a model directory, or one of: {', '.join(HF_NAMES)}")
+    genai.add_argument("--out", required=True, metavar="DIR", help="the folder to write")
+    genai.add_argument("--precision", choices=("fp32", "fp16"), default="fp32", help="weights and cache (default: fp32)")
+    genai.add_argument("--provider", choices=("cpu", "cuda"), default="cpu",
+                       help="execution provider recorded in genai_config.json (default: cpu)")
+    genai.add_argument("--context-length", type=_positive_int, default=None, metavar="N",
+                       help="longest sequence (default: the model's max_position_embeddings)")
+    genai.add_argument("--chunk-size", type=_positive_int, default=None, metavar="N",
+                       help="process a single prompt in chunks of N tokens (default: all at once)")
+    _add_model_options(genai)
+    genai.set_defaults(func=cmd_genai)
 
     inspect = sub.add_parser("inspect", help="show what a converted model attends to over depth",
                              description="Print the sites of a converted model (a directory written by convert, "

@@ -377,3 +377,9 @@ def wrap_post_init(pretrained_model: type, then) -> None:
 
     post_init._attnres_wrapped = True
     pretrained_model.post_init = post_init
+
+
+def hf_attention_implementation(config) -> str:
+    """The attention implementation a Hugging Face config selects (``"eager"``, ``"sdpa"``...): transformers
+    keeps it in the private ``config._attn_implementation`` (set through ``set_attn_implementation``)."""
+    return config._attn_implementation

@@ -69,6 +69,13 @@ class ExportError(AttnResError):
     """Compiling or exporting a rewritten module failed; carries the exporter's root cause."""
 
 
+class ServingLayoutError(ExportError):
+    """The model does not fit the folder a serving runtime loads (onnxruntime-genai's decoder-only
+    layout: one decoder graph whose cache is keys and values per attention layer): an encoder-decoder, a
+    state-space or linear-attention cache, a model that does not generate text. Raised before anything
+    is written; the message names what does not fit."""
+
+
 class DepthWeightsError(AttnResError):
     """Depth weights could not be recorded: a site did not run as a module during the recorded calls, or
     its calls' per-token weights do not fit together."""

@@ -23,6 +23,12 @@ Sections:
    shape, on each route.
 4. ``decode``: tokens/s of ``generate`` with the KV cache (greedy), batch 1 and 8, eager and compiled, on
    each route.
+4b. ``genai``: tokens/s of onnxruntime-genai generating from model folders (greedy, batch 1 and 8), per
+   family onnxruntime-genai serves: ``builder``, onnxruntime-genai's own model builder on the original
+   model (the baseline users have; ``export.to_genai`` of the original where the builder does not take the
+   family), ``exported`` (``export.to_genai`` of the original: what the exporter alone costs) and
+   ``converted`` (``export.to_genai`` of the converted model); each folder's peak resident memory while
+   loading and generating, in a fresh process.
 5. ``stages``: bytes a microbatch sends across pipeline stage boundaries (``attnres_fx.pipeline_stages``,
    four stages of the ``deep`` shape), with and without cross-stage caching over two ranks, and the state
    held between two blocks of a forward against the N + 1 stream tensors it should be.
@@ -69,8 +75,8 @@ import routes  # noqa: E402 - the routes' own sections, beside this script
 import traffic  # noqa: E402 - the memory-traffic model beside this script
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
-SECTIONS = ("llama", "startup", "overhead", "threads", "demo", "forward", "train", "first_call", "decode", "stages",
-            "memory", "op", "choices")
+SECTIONS = ("llama", "startup", "overhead", "threads", "demo", "forward", "train", "first_call", "decode", "genai",
+            "stages", "memory", "op", "choices")
 BACKENDS = ("eager", "compiled", "onnx")
 
 
@@ -161,6 +167,10 @@ TARGETS = {   # (section path, entry, bound, sense): the targets the README's pe
     "decode tokens/s, eager, batch 8": ("decode/eager/batch8", "converted", 0.95, ">="),
     "decode tokens/s, compiled, batch 1": ("decode/compiled/batch1", "converted", 0.95, ">="),
     "decode tokens/s, compiled, batch 8": ("decode/compiled/batch8", "converted", 0.95, ">="),
+    "decode tokens/s, onnxruntime-genai, converted folder / builder's original, Llama batch 1": (
+        "genai/llama/batch1", "converted", 0.95, ">="),
+    "decode tokens/s, onnxruntime-genai, converted folder / builder's original, Llama batch 8": (
+        "genai/llama/batch8", "converted", 0.95, ">="),
     "op / streaming bound, C++ kernel (fewest of its source counts)": ("op", "kernel_worst", 0.8, ">="),
     "op / streaming bound, compiled (fewest of its source counts)": ("op", "compiled_worst", 0.8, ">="),
     "training peak memory, bench": ("memory/train", "converted", 1.08, "<="),
@@ -344,6 +354,120 @@ def decode_section(settings: Settings, backends: list[str]) -> dict:
                             max(3, settings.runs // 3), settings.warmup), "original", per_call=tokens)
         torch._dynamo.reset()
     return result
+
+
+# Per configuration: the families timed and their size (full: the decode section's Llama shape), sliding
+# windows as long as the whole sequence: onnxruntime-genai's windowed cache for the builder's folders
+# needs the window within the sequence's length and, in 0.18, fails once the window slides.
+# Gemma 2 stands for its family: the builder (0.18) cannot read transformers' Gemma 3 config (a rope per
+# layer type).
+GENAI = {"full": dict(families=("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2"), prompt=32,
+                      model=dict(num_hidden_layers=8, hidden_size=256, intermediate_size=1024, num_attention_heads=4,
+                                 num_key_value_heads=4, head_dim=64, vocab_size=1024, max_position_embeddings=512)),
+         "quick": dict(families=("llama",), prompt=8, model={})}
+
+
+def genai_section(settings: Settings, config_name: str) -> dict:
+    """onnxruntime-genai generating from the builder's folder of each family's original model and from
+    export.to_genai's folders of the original and of the converted model (random pseudo-queries, N=4)."""
+    from attnres_fx.testing.serving import tiny_tokenizer
+
+    plan = GENAI[config_name]
+    result: dict = {"new_tokens": settings.decode_tokens, "prompt": plan["prompt"]}
+    with tempfile.TemporaryDirectory() as tmp:
+        for family in plan["families"]:
+            model = genai_model(family, plan["model"], plan["prompt"] + settings.decode_tokens)
+            progress(f"genai {family}: the builder's folder and export.to_genai's")
+            folders, baseline = genai_folders(model, tiny_tokenizer(model.config.vocab_size), Path(tmp) / family)
+            config = model.config
+            rows: dict = {"model": f"{type(model).__name__} ({config.num_hidden_layers} layers, hidden "
+                                   f"{config.hidden_size})", "baseline": baseline}
+            for batch in (1, 8):
+                progress(f"genai {family} batch {batch}")
+                runners = genai_runners(folders, batch, plan["prompt"], settings.decode_tokens)
+                rows[f"batch{batch}"] = summarise(interleaved(runners, max(3, settings.runs // 3), settings.warmup),
+                                                  "builder", per_call=batch * settings.decode_tokens)
+            progress(f"genai {family} memory")
+            rows["memory"] = {variant: genai_child_memory(folder, plan["prompt"], settings.decode_tokens)
+                              for variant, folder in folders.items()}
+            for entry in rows["memory"].values():
+                entry["ratio"] = entry["peak_delta_mb"] / rows["memory"]["builder"]["peak_delta_mb"]
+            result[family] = rows
+    return result
+
+
+def genai_model(family: str, size: dict, window: int) -> nn.Module:
+    from attnres_fx.testing.serving import serving_model
+
+    fields = {"mistral": {"sliding_window": window}, "gemma2": {"sliding_window": window},
+              # Phi-3 without long-context rope scaling (which the builder reads from rope_scaling).
+              "phi3": {"original_max_position_embeddings": size.get("max_position_embeddings")}}
+    return serving_model(family, use_cache=True, **size, **(fields.get(family, {}) if size else {}))
+
+
+def genai_folders(model: nn.Module, tokenizer, root: Path) -> tuple[dict[str, Path], str]:
+    """The three folders (:data:`GENAI`'s variants) and what the baseline is: the builder's folder, or
+    export.to_genai's of the original where the builder fails on the family."""
+    from attnres_fx import export
+    from attnres_fx.testing import randomise_pseudo_queries
+
+    source = root / "original"
+    model.save_pretrained(source)
+    tokenizer.save_pretrained(source)
+    folders = {"builder": root / "builder", "exported": root / "exported", "converted": root / "converted"}
+    built = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(source), "-o",
+                            str(folders["builder"]), "-p", "fp32", "-e", "cpu", "-c", str(root / "cache")],
+                           capture_output=True, text=True)
+    export.to_genai(model, folders["exported"], tokenizer=tokenizer)
+    converted = randomise_pseudo_queries(attnres_fx.attnresify(copy.deepcopy(model), num_blocks=4))
+    export.to_genai(converted, folders["converted"], tokenizer=tokenizer)
+    if built.returncode == 0:
+        return folders, "onnxruntime-genai's model builder"
+    progress(f"the builder failed ({built.stderr.strip().splitlines()[-1:]}): the exporter's original is the baseline")
+    return {**folders, "builder": folders["exported"]}, "export.to_genai (the builder failed)"
+
+
+def genai_runners(folders: dict[str, Path], batch: int, prompt: int, new_tokens: int) -> dict[str, Callable[[], None]]:
+    """One greedy generation of exactly ``new_tokens`` tokens (EOS suppressed by the minimum length) per
+    folder, each model loaded once."""
+    import numpy as np
+    import onnxruntime_genai as og
+
+    runners = {}
+    for variant, folder in folders.items():
+        model = og.Model(str(folder))
+        vocabulary = json.loads((folder / "genai_config.json").read_text())["model"]["vocab_size"]
+        # No special token (pad, bos, eos are 0, 1, 2): a trailing pad id would read as padding.
+        tokens = np.random.default_rng(0).integers(3, vocabulary, (batch, prompt), dtype=np.int32)
+
+        def generate(model=model, tokens=tokens) -> None:
+            params = og.GeneratorParams(model)
+            params.set_search_options(do_sample=False, batch_size=batch, max_length=prompt + new_tokens,
+                                      min_length=prompt + new_tokens)
+            generator = og.Generator(model, params)
+            generator.append_tokens(tokens)
+            while not generator.is_done():
+                generator.generate_next_token()
+        runners[variant] = generate
+    return runners
+
+
+def genai_child_memory(folder: Path, prompt: int, new_tokens: int) -> dict:
+    command = [sys.executable, __file__, "--child-genai", str(folder), str(prompt), str(new_tokens)]
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def child_genai(folder: str, prompt: int, new_tokens: int) -> dict:
+    """Runs in a fresh process: peak resident set of loading ``folder`` and generating a batch of 8 with it,
+    minus the resident set before (onnxruntime-genai imported)."""
+    import onnxruntime_genai  # noqa: F401 - imported before the baseline: the library is no cost of the folder
+
+    reset_peak()
+    before = status_bytes("VmRSS")
+    genai_runners({"folder": Path(folder)}, 8, prompt, new_tokens)["folder"]()
+    peak = status_bytes("VmHWM")
+    return {"peak_mb": peak / 1e6, "peak_delta_mb": (peak - before) / 1e6}
 
 
 def stages_section(settings: Settings) -> dict:
@@ -748,6 +872,28 @@ def markdown(settings: Settings, results: dict) -> str:
                              f"({rows['converted']['ratio']:.3f} / {rows['converted']['ratio_min']:.3f}) | "
                              f"{rows['model_route']['rate']:.1f} ({rows['model_route']['ratio']:.3f}) |")
         lines.append("")
+    genai = results.get("genai")
+    if genai:
+        lines += [f"## onnxruntime-genai generation ({genai['prompt']}-token prompts, {genai['new_tokens']} new tokens, "
+                  "greedy, CPU)", "",
+                  "Tokens/s of onnxruntime-genai on each folder (ratio to the baseline, median / max): the baseline is "
+                  "onnxruntime-genai's model builder on the original model; *exported* is export.to_genai of the "
+                  "original, *converted* of the converted model (N=4, random pseudo-queries). Peak memory: resident "
+                  "set added by loading the folder and generating a batch of 8, fresh process each.", "",
+                  "| family | batch | baseline tokens/s | exported tokens/s (ratio) | converted tokens/s (ratio) |",
+                  "|---|---|---|---|---|"]
+        memory_rows = []
+        for family, rows in ((f, r) for f, r in genai.items() if isinstance(r, dict)):
+            for batch in ("batch1", "batch8"):
+                b, e, c = (rows[batch][v] for v in ("builder", "exported", "converted"))
+                lines.append(f"| {family} | {batch[5:]} | {b['rate']:.1f} | {e['rate']:.1f} ({e['ratio']:.3f} / "
+                             f"{e['ratio_min']:.3f}) | {c['rate']:.1f} ({c['ratio']:.3f} / {c['ratio_min']:.3f}) |")
+            m = rows["memory"]
+            memory_rows.append(f"| {family} | {rows['model']} | {rows['baseline']} | {m['builder']['peak_delta_mb']:.1f} | "
+                               f"{m['exported']['peak_delta_mb']:.1f} ({m['exported']['ratio']:.2f}) | "
+                               f"{m['converted']['peak_delta_mb']:.1f} ({m['converted']['ratio']:.2f}) |")
+        lines += ["", "| family | model | baseline | baseline peak MB | exported peak MB (ratio) | converted peak MB "
+                  "(ratio) |", "|---|---|---|---|---|---|", *memory_rows, ""]
     stages = results.get("stages")
     if stages:
         lines += [f"## Pipeline stages and the state between blocks ({stages['shape']})", "",
@@ -877,6 +1023,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads")
     parser.add_argument("--device", default="cpu", help="where the op and choices sections run (cpu, cuda)")
     parser.add_argument("--child-memory", nargs=2, metavar=("VARIANT", "MODE"), help=argparse.SUPPRESS)
+    parser.add_argument("--child-genai", nargs=3, metavar=("FOLDER", "PROMPT", "NEW"), help=argparse.SUPPRESS)
     parser.add_argument("--config", choices=("full", "quick"), default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     config_name = args.config or ("quick" if args.quick else "full")
@@ -884,6 +1031,10 @@ def main(argv: list[str] | None = None) -> dict | None:
     torch.set_num_threads(args.threads)
     if args.child_memory:
         print(json.dumps(child_memory(settings, *args.child_memory)))
+        return None
+    if args.child_genai:
+        folder, prompt, new_tokens = args.child_genai
+        print(json.dumps(child_genai(folder, int(prompt), int(new_tokens))))
         return None
     sections = _subset(args.sections, SECTIONS, "--sections")
     backends = _subset(args.backends, BACKENDS, "--backends")
@@ -899,6 +1050,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                "first_call": lambda: first_call_section(settings),
                "stages": lambda: stages_section(settings),
                "decode": lambda: decode_section(settings, backends),
+               "genai": lambda: genai_section(settings, config_name),
                "memory": lambda: memory_section(settings, config_name),
                "op": lambda: op_section(settings, torch.device(args.device)),
                "choices": lambda: choices_section(settings, torch.device(args.device))}

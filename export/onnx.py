@@ -87,6 +87,16 @@ def to_onnx(module: nn.Module, example_inputs: Any, path: str | Path, *, example
             _warn_size_one(call.names, call.tensors)
         with reraise_as_export_error("running the module on the example inputs"), torch.no_grad():
             names_out = output_names(module, module(*args, **kwargs))
+    return write_onnx(module, args, kwargs, dynamic_shapes, names_in, names_out, path, opset=opset,
+                      external_data=external_data, two_phase=two_phase)
+
+
+def write_onnx(module: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any, input_names: list[str],
+               output_names: list[str], path: str | Path, *, opset: int | None = None,
+               external_data: bool | None = None, two_phase: bool = True) -> Path:
+    """Export ``module`` called with ``(args, kwargs)`` to ``path``, its graph inputs and outputs named as
+    given, and check it with ``onnx.checker``: the step every ONNX export of this package ends with.
+    ``module`` is a plain module or an explicit graph; the other options are :func:`to_onnx`'s."""
     module = inference_form(module, two_phase)
     path = Path(path)
     with reraise_as_export_error("torch.export"):
@@ -95,8 +105,8 @@ def to_onnx(module: nn.Module, example_inputs: Any, path: str | Path, *, example
             # A model that calls torch.ops.attnres.aggregate itself: its plain-op form, which ONNX holds.
             program = program.run_decompositions(ops.EXPORT_DECOMPOSITIONS)
     with reraise_as_export_error("ONNX conversion"):
-        onnx_program = torch.onnx.export(program, dynamo=True, input_names=names_in,
-                                         output_names=names_out, opset_version=opset, verbose=False)
+        onnx_program = torch.onnx.export(program, dynamo=True, input_names=input_names,
+                                         output_names=output_names, opset_version=opset, verbose=False)
     path.parent.mkdir(parents=True, exist_ok=True)
     with reraise_as_export_error(f"saving {path}"):
         onnx_program.save(path, external_data=external_data)

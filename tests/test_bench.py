@@ -10,6 +10,7 @@ import pytest
 
 from attnres_fx.timing import interleaved, median_ms
 from conftest import load_script
+from genai_support import needs_genai
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench.py"
 
@@ -67,6 +68,22 @@ def test_quick_memory_and_compiled_op(tmp_path):
             "inference peak memory: extra over original / N + 1 block sums"} <= set(results["targets"])
     for heading in ("## Peak memory", "## The op against the streaming bound", "## Implementation choices"):
         assert heading in report
+
+
+@pytest.mark.slow
+@needs_genai
+def test_quick_genai_section(tmp_path):
+    """onnxruntime-genai on the model builder's folder of the original Llama and on export.to_genai's folders
+    of the original and of the converted model: rates, their ratios to the builder's, peak memory."""
+    results, report = _run(tmp_path, "--sections", "genai")
+    llama = results["genai"]["llama"]
+    assert llama["baseline"] == "onnxruntime-genai's model builder"
+    for batch in ("batch1", "batch8"):
+        assert set(llama[batch]) == {"builder", "exported", "converted"} and llama[batch]["builder"]["ratio"] == 1.0
+        assert all(entry["rate"] > 0 for entry in llama[batch].values())
+    assert all(entry["peak_delta_mb"] > 0 for entry in llama["memory"].values())
+    assert "decode tokens/s, onnxruntime-genai, converted folder / builder's original, Llama batch 1" in results["targets"]
+    assert "## onnxruntime-genai generation" in report
 
 
 def test_interleaved_alternates_order_and_summarise_takes_ratios():

@@ -59,6 +59,16 @@ def _pipeline():
             "device": torch.device("cpu"), "loss_fn": loss_fn}
 
 
+def _served():
+    """A converted tiny Llama and its tokenizer (onnxruntime-genai needed: the genai extra)."""
+    pytest.importorskip("onnxruntime_genai", reason="needs onnxruntime-genai (pip install 'attnres-fx[genai]')")
+    from attnres_fx.testing import randomise_pseudo_queries
+    from attnres_fx.testing.serving import serving_model, tiny_tokenizer
+
+    model = attnres_fx.attnresify(serving_model("llama"), block_size=2)
+    return {"model": randomise_pseudo_queries(model), "tokenizer": tiny_tokenizer()}
+
+
 # first line -> (setup, replacements, what must hold afterwards)
 SNIPPETS = {
     "import attnres_fx": (_nanogpt, {}, lambda ns: not attnres_fx.is_converted(ns["model"])),
@@ -75,6 +85,8 @@ SNIPPETS = {
     "from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B": (
         _pipeline, {'["model.layers.4", "model.layers.8", "model.layers.12"]': '["model.layers.2"]',
                     "n_microbatches=4": "n_microbatches=4"}, lambda ns: len(ns["stages"]) == 2),
+    "import onnxruntime_genai as og": (
+        _served, {}, lambda ns: ns["generator"].is_done() and Path("served/genai_config.json").is_file()),
     "from attnres_fx import export": (_converted_tiny, {}, lambda ns: ns["path"].is_file()),
 }
 
