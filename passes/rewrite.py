@@ -270,7 +270,6 @@ class _StreamSurgery:
         if entry.as_list:
             with self.graph.inserting_after(anchor):
                 anchor = self.entered_list = self.graph.placeholder("attnres_blocks")
-            self.layout_of[anchor] = _layout(origin, self.stream.layout)     # the blocks came as the stream did
         names = [f"attnres_block_{k}" for k in range(blocks)] + (["attnres_partial"] if entry.has_partial else [])
         example = origin.meta.get("example_value")
         fake_mode = getattr(example, "fake_mode", None)
@@ -364,8 +363,7 @@ class _StreamSurgery:
             readers = [(reader, value) for reader, value in readers if reader in inside]
         with self.graph.inserting_before(_first(self.graph, [r for r, _ in readers] + value_nodes[1:])):
             sources = [self.in_layout(source, layout, site.add) for source in self.sources()]
-            entered = self.entered_in(layout, site.add)
-            aggregates = [self._emit(planned, sources, site.add, "aggregate", entered)
+            aggregates = [self._emit(planned, sources, site.add, "aggregate")
                           for planned in self.planned.branch_sites(position)]
         counterparts = [_read_through(self.graph, value_nodes, aggregate) for aggregate in aggregates]
         for reader, value in readers:
@@ -405,8 +403,7 @@ class _StreamSurgery:
             return
         with self.graph.inserting_before(_first(self.graph, [r for r, _ in readers])):
             sources = [self.in_layout(source, layout, self.stream.end, inside=False) for source in self.sources()]
-            entered = self.entered_in(layout, self.stream.end, inside=False)
-            node = self._emit(final, sources, self.stream.end, "final", entered)
+            node = self._emit(final, sources, self.stream.end, "final")
         for reader, value in readers:
             reader.replace_input_with(value, node)
         self.records.append(Replacement(final, node.name, ()))
@@ -417,16 +414,11 @@ class _StreamSurgery:
 
     def return_state(self) -> int:
         """A layer's graph that does not end the stream also returns the partial sum and the blocks it
-        committed, after its own outputs, in the layout the stream entered in (the next layer takes them
-        as it takes its stream, which this layer's stream left as it came: a layer that reshapes the
-        stream inside reshapes it back); how many outputs that adds."""
+        committed, after its own outputs; how many outputs that adds."""
         if not self.span.layer or self.span.ends:
             return 0
+        state = [self.partial, *self.blocks[self.entered_blocks:]]
         (output,) = self.graph.find_nodes(op="output")
-        layout = self.layout_of[self.origin if self.origin is not None else self.stream.start]
-        with self.graph.inserting_before(output):
-            state = [node if node is None else self.in_layout(node, layout, node, inside=False)
-                     for node in [self.partial, *self.blocks[self.entered_blocks:]]]
         results = output.args[0]
         results = tuple(results) if isinstance(results, (tuple, list)) else (results,)
         output.args = (results + tuple(state),)
@@ -445,28 +437,14 @@ class _StreamSurgery:
             self.reshaped[node, layout] = reshaped
         return self.reshaped[node, layout]
 
-    def entered_in(self, layout: str, origin: fx.Node, inside: bool = True) -> fx.Node | None:
-        """The list of blocks the graph received (:attr:`Entry.as_list`), reshaped to ``layout`` where the
-        stream left the layout it entered in (once per layout); ``None`` without such a list."""
-        entered = self.entered_list
-        if entered is None or self.layout_of[entered] == layout:
-            return entered
-        if (entered, layout) not in self.reshaped:
-            reshaped = self.graph.call_function(reshaped_all, (entered, self.carrier[layout]))
-            _annotate(reshaped, origin, entered.name, "layout", with_module=False, inside=inside)
-            self.layout_of[reshaped] = layout
-            self.reshaped[entered, layout] = reshaped
-        return self.reshaped[entered, layout]
-
     def erase_dead(self) -> None:
         position = {node: i for i, node in enumerate(self.graph.nodes)}
         for node in sorted(set(self.dead), key=position.__getitem__, reverse=True):
             if not node.users:
                 self.graph.erase_node(node)
 
-    def _emit(self, site: Site, sources: list[fx.Node], origin: fx.Node, role: str,
-              entered: fx.Node | None = None) -> fx.Node:
-        node = self.emitter.emit(self.graph, site, sources, entered) if entered is not None \
+    def _emit(self, site: Site, sources: list[fx.Node], origin: fx.Node, role: str) -> fx.Node:
+        node = self.emitter.emit(self.graph, site, sources, self.entered_list) if self.entered_list is not None \
             else self.emitter.emit(self.graph, site, sources)
         # A site's aggregate belongs where its residual add was (a checkpointed layer recomputes it);
         # the final one is read after the last layer, outside it.
@@ -477,11 +455,6 @@ class _StreamSurgery:
 
 _OUT_OF_PLACE = {operator.iadd: operator.add, "add_": "add", "__iadd__": "__add__",
                  torch.ops.aten.add_.Tensor: torch.ops.aten.add.Tensor}
-
-
-def reshaped_all(values: list[torch.Tensor], like: torch.Tensor) -> list[torch.Tensor]:
-    """Each of ``values`` reshaped as ``like``: a list of stream values in another layout."""
-    return [value.reshape_as(like) for value in values]
 
 
 def _out_of_place(add: fx.Node) -> None:

@@ -25,6 +25,9 @@ from torch import fx, nn
 from ..block_attnres import BlockAttnRes, run_site
 from ..block_tracer import BLOCK, Bound, CONSTANT_TYPES, CallShape, TracedBlock, compiled_forward, trace_block
 from ..capture import copy_graph_module
+from ..errors import TraceError
+from ..passes.detect import detect_residual_streams
+from ..passes.node_kinds import is_reshape
 from ..passes.pipeline import LayerTarget, rewrite_captured
 from ..passes.rewrite import Emitter, Entry, ModuleCalls, ParameterInputs, lift_attnres_weights
 from ..passes.two_phase import apply_two_phase
@@ -146,8 +149,22 @@ def _constants(module: nn.Module) -> tuple:
 
 def trace(router: LayerRouter, args: tuple, kwargs: dict, shape: CallShape) -> TracedBlock:
     """The block trace for this call shape, shared by the blocks of ``router``'s kind."""
-    return router.conversion.traces.get(router.kind, shape, lambda: trace_block(
+    return router.conversion.traces.get(router.kind, shape, lambda: routable_trace(
         router.module, router.forward_function, args, kwargs, router.opened, shape))
+
+
+def routable_trace(block: nn.Module, forward: Callable, args: tuple, kwargs: dict, opened: frozenset[str],
+                   shape: CallShape) -> TracedBlock:
+    """:func:`~attnres_fx.block_tracer.trace_block`, refused (:class:`~attnres_fx.TraceError`) where the
+    stream changes its leading shape inside the block (``h.reshape(-1, d)`` before a sublayer): sources
+    of two layouts must then be reshaped to each other, which needs the shapes a trace with sublayers as
+    calls does not have; such a block runs on TorchDynamo."""
+    traced = trace_block(block, forward, args, kwargs, opened, shape)
+    for stream in detect_residual_streams(traced.graph_module, min_sites=1).streams:
+        if any(is_reshape(op) for site in stream.sites for op in site.inbound):
+            raise TraceError(f"the residual stream of {type(block).__name__} changes its leading shape between "
+                             "sites, which a trace with its sublayers as calls cannot follow")
+    return traced
 
 
 class BlockModuleCalls(Emitter):

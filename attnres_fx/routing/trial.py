@@ -2,7 +2,7 @@
 apply fails in :func:`attnres_fx.attnresify`, atomically, not at the model's first call.
 
 - layer route: each block as that route runs it, with its sublayers as calls
-  (:func:`~attnres_fx.block_tracer.trace_block`, one trace per kind of block), its sites matched and
+  (:func:`~attnres_fx.routing.graphs.routable_trace`, one trace per kind of block), its sites matched and
   rewritten for the state it receives; where torch.fx cannot trace a block, TorchDynamo's capture of it;
 - model route: TorchDynamo's capture of the whole call, rewritten.
 
@@ -24,8 +24,7 @@ from ..errors import TraceError
 from ..passes.pipeline import LayerTarget, rewrite_captured
 from ..passes.plan import Plan, StreamPlan
 from ..passes.rewrite import ModuleCalls
-from ..block_tracer import trace_block
-from .graphs import Layout, entry_of, kind_of, rewrite_block
+from .graphs import Layout, entry_of, kind_of, rewrite_block, routable_trace
 
 
 def try_layer_route(model: nn.Module, plan: Plan, modules: dict, calls: dict) -> None:
@@ -57,7 +56,7 @@ def _try_block(model, plan: Plan, stream: StreamPlan, span, modules: dict, call:
         site.name[len(span.owner) + 1:] for site in stream.sites if site.position in range(span.start, span.stop)))
     try:
         if (kind, shape) not in traces:
-            traces[kind, shape] = trace_block(block, forward, args, kwargs, span.opened, shape)
+            traces[kind, shape] = routable_trace(block, forward, args, kwargs, span.opened, shape)
         if (kind, shape, place) not in traces:
             rewrite_block(traces[kind, shape], plan, target, span.owner, modules, where)
             traces[kind, shape, place] = True
