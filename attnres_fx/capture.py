@@ -255,14 +255,14 @@ def plan_inputs(model: nn.Module, example_inputs: tuple | None, example_kwargs: 
 @contextlib.contextmanager
 def ready_to_capture(model: nn.Module):
     """What a conversion's capture needs of a Hugging Face model: its output-recording hooks installed
-    (outside any trace), and ``config.use_cache`` off while it captures: a forward without a
+    (outside any trace; removed again afterwards), and ``config.use_cache`` off while it captures: a forward without a
     ``use_cache`` argument (a question-answering head passes ``**kwargs`` on) falls back to the config,
     and would build a cache of real tensors inside the capture; and the checkpointing flags of modules
     transformers flags without checkpointing them off, as in the routes' graphs
     (:func:`attnres_fx.compat.hf_inner_checkpointing_flags_off`)."""
-    compat.install_output_recorders(model)
     config = getattr(model, "config", None)
-    with compat.hf_inner_checkpointing_flags_off(compat.checkpointing_flag_holders(model)):
+    with (compat.output_recorders_installed(model),
+          compat.hf_inner_checkpointing_flags_off(compat.checkpointing_flag_holders(model))):
         if not getattr(config, "use_cache", False):
             yield
             return

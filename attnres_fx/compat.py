@@ -220,19 +220,76 @@ def hf_checkpoint_function(module: nn.Module, function):
             del module._gradient_checkpointing_func
 
 
-def install_output_recorders(model: nn.Module) -> None:
-    """Install transformers' output-recording hooks on every model inside ``model`` now, as its first call
-    asking for attentions or hidden states would: installing them takes a ``threading.Lock``, which
-    Dynamo cannot trace. Relies on ``transformers.utils.output_capturing.maybe_install_capturing_hooks``
-    and ``_CAN_RECORD_REGISTRY``; without them, nothing happens."""
+def _output_capturing():
+    """transformers' output-recording module, when transformers is imported and has one."""
     module = sys.modules.get("transformers.utils.output_capturing")
-    install = getattr(module, "maybe_install_capturing_hooks", None)
-    registry = getattr(module, "_CAN_RECORD_REGISTRY", None)
-    if install is None or registry is None:
+    return module if hasattr(module, "maybe_install_capturing_hooks") else None
+
+
+def _records_outputs(module: nn.Module, capturing) -> bool:
+    """Whether ``module``'s class ``forward`` is wrapped by transformers' ``capture_outputs`` (the wrapper
+    that installs the recording hooks at a call asking for outputs: its code calls
+    ``maybe_install_capturing_hooks``)."""
+    function = type(module).forward
+    while function is not None:
+        code = getattr(function, "__code__", None)
+        if code is not None and code.co_filename == capturing.__file__ and "maybe_install_capturing_hooks" in code.co_names:
+            return True
+        function = getattr(function, "__wrapped__", None)
+    return False
+
+
+def _install_output_recorders(model: nn.Module, capturing) -> None:
+    """Install transformers' output-recording hooks where a call asking for outputs would: on each module
+    whose forward records outputs, outermost first, once (transformers' flag on the module says whether
+    they are in)."""
+    for module in model.modules():
+        if _records_outputs(module, capturing):
+            capturing.maybe_install_capturing_hooks(module)
+
+
+@contextlib.contextmanager
+def output_recorders_installed(model: nn.Module):
+    """Within: transformers' output-recording hooks (``output_hidden_states``, ``output_attentions``, MoE
+    router logits) are installed on ``model`` as its first call asking for outputs would install them:
+    installing takes a ``threading.Lock``, which Dynamo cannot trace, so a capture of a call asking for
+    outputs needs them in beforehand. On the way out the hooks and flags put in here are removed again
+    (those an earlier call installed stay): transformers' hooks are local functions, which ``pickle``
+    cannot take. Relies on ``transformers.utils.output_capturing`` (``maybe_install_capturing_hooks``,
+    the ``_output_capturing_hooks_installed`` flag, hooks defined in that module); without it, nothing
+    happens."""
+    capturing = _output_capturing()
+    if capturing is None:
+        yield
         return
-    for submodule in model.modules():
-        if registry.get(submodule):
-            install(submodule)
+    modules = list(model.modules())
+    flag = "_output_capturing_hooks_installed"
+    flagged = {id(m) for m in modules if m.__dict__.get(flag)}
+    hooks = {id(m): set(m._forward_hooks) for m in modules}
+    _install_output_recorders(model, capturing)
+    try:
+        yield
+    finally:
+        for module in modules:
+            for key in set(module._forward_hooks) - hooks[id(module)]:
+                if getattr(module._forward_hooks[key], "__module__", None) == capturing.__name__:
+                    del module._forward_hooks[key]
+            if id(module) not in flagged:
+                module.__dict__.pop(flag, None)
+
+
+def install_output_recorders_for_call(model: nn.Module, kwargs: dict) -> None:
+    """Install transformers' output-recording hooks on ``model`` (see :func:`output_recorders_installed`)
+    before a call that asks for outputs (an ``output_*`` argument, or a config of the model that sets
+    one), which will capture them in one Dynamo graph; they stay, as after such a call of the original."""
+    capturing = _output_capturing()
+    if capturing is None:
+        return
+    modules = list(model.modules())
+    flags = {"output_attentions"} | {f"output_{key}" for m in modules for key in capturing._CAN_RECORD_REGISTRY.get(m)}
+    configs = {id(c): c for m in modules if (c := getattr(m, "config", None)) is not None}.values()
+    if any(kwargs.get(flag) or any(getattr(c, flag, False) for c in configs) for flag in flags):
+        _install_output_recorders(model, capturing)
 
 
 # Run a function while Dynamo traces, its result taken as a constant (``torch._dynamo``'s decorator).

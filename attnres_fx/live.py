@@ -187,6 +187,7 @@ class ModelRouter(Router):
     route_name = "model"
 
     def route(self, *args, **kwargs):
+        compat.install_output_recorders_for_call(self.module, kwargs)
         return self.run(self.entry(None, self._backend), *args, **kwargs)
 
     def _backend(self, compiler: str):
