@@ -136,10 +136,18 @@ def output_recorders_traceable():
         collector.global_var, collector.compiling = None, False
 
 
-def unwrap_compiled(module: nn.Module) -> nn.Module:
-    """The module inside a ``torch.compile`` wrapper (``OptimizedModule``, which keeps it as ``_orig_mod``),
-    or ``module`` itself."""
-    return getattr(module, "_orig_mod", module)
+def unwrapped(module: nn.Module) -> nn.Module:
+    """The model inside the wrappers users put around one: ``torch.compile``'s ``OptimizedModule`` (which
+    keeps it as the private ``_orig_mod``) and PEFT's ``PeftModel`` (``get_base_model()``), in any
+    nesting; ``module`` itself when it is no wrapper."""
+    while True:
+        inner = module.__dict__.get("_modules", {}).get("_orig_mod")
+        if inner is None and type(module).__module__.startswith("peft.") and callable(
+                getattr(module, "get_base_model", None)):
+            inner = module.get_base_model()
+        if inner is None or inner is module:
+            return module
+        module = inner
 
 
 def once_only_logging() -> set:

@@ -28,7 +28,7 @@ from attnres_fx.api import explicit_graph, rewrite
 from attnres_fx.block_attnres import BlockAttnRes
 from attnres_fx.errors import AttnResWarning, ExportError
 from attnres_fx.capture import default_dynamic_shapes
-from attnres_fx.compat import unwrap_compiled
+from attnres_fx.compat import unwrapped
 from attnres_fx.conversion import is_converted
 
 from . import decoding
@@ -73,7 +73,7 @@ def to_onnx(module: nn.Module, example_inputs: Any, path: str | Path, *, example
     / ``output`` for a single tensor. Every failure raises :class:`attnres_fx.ExportError` with the
     exporter's root cause and a hint.
     """
-    module = unwrap_compiled(module)
+    module = unwrapped(module)
     if with_cache:
         module, args, kwargs, dynamic_shapes, names_in, names_out = _decoder_with_cache(module, example_inputs,
                                                                                         example_kwargs)
