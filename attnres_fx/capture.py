@@ -202,6 +202,10 @@ def dummy_inputs(model: nn.Module) -> tuple[tuple, dict] | None:
     parameters = inspect.signature(type(model).forward).parameters
     reference = next(itertools.chain(model.parameters(), model.buffers()), None)
     device = reference.device if reference is not None else torch.device("cpu")
+    if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
+        # A model being built by from_pretrained, its weights on the meta device but for those its own
+        # __init__ made on the CPU (HuBERT's masked_spec_embed): inputs there, with the layers.
+        device = torch.device("meta")
     dtype = reference.dtype if reference is not None and reference.dtype.is_floating_point else torch.float32
     batch, length = DUMMY_BATCH, DUMMY_LENGTH
 

@@ -300,6 +300,34 @@ def install_output_recorders_for_call(model: nn.Module, kwargs: dict) -> None:
         _install_output_recorders(model, capturing)
 
 
+@contextlib.contextmanager
+def hf_saved_under_own_names(keys: set[str]):
+    """Within: transformers' ``save_pretrained`` writes the ``state_dict`` entries ``keys`` under their own
+    names (as ``save_original_format=False`` writes every entry) and reverts its checkpoint conversions on
+    the others only. Those conversions are regular expressions written for the model's own weights, and
+    reverted they can rename others: Mixtral's ``.block_sparse_moe.`` -> ``.mlp.``, reverted, turns
+    ``layers.0.mlp_res.norm.weight`` into ``layers.0.block_sparse_moe.res.norm.weight`` (its ``.`` matches
+    the ``_``), which loads back as ``mlp.res``, a weight the model does not have. Relies on
+    ``transformers.modeling_utils.revert_weight_conversion``, the function ``save_pretrained`` reverts
+    with (no argument selects entries); without it, nothing changes."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    revert = getattr(modeling, "revert_weight_conversion", None)
+    if revert is None:
+        yield
+        return
+
+    def revert_others(model, state_dict):
+        kept = {key: value for key, value in state_dict.items() if key in keys}
+        others = {key: value for key, value in state_dict.items() if key not in keys}
+        return {**revert(model, others), **kept}
+
+    modeling.revert_weight_conversion = revert_others
+    try:
+        yield
+    finally:
+        modeling.revert_weight_conversion = revert
+
+
 # Run a function while Dynamo traces, its result taken as a constant (``torch._dynamo``'s decorator).
 assume_constant_result = torch._dynamo.assume_constant_result
 
