@@ -326,7 +326,7 @@ def _trace(model, example_inputs, example_kwargs, tracer, dynamic_shapes) -> Tra
         try:
             return Traced(_trace_fx(model), "fx")
         except Exception as err:  # noqa: BLE001 - any tracing failure is reported the same way
-            raise TraceError(_fx_message(model, err), {"fx": err}) from err
+            raise TraceError(_fx_message(model, err) + _TRY_EXPORT, {"fx": err}) from err
     if tracer == "export":
         try:
             return Traced(_trace_export(model, example_inputs, example_kwargs, dynamic_shapes), "export")
@@ -364,7 +364,8 @@ def _trace_fx(model: nn.Module) -> fx.GraphModule:
 
 def _trace_export(model, example_inputs, example_kwargs, dynamic_shapes) -> fx.GraphModule:
     if example_inputs is None and not example_kwargs:
-        raise TraceError("tracer='export' needs example inputs: attnresify(model, (x,), ...)")
+        raise TraceError("tracer='export' needs example inputs: pass them as the model is called, e.g. "
+                         "attnres_fx.rewrite(model, (x,), tracer='export')")
     args = tuple(example_inputs or ())
     kwargs = dict(example_kwargs or {})
     if dynamic_shapes is None:
@@ -426,10 +427,14 @@ def default_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict):
 
 
 def _fx_message(model, err) -> str:
+    """What fx could not trace; the caller says what to try, as its own options allow."""
     return (f"torch.fx symbolic tracing could not trace {type(model).__name__}: "
-            f"{type(err).__name__}: {first_line(err)}\n"
-            "Try tracer='export' with example inputs (handles Python control flow on shapes and "
-            "keyword-only forwards), or remove data-dependent control flow from forward().")
+            f"{type(err).__name__}: {first_line(err)}")
+
+
+# For the callers that take a ``tracer``: attnresify has none (it captures with TorchDynamo given inputs).
+_TRY_EXPORT = ("\nTry tracer='export' with example inputs (handles Python control flow on shapes and "
+               "keyword-only forwards), or remove data-dependent control flow from forward().")
 
 
 def _failed_on_inputs(err: BaseException) -> bool:
