@@ -226,6 +226,10 @@ def dummy_inputs(model: nn.Module) -> tuple[tuple, dict] | None:
         kwargs[name] = torch.zeros(batch, 1600, device=device, dtype=dtype)
     elif name == "input_ids" and "input_ids" in parameters:
         kwargs[name] = ids()
+        if "attention_mask" in parameters:
+            # Some models fill in a missing mask only when they run eagerly (LongT5's local attention
+            # reads it while traced), so a capture without one would fail where the model works.
+            kwargs["attention_mask"] = torch.ones_like(kwargs[name])
     else:
         return None
     if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in parameters:
@@ -333,7 +337,8 @@ def _trace(model, example_inputs, example_kwargs, tracer, dynamic_shapes) -> Tra
         except TraceError:
             raise
         except Exception as err:  # noqa: BLE001
-            raise TraceError(_export_message(model, err), {"export": err}) from err
+            raise TraceError(_export_message(model, err) + _missing_mask_hint(model, example_kwargs),
+                             {"export": err}) from err
     try:
         return Traced(_trace_fx(model), "fx")
     except Exception as fx_err:  # noqa: BLE001
@@ -350,7 +355,8 @@ def _trace(model, example_inputs, example_kwargs, tracer, dynamic_shapes) -> Tra
                 f"- fx: {type(fx_err).__name__}: {first_line(fx_err)}\n"
                 f"- export: {type(export_err).__name__}: {first_line(export_err)}\n"
                 "Try: make the forward free of data-dependent Python control flow, or pass example "
-                "inputs that match how the model is called (positional and keyword).",
+                "inputs that match how the model is called (positional and keyword)."
+                + _missing_mask_hint(model, example_kwargs),
                 {"fx": fx_err, "export": export_err}) from export_err
 
 
@@ -435,6 +441,18 @@ def _fx_message(model, err) -> str:
 # For the callers that take a ``tracer``: attnresify has none (it captures with TorchDynamo given inputs).
 _TRY_EXPORT = ("\nTry tracer='export' with example inputs (handles Python control flow on shapes and "
                "keyword-only forwards), or remove data-dependent control flow from forward().")
+
+
+def _missing_mask_hint(model: nn.Module, example_kwargs: dict | None) -> str:
+    """For a Hugging Face model traced without the ``attention_mask`` its forward takes: some build a
+    missing one only when they run eagerly (transformers skips it while tracing), and then fail."""
+    if getattr(model, "config", None) is None or (example_kwargs or {}).get("attention_mask") is not None:
+        return ""
+    if "attention_mask" not in inspect.signature(type(model).forward).parameters:
+        return ""
+    return ("\n{name} was traced without an attention_mask: Hugging Face models build a missing one only when "
+            "they run eagerly (LongT5's does not while traced). Pass attention_mask=torch.ones_like(input_ids) "
+            "in example_kwargs.").format(name=type(model).__name__)
 
 
 def _failed_on_inputs(err: BaseException) -> bool:
