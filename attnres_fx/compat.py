@@ -328,6 +328,23 @@ def hf_saved_under_own_names(keys: set[str]):
         modeling.revert_weight_conversion = revert
 
 
+def hf_onnx_translations(program) -> dict:
+    """The ONNX functions transformers ships for its own custom operators (``torch.ops.transformers.*``:
+    the grouped matmul of its mixture-of-experts layers on the CPU, ``grouped_mm_fallback``) that the
+    ``torch.export`` program ``program`` calls, as ``torch.onnx.export``'s ``custom_translation_table``.
+    The ONNX exporter has no translation of these operators; transformers' own exporter passes these.
+    Relies on ``transformers.exporters.exporter_onnx._ONNX_TRANSLATION_TABLE``; ``{}`` without it."""
+    targets = {node.target for node in program.graph.nodes if node.op == "call_function"}
+    ours = {t for t in targets if isinstance(t, OpOverload) and t.namespace == "transformers"}
+    if not ours:
+        return {}
+    try:
+        from transformers.exporters.exporter_onnx import _ONNX_TRANSLATION_TABLE as table
+    except ImportError:
+        return {}
+    return {op: function for op, function in table.items() if op in ours}
+
+
 # Run a function while Dynamo traces, its result taken as a constant (``torch._dynamo``'s decorator).
 assume_constant_result = torch._dynamo.assume_constant_result
 
