@@ -145,6 +145,8 @@ def test_a_conversion_inside_inference_mode_trains_afterwards():
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in new[2:]), "every multi-source site learns"
 
 
+@pytest.mark.slow
+@needs_hf
 def test_a_torch_compile_wrapper_converts_the_model_it_wraps(tmp_path, untouched):
     """``attnresify(torch.compile(m))``, without example inputs too: both objects are converted, the
     wrapper saves the conversion, and ``remove`` through it restores the model."""
@@ -171,6 +173,7 @@ def _collected(model):
     return len(out.hidden_states), len(out.attentions), out.logits
 
 
+@pytest.mark.slow
 @needs_hf
 def test_output_recorders_are_installed_once_and_never_left_behind(untouched):
     """transformers installs its recording hooks at the first call asking for outputs (a config that asks
@@ -205,6 +208,7 @@ def test_output_recorders_are_installed_once_and_never_left_behind(untouched):
 
 # -- libraries layered before and after conversion ------------------------------------------------------
 
+@pytest.mark.slow
 @needs_hf
 def test_a_peft_model_converts_through_the_model_it_wraps():
     """``attnresify`` and ``freeze`` / ``unfreeze`` of a ``PeftModel`` act on the model it wraps; its
