@@ -428,14 +428,11 @@ def test_a_timm_layout_vision_transformer_with_layer_scale_and_stochastic_depth(
 
 # -- architectures beyond HF_MODELS, used as a user would -----------------------------------------------------
 
-# Sampled from transformers' causal-LM list, one per mechanism the table above has none of: ALiBi with
-# a fused query-key-value (BLOOM), experts (OLMoE), sliding-window and global layers between pre- and post-norms
-# and per-head query and key norms (Gemma 3), attention and MLP in parallel off one norm with sliding-window
-# layers (Cohere 2). Tiny, built from their configs.
+# Sampled from transformers' causal-LM list, one per mechanism the table above has none of: ALiBi with a fused
+# query-key-value (BLOOM), attention and MLP in parallel off one norm with sliding-window layers (Cohere 2).
+# Tiny, built from their configs; README names the others this check passes on.
 SAMPLED = {
     "bloom": ("BloomConfig", "BloomForCausalLM", {}),
-    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2}),
-    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"sliding_window": 4}),
     "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", {"sliding_window": 4}),
 }
 SAMPLED_FIELDS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
