@@ -28,7 +28,7 @@ from .config import AttnResConfig
 from .capture import as_args, capture_dynamo, capture_for_plan, plan_inputs, ready_to_capture, trace
 from .recording import MODULE_CALLS
 from .routing import trial
-from .compat import unwrap_compiled
+from .compat import unwrapped
 from .conversion import conversion_of, require
 from .conversion import conversion_options, is_converted, plan_of, sites  # noqa: F401 - the public face
 from .errors import AttnResWarning, NoResidualStreamError, RoutingError, UnsupportedArchitectureError
@@ -48,7 +48,9 @@ def attnresify(model: nn.Module, example_inputs: Any = None, *, example_kwargs: 
     it (:mod:`attnres_fx.routing`).
 
     Args:
-        model: a pre-norm Transformer (any ``nn.Module`` whose graph has a residual-add chain).
+        model: a pre-norm Transformer (any ``nn.Module`` whose graph has a residual-add chain). A
+            ``torch.compile`` or PEFT wrapper is converted through the model it wraps (both then count
+            as converted; ``remove`` takes either).
         example_inputs: positional inputs as the model is called (a tensor, tuple or list). The model is
             captured with them by TorchDynamo on fake tensors; nothing runs for real. Without them a
             Hugging Face model is captured with dummy inputs from its config, any other model with
@@ -83,6 +85,7 @@ def attnresify(model: nn.Module, example_inputs: Any = None, *, example_kwargs: 
     """
     config = _config(config, options)
     _check_arguments(model, example_inputs, example_kwargs)
+    wrapper, model = model, unwrapped(model)
     num_blocks, block_size, preserve_scale, eps = config.num_blocks, config.block_size, config.preserve_scale, config.eps
     allow_partial, route = config.allow_partial, config.route
     if conversion_of(model) is not None:
@@ -103,13 +106,13 @@ def attnresify(model: nn.Module, example_inputs: Any = None, *, example_kwargs: 
     LOG.info("converted %s in %.1f s (%s capture): %d sites in %d stream(s), block sizes %s, routes %s",
              type(model).__name__, time.perf_counter() - start, traced.frontend, len(plan.sites),
              len(plan.streams), ", ".join(map(str, plan.block_sizes)), ", ".join(plan.routes))
-    return model
+    return wrapper
 
 
 def remove(model: nn.Module) -> nn.Module:
     """Undo :func:`attnresify` in place: the AttnRes modules and the routing go; forward, ``state_dict``
     keys and outputs are the original's again. Returns ``model``."""
-    routing.uninstall(model, require(model, "remove"))
+    routing.uninstall(unwrapped(model), require(model, "remove"))
     return model
 
 
@@ -123,7 +126,7 @@ def compile(model: nn.Module, **inductor_options) -> nn.Module:  # noqa: A001 - 
     """
     conversion = require(model, "compile")
     compiler = inductor_options.pop("backend", "inductor")
-    routing.set_compiler(model, conversion, compiler, inductor_options)
+    routing.set_compiler(unwrapped(model), conversion, compiler, inductor_options)
     return model
 
 
@@ -139,7 +142,7 @@ def rewrite(model: nn.Module, example_inputs: Any = None, *, example_kwargs: dic
     the time of the call. The model is not modified.
     """
     require(model, "rewrite")
-    model = unwrap_compiled(model)
+    model = unwrapped(model)
     return explicit_graph(model, model, "", example_inputs, example_kwargs, tracer, dynamic_shapes)
 
 

@@ -49,6 +49,24 @@ def captured(value: torch.Tensor) -> bool:
             or not isinstance(value.numel(), int))
 
 
+class PseudoQuery(nn.Module):
+    """The pseudo-query ``w`` of one site: ``weight`` ``[1, dim]``, zero-initialised, stored as the reference
+    code's ``Linear(dim, 1, bias=False)`` stores it (the same ``proj.weight`` in a ``state_dict``).
+
+    Deliberately not an ``nn.Linear``: quantizers rewrite every ``nn.Linear`` they find (torchao's
+    ``quantize_``, transformers' quantized loading), and a query of one row is no layer to quantize: the
+    aggregation reads it in full precision. Zero init draws no random numbers, so building it leaves the
+    global RNG where it was.
+    """
+
+    def __init__(self, dim: int, device=None, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1, dim, device=device, dtype=dtype))
+
+    def extra_repr(self) -> str:
+        return f"dim={self.weight.shape[1]}"
+
+
 class BlockAttnRes(nn.Module):
     """Aggregate residual sources with one learned, input-independent pseudo-query.
 
@@ -56,8 +74,9 @@ class BlockAttnRes(nn.Module):
     each of shape ``[..., dim]``, and returns ``sum_i softmax_i(w . RMSNorm(v_i)) * v_i``: keys are
     RMS-normalised, values are not, and there is no 1/sqrt(d) temperature (docs/method.md, section 2).
 
-    Parameters mirror the reference code: ``proj = Linear(dim, 1, bias=False)`` holds the pseudo-query
-    ``w`` (weight ``[1, dim]``, zero-initialised so that every source starts with equal weight) and
+    Parameters mirror the reference code: ``proj`` holds the pseudo-query ``w`` (a :class:`PseudoQuery`:
+    ``weight`` ``[1, dim]`` as in its ``Linear(dim, 1, bias=False)``, zero-initialised so that every source
+    starts with equal weight) and
     ``norm = RMSNorm(dim)`` holds the key normalisation (weight ``[dim]``, ones).
 
     The logits, the softmax and the weighted sum run in fp32 whatever the sources' dtype; the result is
@@ -88,11 +107,12 @@ class BlockAttnRes(nn.Module):
         self.preserve_scale = preserve_scale
         # Where this module sits in a converted model (attnres_fx.sites reads it); None for a free module.
         self.site: Site | None = None
-        # Built on the meta device and materialised empty: zero init needs no random numbers, so creating
-        # the module leaves the global RNG where it was (nn.Linear's own init would draw from it).
-        self.proj = nn.Linear(dim, 1, bias=False, device="meta", dtype=dtype).to_empty(device=device or "cpu")
-        self.norm = nn.RMSNorm(dim, eps=eps, device=device, dtype=dtype)
-        self.reset_parameters()
+        # Ordinary tensors even when built inside torch.inference_mode() (a conversion there): inference
+        # tensors cannot be saved for backward, so the first training step would fail.
+        with torch.inference_mode(False):
+            self.proj = PseudoQuery(dim, device=device, dtype=dtype)
+            self.norm = nn.RMSNorm(dim, eps=eps, device=device, dtype=dtype)
+            self.reset_parameters()
 
     def reset_parameters(self) -> None:
         nn.init.zeros_(self.proj.weight)

@@ -122,11 +122,17 @@ class TracedBlock:
     """A block call as a graph: ``graph_module``'s root holds the block as submodule :data:`BLOCK`, its
     placeholders are the call's graph inputs in :func:`call_shape` order, and its output is the
     block's result as one value (a tensor, or the tuple / dict it returns). ``opened``: the children
-    traced through (paths relative to the block)."""
+    traced through (paths relative to the block). ``result_type``: the dict subclass the block returns
+    (a ``ModelOutput``), which the graph returns as a plain dict; ``None`` for any other result."""
 
     graph_module: fx.GraphModule
     shape: CallShape
     opened: frozenset[str]
+    result_type: type | None = None
+
+    def result(self, value: Any) -> Any:
+        """The graph's result as the block returns it."""
+        return value if self.result_type is None else self.result_type(value)
 
 
 def trace_block(block: nn.Module, forward: Callable, args: tuple, kwargs: dict, opened: frozenset[str],
@@ -144,11 +150,18 @@ def trace_block(block: nn.Module, forward: Callable, args: tuple, kwargs: dict, 
     for key, value in kwargs.items():
         _inputs(value, str(key), names, values)
 
+    result_types: list[type] = []
+
     def call(self, *proxies):
         supply = iter(proxies)
         call_args = tuple(_rebuilt(value, supply) for value in args)
         call_kwargs = {key: _rebuilt(value, supply) for key, value in kwargs.items()}
-        return forward(getattr(self, BLOCK), *call_args, **call_kwargs)
+        result = forward(getattr(self, BLOCK), *call_args, **call_kwargs)
+        if isinstance(result, dict) and type(result) is not dict:
+            # fx returns any dict as a plain one: the type is put back on each call.
+            result_types.append(type(result))
+            return dict(result)
+        return result
 
     # fx reads the traced function's signature: one named parameter per graph input.
     parameters = ", ".join(["self", *names])
@@ -167,7 +180,8 @@ def trace_block(block: nn.Module, forward: Callable, args: tuple, kwargs: dict, 
                          f"{type(err).__name__}: {err}", {"fx": err}) from err
     root.__class__ = nn.Module
     _relative_module_stacks(graph)
-    return TracedBlock(fx.GraphModule(root, graph, class_name=f"{type(block).__name__}Graph"), shape, opened)
+    return TracedBlock(fx.GraphModule(root, graph, class_name=f"{type(block).__name__}Graph"), shape, opened,
+                       result_types[0] if result_types else None)
 
 
 def _inputs(value: Any, name: str, names: list[str], values: list) -> None:

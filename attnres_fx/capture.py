@@ -218,6 +218,10 @@ def dummy_inputs(model: nn.Module) -> tuple[tuple, dict] | None:
     parameters = inspect.signature(type(model).forward).parameters
     reference = next(itertools.chain(model.parameters(), model.buffers()), None)
     device = reference.device if reference is not None else torch.device("cpu")
+    if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
+        # A model being built by from_pretrained, its weights on the meta device but for those its own
+        # __init__ made on the CPU (HuBERT's masked_spec_embed): inputs there, with the layers.
+        device = torch.device("meta")
     dtype = reference.dtype if reference is not None and reference.dtype.is_floating_point else torch.float32
     batch, length = DUMMY_BATCH, DUMMY_LENGTH
 
@@ -238,6 +242,10 @@ def dummy_inputs(model: nn.Module) -> tuple[tuple, dict] | None:
         kwargs[name] = torch.zeros(batch, 1600, device=device, dtype=dtype)
     elif name == "input_ids" and "input_ids" in parameters:
         kwargs[name] = ids()
+        if "attention_mask" in parameters:
+            # Some models fill in a missing mask only when they run eagerly (LongT5's local attention
+            # reads it while traced), so a capture without one would fail where the model works.
+            kwargs["attention_mask"] = torch.ones_like(kwargs[name])
     else:
         return None
     if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in parameters:
@@ -271,14 +279,14 @@ def plan_inputs(model: nn.Module, example_inputs: tuple | None, example_kwargs: 
 @contextlib.contextmanager
 def ready_to_capture(model: nn.Module):
     """What a conversion's capture needs of a Hugging Face model: its output-recording hooks installed
-    (outside any trace), and ``config.use_cache`` off while it captures: a forward without a
+    (outside any trace; removed again afterwards), and ``config.use_cache`` off while it captures: a forward without a
     ``use_cache`` argument (a question-answering head passes ``**kwargs`` on) falls back to the config,
     and would build a cache of real tensors inside the capture; and the checkpointing flags of modules
     transformers flags without checkpointing them off, as in the routes' graphs
     (:func:`attnres_fx.compat.hf_inner_checkpointing_flags_off`)."""
-    compat.install_output_recorders(model)
     config = getattr(model, "config", None)
-    with compat.hf_inner_checkpointing_flags_off(compat.checkpointing_flag_holders(model)):
+    with (compat.output_recorders_installed(model),
+          compat.hf_inner_checkpointing_flags_off(compat.checkpointing_flag_holders(model))):
         if not getattr(config, "use_cache", False):
             yield
             return
@@ -303,11 +311,18 @@ def capture_for_plan(model: nn.Module, example_inputs: tuple | None, example_kwa
         try:
             with own_call(), compat.mha_fast_path_off():
                 return Traced(record_graph(model, *inputs), "recorded")
-        except TraceError:
+        except TraceError as recorded:
             # An op the recording cannot see, or one that fails run for real where TorchDynamo's fake
-            # tensors take another path (a value read on the meta device): TorchDynamo decides.
-            pass
-        gm, _ = capture_dynamo(model, *inputs)
+            # tensors take another path (a value read on the meta device): TorchDynamo decides. Where it
+            # fails too, a call the model itself refused is reported as the model's own error.
+            recording_failure = recorded
+        try:
+            gm, _ = capture_dynamo(model, *inputs)
+        except TraceError as err:
+            if "model" in recording_failure.causes:
+                recording_failure.causes.update(err.causes)
+                raise recording_failure  # noqa: B904 - its cause is the model's own error, as it should be
+            raise
         return Traced(gm, "dynamo")
     try:
         with capturing(), routers_set_aside(model):
@@ -337,14 +352,15 @@ def _trace(model, example_inputs, example_kwargs, tracer, dynamic_shapes) -> Tra
         try:
             return Traced(_trace_fx(model), "fx")
         except Exception as err:  # noqa: BLE001 - any tracing failure is reported the same way
-            raise TraceError(_fx_message(model, err), {"fx": err}) from err
+            raise TraceError(_fx_message(model, err) + _TRY_EXPORT, {"fx": err}) from err
     if tracer == "export":
         try:
             return Traced(_trace_export(model, example_inputs, example_kwargs, dynamic_shapes), "export")
         except TraceError:
             raise
         except Exception as err:  # noqa: BLE001
-            raise TraceError(_export_message(model, err), {"export": err}) from err
+            raise TraceError(_export_message(model, err) + _missing_mask_hint(model, example_kwargs),
+                             {"export": err}) from err
     try:
         return Traced(_trace_fx(model), "fx")
     except Exception as fx_err:  # noqa: BLE001
@@ -361,7 +377,8 @@ def _trace(model, example_inputs, example_kwargs, tracer, dynamic_shapes) -> Tra
                 f"- fx: {type(fx_err).__name__}: {first_line(fx_err)}\n"
                 f"- export: {type(export_err).__name__}: {first_line(export_err)}\n"
                 "Try: make the forward free of data-dependent Python control flow, or pass example "
-                "inputs that match how the model is called (positional and keyword).",
+                "inputs that match how the model is called (positional and keyword)."
+                + _missing_mask_hint(model, example_kwargs),
                 {"fx": fx_err, "export": export_err}) from export_err
 
 
@@ -375,7 +392,8 @@ def _trace_fx(model: nn.Module) -> fx.GraphModule:
 
 def _trace_export(model, example_inputs, example_kwargs, dynamic_shapes) -> fx.GraphModule:
     if example_inputs is None and not example_kwargs:
-        raise TraceError("tracer='export' needs example inputs: attnresify(model, (x,), ...)")
+        raise TraceError("tracer='export' needs example inputs: pass them as the model is called, e.g. "
+                         "attnres_fx.rewrite(model, (x,), tracer='export')")
     args = tuple(example_inputs or ())
     kwargs = dict(example_kwargs or {})
     if dynamic_shapes is None:
@@ -437,10 +455,26 @@ def default_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict):
 
 
 def _fx_message(model, err) -> str:
+    """What fx could not trace; the caller says what to try, as its own options allow."""
     return (f"torch.fx symbolic tracing could not trace {type(model).__name__}: "
-            f"{type(err).__name__}: {first_line(err)}\n"
-            "Try tracer='export' with example inputs (handles Python control flow on shapes and "
-            "keyword-only forwards), or remove data-dependent control flow from forward().")
+            f"{type(err).__name__}: {first_line(err)}")
+
+
+# For the callers that take a ``tracer``: attnresify has none (it captures with TorchDynamo given inputs).
+_TRY_EXPORT = ("\nTry tracer='export' with example inputs (handles Python control flow on shapes and "
+               "keyword-only forwards), or remove data-dependent control flow from forward().")
+
+
+def _missing_mask_hint(model: nn.Module, example_kwargs: dict | None) -> str:
+    """For a Hugging Face model traced without the ``attention_mask`` its forward takes: some build a
+    missing one only when they run eagerly (transformers skips it while tracing), and then fail."""
+    if getattr(model, "config", None) is None or (example_kwargs or {}).get("attention_mask") is not None:
+        return ""
+    if "attention_mask" not in inspect.signature(type(model).forward).parameters:
+        return ""
+    return ("\n{name} was traced without an attention_mask: Hugging Face models build a missing one only when "
+            "they run eagerly (LongT5's does not while traced). Pass attention_mask=torch.ones_like(input_ids) "
+            "in example_kwargs.").format(name=type(model).__name__)
 
 
 def _failed_on_inputs(err: BaseException) -> bool:

@@ -202,10 +202,18 @@ def output_recorders_traceable():
         collector.global_var, collector.compiling = None, False
 
 
-def unwrap_compiled(module: nn.Module) -> nn.Module:
-    """The module inside a ``torch.compile`` wrapper (``OptimizedModule``, which keeps it as ``_orig_mod``),
-    or ``module`` itself."""
-    return getattr(module, "_orig_mod", module)
+def unwrapped(module: nn.Module) -> nn.Module:
+    """The model inside the wrappers users put around one: ``torch.compile``'s ``OptimizedModule`` (which
+    keeps it as the private ``_orig_mod``) and PEFT's ``PeftModel`` (``get_base_model()``), in any
+    nesting; ``module`` itself when it is no wrapper."""
+    while True:
+        inner = module.__dict__.get("_modules", {}).get("_orig_mod")
+        if inner is None and type(module).__module__.startswith("peft.") and callable(
+                getattr(module, "get_base_model", None)):
+            inner = module.get_base_model()
+        if inner is None or inner is module:
+            return module
+        module = inner
 
 
 def once_only_logging() -> set:
@@ -295,19 +303,121 @@ def hf_inner_checkpointing_flags_off(holders: tuple[nn.Module, ...]):
             m.gradient_checkpointing = True
 
 
-def install_output_recorders(model: nn.Module) -> None:
-    """Install transformers' output-recording hooks on every model inside ``model`` now, as its first call
-    asking for attentions or hidden states would: installing them takes a ``threading.Lock``, which
-    Dynamo cannot trace. Relies on ``transformers.utils.output_capturing.maybe_install_capturing_hooks``
-    and ``_CAN_RECORD_REGISTRY``; without them, nothing happens."""
+def _output_capturing():
+    """transformers' output-recording module, when transformers is imported and has one."""
     module = sys.modules.get("transformers.utils.output_capturing")
-    install = getattr(module, "maybe_install_capturing_hooks", None)
-    registry = getattr(module, "_CAN_RECORD_REGISTRY", None)
-    if install is None or registry is None:
+    return module if hasattr(module, "maybe_install_capturing_hooks") else None
+
+
+def _records_outputs(module: nn.Module, capturing) -> bool:
+    """Whether ``module``'s class ``forward`` is wrapped by transformers' ``capture_outputs`` (the wrapper
+    that installs the recording hooks at a call asking for outputs: its code calls
+    ``maybe_install_capturing_hooks``)."""
+    function = type(module).forward
+    while function is not None:
+        code = getattr(function, "__code__", None)
+        if code is not None and code.co_filename == capturing.__file__ and "maybe_install_capturing_hooks" in code.co_names:
+            return True
+        function = getattr(function, "__wrapped__", None)
+    return False
+
+
+def _install_output_recorders(model: nn.Module, capturing) -> None:
+    """Install transformers' output-recording hooks where a call asking for outputs would: on each module
+    whose forward records outputs, outermost first, once (transformers' flag on the module says whether
+    they are in)."""
+    for module in model.modules():
+        if _records_outputs(module, capturing):
+            capturing.maybe_install_capturing_hooks(module)
+
+
+@contextlib.contextmanager
+def output_recorders_installed(model: nn.Module):
+    """Within: transformers' output-recording hooks (``output_hidden_states``, ``output_attentions``, MoE
+    router logits) are installed on ``model`` as its first call asking for outputs would install them:
+    installing takes a ``threading.Lock``, which Dynamo cannot trace, so a capture of a call asking for
+    outputs needs them in beforehand. On the way out the hooks and flags put in here are removed again
+    (those an earlier call installed stay): transformers' hooks are local functions, which ``pickle``
+    cannot take. Relies on ``transformers.utils.output_capturing`` (``maybe_install_capturing_hooks``,
+    the ``_output_capturing_hooks_installed`` flag, hooks defined in that module); without it, nothing
+    happens."""
+    capturing = _output_capturing()
+    if capturing is None:
+        yield
         return
-    for submodule in model.modules():
-        if registry.get(submodule):
-            install(submodule)
+    modules = list(model.modules())
+    flag = "_output_capturing_hooks_installed"
+    flagged = {id(m) for m in modules if m.__dict__.get(flag)}
+    hooks = {id(m): set(m._forward_hooks) for m in modules}
+    _install_output_recorders(model, capturing)
+    try:
+        yield
+    finally:
+        for module in modules:
+            for key in set(module._forward_hooks) - hooks[id(module)]:
+                if getattr(module._forward_hooks[key], "__module__", None) == capturing.__name__:
+                    del module._forward_hooks[key]
+            if id(module) not in flagged:
+                module.__dict__.pop(flag, None)
+
+
+def install_output_recorders_for_call(model: nn.Module, kwargs: dict) -> None:
+    """Install transformers' output-recording hooks on ``model`` (see :func:`output_recorders_installed`)
+    before a call that asks for outputs (an ``output_*`` argument, or a config of the model that sets
+    one), which will capture them in one Dynamo graph; they stay, as after such a call of the original."""
+    capturing = _output_capturing()
+    if capturing is None:
+        return
+    modules = list(model.modules())
+    flags = {"output_attentions"} | {f"output_{key}" for m in modules for key in capturing._CAN_RECORD_REGISTRY.get(m)}
+    configs = {id(c): c for m in modules if (c := getattr(m, "config", None)) is not None}.values()
+    if any(kwargs.get(flag) or any(getattr(c, flag, False) for c in configs) for flag in flags):
+        _install_output_recorders(model, capturing)
+
+
+@contextlib.contextmanager
+def hf_saved_under_own_names(keys: set[str]):
+    """Within: transformers' ``save_pretrained`` writes the ``state_dict`` entries ``keys`` under their own
+    names (as ``save_original_format=False`` writes every entry) and reverts its checkpoint conversions on
+    the others only. Those conversions are regular expressions written for the model's own weights, and
+    reverted they can rename others: Mixtral's ``.block_sparse_moe.`` -> ``.mlp.``, reverted, turns
+    ``layers.0.mlp_res.norm.weight`` into ``layers.0.block_sparse_moe.res.norm.weight`` (its ``.`` matches
+    the ``_``), which loads back as ``mlp.res``, a weight the model does not have. Relies on
+    ``transformers.modeling_utils.revert_weight_conversion``, the function ``save_pretrained`` reverts
+    with (no argument selects entries); without it, nothing changes."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    revert = getattr(modeling, "revert_weight_conversion", None)
+    if revert is None:
+        yield
+        return
+
+    def revert_others(model, state_dict):
+        kept = {key: value for key, value in state_dict.items() if key in keys}
+        others = {key: value for key, value in state_dict.items() if key not in keys}
+        return {**revert(model, others), **kept}
+
+    modeling.revert_weight_conversion = revert_others
+    try:
+        yield
+    finally:
+        modeling.revert_weight_conversion = revert
+
+
+def hf_onnx_translations(program) -> dict:
+    """The ONNX functions transformers ships for its own custom operators (``torch.ops.transformers.*``:
+    the grouped matmul of its mixture-of-experts layers on the CPU, ``grouped_mm_fallback``) that the
+    ``torch.export`` program ``program`` calls, as ``torch.onnx.export``'s ``custom_translation_table``.
+    The ONNX exporter has no translation of these operators; transformers' own exporter passes these.
+    Relies on ``transformers.exporters.exporter_onnx._ONNX_TRANSLATION_TABLE``; ``{}`` without it."""
+    targets = {node.target for node in program.graph.nodes if node.op == "call_function"}
+    ours = {t for t in targets if isinstance(t, OpOverload) and t.namespace == "transformers"}
+    if not ours:
+        return {}
+    try:
+        from transformers.exporters.exporter_onnx import _ONNX_TRANSLATION_TABLE as table
+    except ImportError:
+        return {}
+    return {op: function for op, function in table.items() if op in ours}
 
 
 # Run a function while Dynamo traces, its result taken as a constant (``torch._dynamo``'s decorator).

@@ -18,7 +18,7 @@ from torch import nn
 from attnres_fx.block_attnres import BlockAttnRes
 from attnres_fx.passes.plan import Plan, Site
 
-from .compat import unwrap_compiled
+from .compat import unwrapped
 from .config import AttnResConfig
 
 ATTRIBUTE = "_attnres_conversion"
@@ -41,7 +41,7 @@ class Conversion:
 def conversion_of(model: nn.Module) -> Conversion | None:
     """The conversion of a converted model (``None`` for any other module, a submodule of a converted
     model included)."""
-    conversion = unwrap_compiled(model).__dict__.get(ATTRIBUTE)
+    conversion = unwrapped(model).__dict__.get(ATTRIBUTE)
     return conversion if isinstance(conversion, Conversion) else None
 
 
@@ -82,7 +82,7 @@ def sites(module: nn.Module) -> list[Site]:
     """Every injected aggregation of a converted model (or of a :func:`~attnres_fx.rewrite` graph), in
     execution order, each stream's final one after its sites. ``module.get_submodule(site.name)`` is its
     ``BlockAttnRes``."""
-    module = unwrap_compiled(module)
+    module = unwrapped(module)
     found = [m.site for m in module.modules() if isinstance(m, BlockAttnRes) and m.site is not None]
     return sorted(found, key=lambda site: site.index)
 

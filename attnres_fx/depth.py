@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .compat import unwrap_compiled
+from .compat import unwrapped
 from .conversion import sites as sites_of
 from .aggregation import depth_logit, folded_query
 from .block_attnres import BlockAttnRes
@@ -196,7 +196,7 @@ class DepthRecorder:
         if not self.sites:
             raise ValueError(f"model: depth weights need a model converted by attnres_fx.attnresify (or its "
                              f"attnres_fx.rewrite graph); {type(model).__name__} has no AttnRes sites")
-        self._root = unwrap_compiled(model)
+        self._root = unwrapped(model)
         self._sums: dict[str, torch.Tensor] = {}
         self._entropy: dict[str, float] = {}
         self._max: dict[str, float] = {}

@@ -24,19 +24,22 @@ installed once transformers' ``modeling_utils`` is imported (:func:`attnres_fx.c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from . import api, compat, conversion, routing
 from .config import AttnResConfig
 from .conversion import is_converted, plan_of, sites
-from .errors import CheckpointMismatchError
+from .errors import AttnResWarning, CheckpointMismatchError
 from .version import __version__
 
 CONFIG_NAME = "attnres_config.json"
@@ -58,7 +61,8 @@ class SavePretrained:
         had, before = hasattr(config, CONFIG_ATTRIBUTE), getattr(config, CONFIG_ATTRIBUTE, None)
         setattr(config, CONFIG_ATTRIBUTE, config_entry(self.model))
         try:
-            result = type(self.model).save_pretrained(self.model, save_directory, *args, **kwargs)
+            with compat.hf_saved_under_own_names(set(_attnres_weights(self.model))):
+                result = type(self.model).save_pretrained(self.model, save_directory, *args, **kwargs)
         finally:
             if had:
                 setattr(config, CONFIG_ATTRIBUTE, before)
@@ -151,15 +155,39 @@ def read_config(directory) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointMismatchError(f"{directory} has no {CONFIG_NAME}: it was not saved from a model converted "
                                       "by attnres_fx (load it with the model class itself)")
-    config = json.loads(path.read_text())
-    _check_format(config, path)
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointMismatchError(f"{path} cannot be read: {type(err).__name__}: {err}. Save the converted "
+                                      "model again") from err
+    check_entry(config, str(path), "")
     return config
 
 
-def _check_format(entry: dict, where) -> None:
+def check_entry(entry: Any, where: str, key: str) -> AttnResConfig:
+    """The options of a saved conversion (``entry``: the ``config.json`` entry, ``key`` its key, or
+    ``attnres_config.json``, ``key`` empty), after checking what they are made of; a malformed entry raises
+    :class:`~attnres_fx.CheckpointMismatchError` naming the file and key, rather than loading the plain
+    model or default options."""
+    named = f"{where}, key '{key}'" if key else where
+    way_out = (f"Restore it from the {CONFIG_NAME} saved beside it, or save the converted model again"
+               if key else "Save the converted model again")
+    if not isinstance(entry, dict):
+        raise CheckpointMismatchError(f"{named}: a saved AttnRes conversion is an object with 'format', "
+                                      f"'options' and 'block_sizes', got {type(entry).__name__} {entry!r:.80}. "
+                                      f"{way_out}.")
     if entry.get("format") not in READABLE_FORMATS:
-        raise CheckpointMismatchError(f"{where}: AttnRes format {entry.get('format')!r}, this attnres_fx reads "
+        raise CheckpointMismatchError(f"{named}: AttnRes format {entry.get('format')!r}, this attnres_fx reads "
                                       f"formats {READABLE_FORMATS}")
+    fields = (("options", dict), ("block_sizes", list)) + ((("sites", list),) if not key else ())
+    for field, kind in fields:
+        if not isinstance(entry.get(field), kind):
+            raise CheckpointMismatchError(f"{named}: '{field}' is {entry.get(field)!r:.80}, not a {kind.__name__} "
+                                          f"({'missing' if field not in entry else 'malformed'}). {way_out}.")
+    try:
+        return AttnResConfig.from_dict(entry["options"])
+    except (TypeError, ValueError) as err:
+        raise CheckpointMismatchError(f"{named}: its 'options' are not valid: {err}. {way_out}.") from err
 
 
 # -- conversion when a model is built -----------------------------------------------------------------------
@@ -179,24 +207,62 @@ def construction_policy(policy: Callable[[nn.Module], dict | None] | None) -> No
 
 def convert_on_construction(model: nn.Module) -> None:
     """What transformers' ``post_init`` does for attnres_fx (see the module docstring)."""
-    entry = getattr(getattr(model, "config", None), CONFIG_ATTRIBUTE, None)
-    options = None
-    if isinstance(entry, dict):
-        _check_format(entry, f"{type(model).__name__}.config.{CONFIG_ATTRIBUTE}")
-        options = {"config": AttnResConfig.from_dict(entry.get("options") or {})}
-    elif _POLICY:
-        options = _POLICY[0](model)
+    saved = _saved_entry(model)
+    if saved is not None:
+        entry, options = saved[0], {"config": saved[1]}
+    else:
+        entry, options = None, (_POLICY[0](model) if _POLICY else None)
     if options is None or is_converted(model) or not _outermost(model):
         return
     after = options.pop("after", None)
-    api.attnresify(model, **options)
-    if isinstance(entry, dict) and list(plan_of(model).block_sizes) != list(entry.get("block_sizes", [])):
+    with _eval_mode(model):
+        api.attnresify(model, **options)
+    if entry is not None and list(plan_of(model).block_sizes) != list(entry["block_sizes"]):
         sizes = plan_of(model).block_sizes
         api.remove(model)
         raise CheckpointMismatchError(f"{type(model).__name__}: its config was saved with AttnRes block sizes "
                                       f"{entry.get('block_sizes')}, the model built from it converts to {list(sizes)}")
     if after is not None:
         after(model)
+
+
+def _saved_entry(model: nn.Module) -> tuple[dict, AttnResConfig] | None:
+    """The checked ``"attnres"`` entry of ``model``'s config and its options, or None when it has none; an
+    entry that does not agree with the ``attnres_config.json`` saved beside its ``config.json`` is refused
+    too."""
+    config = getattr(model, "config", None)
+    if config is None or CONFIG_ATTRIBUTE not in vars(config):
+        return None
+    directory = Path(getattr(config, "name_or_path", "") or "")
+    where = str(directory / "config.json") if directory.is_dir() else f"{type(model).__name__}.config"
+    entry = getattr(config, CONFIG_ATTRIBUTE)
+    options = check_entry(entry, where, CONFIG_ATTRIBUTE)
+    beside = directory / CONFIG_NAME
+    if directory.is_dir() and beside.is_file():
+        saved = read_config(directory)
+        differs = [field for field in ("options", "block_sizes") if saved.get(field) != entry.get(field)]
+        if differs:
+            raise CheckpointMismatchError(
+                f"{where}, key '{CONFIG_ATTRIBUTE}': its {' and '.join(differs)} differ from those in {beside} "
+                f"({', '.join(f'{f}: {entry.get(f)!r} against {saved.get(f)!r}' for f in differs)}): the AttnRes "
+                "weights saved there were made by the conversion that file records. Restore the entry from it.")
+    return entry, options
+
+
+@contextlib.contextmanager
+def _eval_mode(model: nn.Module):
+    """Within: ``model`` is in eval mode. A model being built is in training mode, and under
+    ``from_pretrained`` its weights are still on the meta device: a conversion captures it in eval mode,
+    where a training-only construct (a LayerDrop draw, HuBERT's ``requires_grad`` on its features) cannot
+    stop the capture and send it to the fallback that runs the model. The modes are restored on the way
+    out, the AttnRes modules taking the model's."""
+    modes = {module: module.training for module in model.modules()}
+    model.eval()
+    try:
+        yield
+    finally:
+        for module in model.modules():
+            module.training = modes.get(module, modes[model])
 
 
 def _outermost(model: nn.Module) -> bool:
@@ -234,12 +300,15 @@ def from_pretrained(model_or_cls, directory, **from_pretrained_kwargs) -> nn.Mod
             raise CheckpointMismatchError(f"{directory}: {type(model).__name__} was built without its AttnRes "
                                           f"conversion (config.json has no '{CONFIG_ATTRIBUTE}' entry?)")
         _check_sites(saved, saved_config(model), directory)
+        _restore_unloaded_weights(model, directory)
         return model
     model = model_or_cls
-    api.attnresify(model, config=AttnResConfig.from_dict(saved["options"]))
+    config = check_entry(saved, str(Path(directory) / CONFIG_NAME), "")
+    stored = _stored_attnres_weights(directory)
+    api.attnresify(model, config=config)
     try:
         _check_sites(saved, saved_config(model), directory)
-        _load_attnres_weights(model, directory)
+        model.load_state_dict(_fitting(model, stored, directory), strict=False)
     except BaseException:
         api.remove(model)
         raise
@@ -277,16 +346,52 @@ def _write_attnres_weights(model: nn.Module, directory) -> None:
     save_file(tensors, str(Path(directory) / WEIGHTS_NAME))
 
 
-def _load_attnres_weights(model: nn.Module, directory) -> None:
+def _stored_attnres_weights(directory) -> dict:
+    """Every tensor of ``attnres.safetensors``; a missing or damaged file raises naming it."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     path = Path(directory) / WEIGHTS_NAME
     if not path.is_file():
         raise CheckpointMismatchError(f"{path} not found: save the converted model with its save_pretrained")
-    wanted = set(_attnres_weights(model))
-    tensors = {key: value for key, value in load_file(str(path)).items() if key in wanted}
-    missing = sorted(wanted - set(tensors))
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as err:
+        raise CheckpointMismatchError(f"{path} cannot be read ({type(err).__name__}: {err}): the file is damaged "
+                                      "or truncated. Save the converted model again") from err
+
+
+def _fitting(model: nn.Module, stored: dict, directory) -> dict:
+    """The AttnRes weights of ``model`` from ``stored``, every one present with the model's shape."""
+    path = Path(directory) / WEIGHTS_NAME
+    wanted = _attnres_weights(model)
+    missing = sorted(set(wanted) - set(stored))
     if missing:
         raise CheckpointMismatchError(f"{path} has no weights for {', '.join(missing[:6])}"
                                       f"{'...' if len(missing) > 6 else ''}")
-    model.load_state_dict(tensors, strict=False)
+    shapes = [f"{key}: saved {tuple(stored[key].shape)}, the model's {tuple(value.shape)}"
+              for key, value in wanted.items() if stored[key].shape != value.shape]
+    if shapes:
+        raise CheckpointMismatchError(f"{path} holds AttnRes weights of other shapes than the model converts to "
+                                      f"({'; '.join(shapes[:4])}): it was saved from a model of another size")
+    return {key: stored[key] for key in wanted}
+
+
+def _restore_unloaded_weights(model: nn.Module, directory) -> None:
+    """Give the AttnRes weights transformers' loader did not load the values of ``attnres.safetensors``,
+    and say so: a checkpoint whose ``model.safetensors`` holds them under names the loader renames (written
+    while transformers' reverted renamings applied to them, Mixtral's ``mlp_res`` as ``block_sparse_moe.res``;
+    see :func:`attnres_fx.compat.hf_saved_under_own_names`) would otherwise load uninitialised ones."""
+    stored = _fitting(model, _stored_attnres_weights(directory), directory)
+    current = _attnres_weights(model)
+    differ = [key for key, value in current.items()
+              if value.device.type != "meta" and not torch.equal(value, stored[key].to(value.device, value.dtype))]
+    if not differ:
+        return
+    with torch.no_grad():
+        for key in differ:
+            current[key].copy_(stored[key])
+    warnings.warn(f"{directory}: model.safetensors gave other AttnRes weights than {WEIGHTS_NAME} for "
+                  f"{', '.join(differ[:4])}{'...' if len(differ) > 4 else ''} (transformers' loader did not "
+                  f"load them): they were taken from {WEIGHTS_NAME}. Save the model again to rewrite its "
+                  "checkpoint.", AttnResWarning, stacklevel=3)

@@ -35,7 +35,7 @@ from torch import nn
 
 from . import routing
 from .conversion import conversion_of
-from .compat import unwrap_compiled
+from .compat import unwrapped
 from .conversion import sites
 from .block_attnres import BlockAttnRes
 from .depth import DepthRecorder, DepthWeights, depth_weights, source_label
@@ -242,7 +242,7 @@ def _set_trainable(model: nn.Module, trainable: bool) -> None:
     if not found:
         raise ValueError(f"model: {'unfreeze' if trainable else 'freeze'} needs a model converted by "
                          f"attnres_fx.attnresify; {type(model).__name__} has no AttnRes sites")
-    root = unwrap_compiled(model)
+    root = unwrapped(model)
     for site in found:
         root.get_submodule(site.name).requires_grad_(trainable)
     conversion = conversion_of(root)

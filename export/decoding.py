@@ -48,12 +48,31 @@ def cache_shape(model: nn.Module) -> tuple[int, int, int]:
     if config is None or not getattr(config, "is_decoder", True) or getattr(config, "is_encoder_decoder", False):
         raise ExportError(f"with_cache=True exports Hugging Face decoder language models; "
                           f"{type(model).__name__} is not one")
+    _require_key_value_cache(model, config)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     layers = text.num_hidden_layers
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     return layers, kv_heads, head_dim
+
+
+def _require_key_value_cache(model: nn.Module, config) -> None:
+    """Refuse a model whose cache holds more than keys and values: the graph's cache is one key and one
+    value tensor per layer, which has no place for the convolution or recurrent states of linear-attention
+    and state-space layers (Lfm2, FalconH1, GraniteMoeHybrid, Kimi Linear)."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
+
+    layers = DynamicCache(config=config).layers
+    other = sorted({type(layer).__name__ for layer in layers
+                    if not isinstance(layer, DynamicLayer) or isinstance(layer, LinearAttentionCacheLayerMixin)})
+    if other:
+        raise ExportError(
+            f"with_cache=True exports a cache of keys and values per layer; {type(model).__name__}'s cache also "
+            f"holds {', '.join(other)} layers (the states of its linear-attention or state-space layers), "
+            "which that layout has no place for. Export without the cache (with_cache=False): the graph then "
+            "recomputes the whole sequence at every step.")
 
 
 def input_names(layers: int) -> list[str]:

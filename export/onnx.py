@@ -28,11 +28,12 @@ from attnres_fx.api import explicit_graph, rewrite
 from attnres_fx.block_attnres import BlockAttnRes
 from attnres_fx.errors import AttnResWarning, ExportError
 from attnres_fx.capture import default_dynamic_shapes
-from attnres_fx.compat import unwrap_compiled
+from attnres_fx.compat import hf_onnx_translations, unwrapped
 from attnres_fx.conversion import is_converted
 
 from . import decoding
 from .failures import reraise_as_export_error
+from .runtime import verify
 from .schedule import inference_form
 from .signature import bind, output_names
 
@@ -43,7 +44,7 @@ _ATTNRES_CLASS = f"{BlockAttnRes.__module__}.{BlockAttnRes.__qualname__}"
 
 def to_onnx(module: nn.Module, example_inputs: Any, path: str | Path, *, example_kwargs: dict | None = None,
             dynamic: bool = True, opset: int | None = None, external_data: bool | None = None,
-            two_phase: bool = True, with_cache: bool = False) -> Path:
+            two_phase: bool = True, with_cache: bool = False, check: bool = True) -> Path:
     """Export ``module`` to an ONNX file at ``path`` and check it with ``onnx.checker``; return the path.
 
     Args:
@@ -67,13 +68,18 @@ def to_onnx(module: nn.Module, example_inputs: Any, path: str | Path, *, example
             (:mod:`attnres_fx.export.decoding`, ``optimum``'s layout; the example ``input_ids``, first
             positional input or keyword, are all it reads). Batch, sequence and past length are dynamic;
             :func:`attnres_fx.export.generate_onnx` decodes with it.
+        check: run the ONNX model in onnxruntime on the example inputs and compare it with ``module``
+            (fp32 and fp64 models, without the cache): an exporter can translate a graph into one that
+            computes something else without an error (LongT5's local attention, through an explicit
+            graph). A model that disagrees is deleted again and raises :class:`attnres_fx.ExportError`
+            with the comparison.
 
     Graph inputs are named after ``forward()``'s parameters (``ids``, ``input_ids``); outputs after
     the output's keys (``logits``, ``last_hidden_state``), ``output_<i>`` for a tuple, and ``logits``
     / ``output`` for a single tensor. Every failure raises :class:`attnres_fx.ExportError` with the
     exporter's root cause and a hint.
     """
-    module = unwrap_compiled(module)
+    module = source = unwrapped(module)
     if with_cache:
         module, args, kwargs, dynamic_shapes, names_in, names_out = _decoder_with_cache(module, example_inputs,
                                                                                         example_kwargs)
@@ -87,8 +93,11 @@ def to_onnx(module: nn.Module, example_inputs: Any, path: str | Path, *, example
             _warn_size_one(call.names, call.tensors)
         with reraise_as_export_error("running the module on the example inputs"), torch.no_grad():
             names_out = output_names(module, module(*args, **kwargs))
-    return write_onnx(module, args, kwargs, dynamic_shapes, names_in, names_out, path, opset=opset,
+    path = write_onnx(module, args, kwargs, dynamic_shapes, names_in, names_out, path, opset=opset,
                       external_data=external_data, two_phase=two_phase)
+    if check and not with_cache and _checkable(source):
+        _refuse_if_it_disagrees(source, path, example_inputs, example_kwargs)
+    return path
 
 
 def write_onnx(module: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any, input_names: list[str],
@@ -106,7 +115,8 @@ def write_onnx(module: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any
             program = program.run_decompositions(ops.EXPORT_DECOMPOSITIONS)
     with reraise_as_export_error("ONNX conversion"):
         onnx_program = torch.onnx.export(program, dynamo=True, input_names=input_names,
-                                         output_names=output_names, opset_version=opset, verbose=False)
+                                         output_names=output_names, opset_version=opset, verbose=False,
+                                         custom_translation_table=hf_onnx_translations(program) or None)
     path.parent.mkdir(parents=True, exist_ok=True)
     with reraise_as_export_error(f"saving {path}"):
         onnx_program.save(path, external_data=external_data)
@@ -114,6 +124,29 @@ def write_onnx(module: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any
         # The path, not a loaded proto: the checker then reads external data itself, past 2 GB.
         onnx.checker.check_model(str(path))
     return path
+
+
+# Agreement required of an export: well above onnxruntime's own rounding (~1e-6 relative), well below a
+# wrong translation.
+CHECK_TOLERANCE = 1e-3
+
+
+def _checkable(module: nn.Module) -> bool:
+    """Whether onnxruntime on the CPU reproduces ``module`` closely enough to judge it: fp32 and fp64."""
+    return {p.dtype for p in module.parameters() if p.dtype.is_floating_point} <= {torch.float32, torch.float64}
+
+
+def _refuse_if_it_disagrees(module: nn.Module, path: Path, example_inputs: Any, example_kwargs: dict | None) -> None:
+    report = verify(module, path, example_inputs, example_kwargs=example_kwargs, atol=CHECK_TOLERANCE,
+                    rtol=CHECK_TOLERANCE)
+    if report.ok:
+        return
+    for written in (path, Path(f"{path}.data")):
+        written.unlink(missing_ok=True)
+    raise ExportError(f"the ONNX model computes something else than {type(module).__name__} on the example "
+                      f"inputs, so it was not kept ({path}):\n{report}\nThe exporter translated a graph it "
+                      "took without an error into a wrong one. Export the model without AttnRes to see whether "
+                      "the exporter handles it; check=False keeps such a model for inspection.")
 
 
 def _decoder_with_cache(model: nn.Module, example_inputs: Any, example_kwargs: dict | None):

@@ -249,6 +249,7 @@ class _StreamSurgery:
         aten = isinstance(stream.end.target, compat.OpOverload)
         self.partial_add = torch.ops.aten.add.Tensor if aten else operator.add
         self.reshape_as = torch.ops.aten.reshape_as.default if aten else torch.Tensor.reshape_as
+        self.contiguous = torch.ops.aten.contiguous.default if aten else torch.Tensor.contiguous
         self.layout_of: dict[fx.Node, str] = {stream.start: stream.layout}
         self.carrier: dict[str, fx.Node] = {stream.layout: stream.start}    # a node of each layout
         self.reshaped: dict[tuple[fx.Node, str], fx.Node] = {}
@@ -414,15 +415,26 @@ class _StreamSurgery:
 
     def return_state(self) -> int:
         """A layer's graph that does not end the stream also returns the partial sum and the blocks it
-        committed, after its own outputs; how many outputs that adds."""
+        committed, after its own outputs; how many outputs that adds. They are returned contiguous: the
+        next layer's graph takes them as inputs made like its stream input (:meth:`_enter`), and a graph
+        compiled by Inductor asserts its inputs' strides (an embedding that is a transposed view, as
+        SigLIP's patches are, would enter as block 0 with other strides). Free where they are contiguous."""
         if not self.span.layer or self.span.ends:
             return 0
-        state = [self.partial, *self.blocks[self.entered_blocks:]]
         (output,) = self.graph.find_nodes(op="output")
+        state = [self._contiguous(node, output) for node in [self.partial, *self.blocks[self.entered_blocks:]]]
         results = output.args[0]
         results = tuple(results) if isinstance(results, (tuple, list)) else (results,)
         output.args = (results + tuple(state),)
         return len(state)
+
+    def _contiguous(self, node: fx.Node | None, output: fx.Node) -> fx.Node | None:
+        if node is None:
+            return None
+        with self.graph.inserting_before(output):
+            contiguous = self.graph.call_function(self.contiguous, (node,))
+        _annotate(contiguous, node, self.planned.owner, "state", with_module=False, inside=False)
+        return contiguous
 
     def in_layout(self, node: fx.Node, layout: str, origin: fx.Node, inside: bool = True) -> fx.Node:
         """``node`` reshaped to ``layout`` where the stream left it in another one (``h.reshape(-1, d)``

@@ -1,5 +1,6 @@
 import copy
 import importlib.util
+import io
 import os
 import sys
 
@@ -23,18 +24,39 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def snapshot(model: torch.nn.Module) -> dict:
-    """Everything a call must leave untouched: state_dict (values, keys), parameter objects."""
+    """Everything a call must leave untouched: state_dict (values, keys), parameter objects, the module
+    tree, every module's hooks and instance attributes (flags, a ``forward`` wrapper), the config, and
+    whether ``torch.save`` takes the model."""
     return {
         "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "params": [id(p) for p in model.parameters()],
         "modules": [(name, type(m)) for name, m in model.named_modules()],
+        "hooks": hooks_of(model),
+        "attributes": {name: sorted(vars(m)) for name, m in model.named_modules()},
+        "config": _config_of(model),
+        "saves": saves(model),
     }
 
 
 def hooks_of(model: torch.nn.Module) -> dict:
-    """The forward hooks on every module of ``model`` (the conversion's own included)."""
-    return {name: (list(m._forward_pre_hooks.values()), list(m._forward_hooks.values()))
-            for name, m in model.named_modules()}
+    """Every hook on every module of ``model`` (the conversion's own included): forward, pre-forward and
+    backward hooks, in order."""
+    kinds = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+    return {name: tuple(list(getattr(m, kind).values()) for kind in kinds) for name, m in model.named_modules()}
+
+
+def saves(model: torch.nn.Module) -> str:
+    """``"yes"`` when ``torch.save`` takes ``model``, else why not."""
+    try:
+        torch.save(model, io.BytesIO())
+    except Exception as err:  # noqa: BLE001 - any failure to pickle counts
+        return f"{type(err).__name__}: {err}"
+    return "yes"
+
+
+def _config_of(model: torch.nn.Module):
+    config = getattr(model, "config", None)
+    return config.to_dict() if hasattr(config, "to_dict") else copy.deepcopy(vars(config)) if config is not None else None
 
 
 def assert_untouched(model: torch.nn.Module, before: dict) -> None:
@@ -44,6 +66,12 @@ def assert_untouched(model: torch.nn.Module, before: dict) -> None:
         assert torch.equal(after["state"][key], value), f"{key} changed"
     assert after["params"] == before["params"]
     assert after["modules"] == before["modules"], "module tree changed"
+    for name, hooks in before["hooks"].items():
+        assert after["hooks"][name] == hooks, f"hooks of {name or '<root>'} changed"
+    for name, attributes in before["attributes"].items():
+        assert after["attributes"][name] == attributes, f"instance attributes of {name or '<root>'} changed"
+    assert after["config"] == before["config"], "config changed"
+    assert after["saves"] == before["saves"], f"torch.save: {before['saves']} before, {after['saves']} now"
 
 
 @pytest.fixture

@@ -102,6 +102,7 @@ def test_untraceable_model_raises_trace_error_with_the_cause(untouched):
     with pytest.raises(attnres_fx.TraceError, match="pass example_inputs") as without_inputs:
         attnres_fx.attnresify(model)
     assert set(without_inputs.value.causes) == {"fx"}
+    assert "tracer=" not in str(without_inputs.value), "attnresify takes no tracer: no hint may suggest one"
     with pytest.raises(attnres_fx.TraceError, match="TorchDynamo could not capture") as with_inputs:
         attnres_fx.attnresify(model, (torch.randn(2, 3, 32),))
     assert set(with_inputs.value.causes) == {"dynamo"} and "graph break" in str(with_inputs.value)

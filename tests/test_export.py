@@ -332,3 +332,70 @@ def test_hf_models_run_in_onnxruntime_at_three_shapes(hf_converted, tmp_path):
         # onnxruntime's CPU kernels accumulate in another order than PyTorch's: rounding, ~1e-6 seen.
         report = export.verify(m.model, sess, args, example_kwargs=kwargs, atol=1e-4, rtol=0)
         assert report.ok and report.max_abs <= 1e-4, str(report)
+
+
+# -- models whose export needs more than their graph -------------------------------------------------------
+
+def _tiny_hf(config_class: str, model_class: str, **fields):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    tiny_fields = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                       num_key_value_heads=2, max_position_embeddings=128, attn_implementation="eager")
+    return getattr(transformers, model_class)(getattr(transformers, config_class)(**{**tiny_fields, **fields})).eval()
+
+
+def test_transformers_grouped_matmul_of_experts_exports(tmp_path):
+    """transformers runs a mixture of experts' matmul on the CPU as a custom operator the ONNX exporter has
+    no translation of (Qwen2-MoE, GraniteMoeHybrid failed there, converted or not); the export takes
+    transformers' own ONNX function for it."""
+    pytest.importorskip("transformers.integrations.moe")
+
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(3, 16, 8))
+            self.register_buffer("ends", torch.tensor([3, 3, 8]))      # rows per expert, cumulative
+
+        def forward(self, x):
+            return torch.ops.transformers.grouped_mm_fallback(x, self.weight, self.ends)
+
+    torch.manual_seed(0)
+    experts, x = Experts(), torch.randn(8, 16)
+    path = export.to_onnx(experts, (x,), tmp_path / "experts.onnx", dynamic=False)
+    assert export.verify(experts, path, (x,), atol=1e-5, rtol=0).ok
+
+
+def test_a_cache_of_more_than_keys_and_values_is_refused_before_anything_is_written(tmp_path):
+    model = _tiny_hf("Lfm2Config", "Lfm2ForCausalLM", layer_types=["conv", "full_attention"], block_ff_dim=64)
+    ids = torch.randint(1, 128, (2, 8))
+    with pytest.raises(ExportError, match=r"Lfm2ForCausalLM's cache also holds LinearAttentionLayer layers .*"
+                                          r"with_cache=False"):
+        export.to_onnx(model, (ids,), tmp_path / "lfm2.onnx", with_cache=True)
+    assert not list(tmp_path.iterdir())
+
+
+def test_an_export_that_computes_something_else_is_deleted_and_refused(tmp_path):
+    """An exporter can translate a graph it takes without an error into one that computes something else
+    (LongT5's explicit graph does): here a model whose traced code differs from its eager code."""
+    class TracedOtherwise(torch.nn.Module):
+        def forward(self, x):
+            return x * 2 if torch.compiler.is_exporting() else x * 3
+
+    with pytest.raises(ExportError, match=r"computes something else than TracedOtherwise .* not kept"):
+        export.to_onnx(TracedOtherwise(), (torch.randn(2, 3),), tmp_path / "other.onnx")
+    assert not list(tmp_path.iterdir())
+    assert export.to_onnx(TracedOtherwise(), (torch.randn(2, 3),), tmp_path / "kept.onnx", check=False).exists()
+
+
+@pytest.mark.slow
+def test_longt5_converts_whole_and_its_explicit_graph_asks_for_the_attention_mask():
+    """LongT5 builds a missing attention mask only when it runs eagerly: the conversion's dummy inputs carry
+    one (without it the capture failed and each decoder block became a stream of its own), and an explicit
+    graph traced without one says to pass it."""
+    model = _tiny_hf("LongT5Config", "LongT5ForConditionalGeneration", d_model=32, d_kv=16, d_ff=64, num_layers=2,
+                     num_decoder_layers=2, num_heads=2, decoder_start_token_id=0, pad_token_id=0, local_radius=4)
+    new = attnres_fx.attnresify(model, preserve_scale=True)
+    assert [stream.owner for stream in attnres_fx.plan_of(new).streams] == ["encoder", "decoder"]
+    ids = torch.randint(1, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(attnres_fx.TraceError, match=r"Pass attention_mask=torch.ones_like\(input_ids\)"):
+        attnres_fx.rewrite(new, (ids,), example_kwargs={"decoder_input_ids": ids})

@@ -424,3 +424,35 @@ def test_a_timm_layout_vision_transformer_with_layer_scale_and_stochastic_depth(
     loss = model(other).square().mean()
     loss.backward()
     assert model.blocks[1].mlp_res.proj.weight.grad.abs().sum() > 0
+
+
+# -- architectures beyond HF_MODELS, used as a user would -----------------------------------------------------
+
+# Sampled from transformers' causal-LM list, one per mechanism the table above has none of: ALiBi with a fused
+# query-key-value (BLOOM), attention and MLP in parallel off one norm with sliding-window layers (Cohere 2).
+# Tiny, built from their configs; README names the others this check passes on.
+SAMPLED = {
+    "bloom": ("BloomConfig", "BloomForCausalLM", {}),
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", {"sliding_window": 4}),
+}
+SAMPLED_FIELDS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=2, head_dim=16, max_position_embeddings=128, pad_token_id=0, bos_token_id=1,
+                      eos_token_id=2, attn_implementation="eager")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SAMPLED))
+def test_a_sampled_architecture_converts_exactly_and_generates_the_same_tokens(name):
+    import transformers
+
+    config_class, model_class, fields = SAMPLED[name]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**{**SAMPLED_FIELDS, **fields})
+    original = getattr(transformers, model_class)(config).eval()
+    model = attnres_fx.attnresify(copy.deepcopy(original), preserve_scale=True)
+    assert [s.kind for s in attnres_fx.sites(model)][-1] == "final" and len(attnres_fx.sites(model)) >= 3
+    ids = H.hf_example_inputs("llama", 2, 9)[0][0]
+    with torch.no_grad():
+        assert H.relative_error(model(ids).logits, original(ids).logits) < EXACT
+    want = original.generate(ids[:1], max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids[:1], max_new_tokens=3, do_sample=False, pad_token_id=0), want)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -201,6 +202,122 @@ def test_without_attnres_fx_transformers_loads_the_original_and_reports_the_attn
     assert done.stdout.split()[-3:] == ["False", "LlamaForCausalLM", "False"]
     report = done.stdout + done.stderr
     assert "UNEXPECTED" in report and "attn_res.proj.weight" in report and "final_res" in report
+
+
+def _copy(directory, tmp_path):
+    import shutil
+
+    return Path(shutil.copytree(directory, tmp_path / "copy"))
+
+
+@pytest.mark.parametrize("edit", [
+    lambda entry: "attnres",
+    lambda entry: None,
+    lambda entry: {key: value for key, value in entry.items() if key != "options"},
+    lambda entry: {**entry, "options": {**entry["options"], "block_size": 0}},
+    lambda entry: {**entry, "format": 99},
+    lambda entry: {**entry, "options": {**entry["options"], "num_blocks": 1}, "block_sizes": [4]},
+], ids=["a string", "null", "no options", "invalid options", "another format", "other than attnres_config.json"])
+def test_a_malformed_config_entry_is_refused_naming_the_file_and_key(saved, tmp_path, edit):
+    """Never the plain model or default options without a word: the model transformers builds from the
+    edited config.json raises while it is built."""
+    import transformers
+
+    directory = _copy(saved[1], tmp_path)
+    config = json.loads((directory / "config.json").read_text())
+    config["attnres"] = edit(config["attnres"])
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(attnres_fx.CheckpointMismatchError, match=r"copy/config\.json, key 'attnres'"):
+        transformers.LlamaForCausalLM.from_pretrained(directory)
+
+
+def test_damaged_or_foreign_attnres_weights_are_refused_naming_the_file(saved, tmp_path, untouched):
+    directory = _copy(saved[1], tmp_path)
+    weights = directory / "attnres.safetensors"
+    model = H.build_hf("llama")
+    check = untouched(model)
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(attnres_fx.CheckpointMismatchError, match=r"copy/attnres\.safetensors cannot be read"):
+        attnres_fx.from_pretrained(model, directory)
+    check()
+    wider = H.build_hf("llama", hidden_size=64)
+    check = untouched(wider)
+    with pytest.raises(attnres_fx.CheckpointMismatchError, match=r"attnres\.safetensors holds AttnRes weights of other "
+                       r"shapes .*saved \(1, 32\), the model's \(1, 64\)"):
+        attnres_fx.from_pretrained(wider, saved[1])
+    check()
+    assert not attnres_fx.is_converted(wider)
+
+
+def test_a_mixture_of_experts_reloads_exactly(tmp_path):
+    """transformers saves Mixtral's experts in their older layout and renames ``.mlp.`` back to
+    ``.block_sparse_moe.`` with a pattern that matches ``.mlp_res.`` too: the AttnRes weights are saved
+    under their own names, and come back as they were; a checkpoint holding them under the renamed ones
+    is repaired from ``attnres.safetensors``, with a warning."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2, max_position_embeddings=128, attn_implementation="eager")
+    model = attnres_fx.attnresify(transformers.MixtralForCausalLM(config).eval(), preserve_scale=True)
+    randomise_pseudo_queries(model, seed=3, std=0.5)
+    model.save_pretrained(tmp_path)
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    names = [f"{site.name}.{weight}" for site in attnres_fx.sites(model) for weight in ("proj.weight", "norm.weight")]
+    assert set(names) <= set(saved)
+    ids = H.hf_example_inputs("llama")[0][0]
+    with torch.no_grad():
+        want = model(ids).logits
+    again = attnres_fx.from_pretrained(transformers.MixtralForCausalLM, tmp_path)
+    state = again.state_dict()
+    assert list(state) == list(model.state_dict())
+    assert all(torch.equal(state[key], value) for key, value in model.state_dict().items())
+    # The experts' grouped matmul sums in an order that depends on memory alignment: the original Mixtral
+    # reloads within 1e-7 too.
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids).logits, want, rtol=1e-5, atol=1e-6)
+    renamed = {key.replace(".mlp_res.", ".block_sparse_moe.res."): value for key, value in saved.items()}
+    save_file(renamed, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.warns(attnres_fx.AttnResWarning, match="taken from attnres.safetensors"):
+        repaired = attnres_fx.from_pretrained(transformers.MixtralForCausalLM, tmp_path)
+    assert all(torch.equal(repaired.state_dict()[key], value) for key, value in model.state_dict().items())
+
+
+def test_an_audio_encoder_reloads(tmp_path):
+    """HuBERT with its stable layer norm (pre-norm), built in training mode by from_pretrained, its weights
+    on the meta device but for one its __init__ makes on the CPU: converted in eval mode, on the meta
+    device, as the saved model was."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.HubertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                       do_stable_layer_norm=True, feat_extract_norm="layer", conv_dim=(16, 16),
+                                       conv_stride=(5, 4), conv_kernel=(10, 8), num_conv_pos_embeddings=16,
+                                       num_conv_pos_embedding_groups=2)
+    model = randomise_pseudo_queries(attnres_fx.attnresify(transformers.HubertModel(config).eval()), seed=3)
+    model.save_pretrained(tmp_path)
+    again = transformers.HubertModel.from_pretrained(tmp_path)
+    assert attnres_fx.is_converted(again) and not again.training
+    audio = torch.randn(2, 1600, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(again(audio).last_hidden_state, model(audio).last_hidden_state)
+
+
+def test_accelerate_builds_and_loads_the_converted_model_on_the_meta_device(saved):
+    import accelerate
+    import transformers
+
+    model, directory = saved
+    with accelerate.init_empty_weights():
+        empty = transformers.LlamaForCausalLM(transformers.AutoConfig.from_pretrained(directory))
+    assert attnres_fx.is_converted(empty) and empty.model.final_res.proj.weight.is_meta
+    loaded = accelerate.load_checkpoint_and_dispatch(empty, str(directory / "model.safetensors"),
+                                                     device_map={"": "cpu"}).eval()
+    ids = H.hf_example_inputs("llama")[0][0]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
 
 
 # -- CLI --------------------------------------------------------------------------------------------------

@@ -345,3 +345,71 @@ def test_blocks_of_one_kind_share_their_trace_and_their_rewritten_graphs():
     whole = attnres_fx.attnresify(tiny(layers=6), block_size=4, route="model")
     whole.load_state_dict(model.state_dict())
     torch.testing.assert_close(model(ids), whole(ids), rtol=TIGHT, atol=TIGHT)
+
+
+class BlockOutput(dict):
+    """A block result that is a dict subclass, as transformers' ``ModelOutput`` is."""
+
+
+class RecordBlock(torch.nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.ln1, self.attn, self.ln2, self.mlp = block.ln1, block.attn, block.ln2, block.mlp
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return BlockOutput(hidden=x + self.mlp(self.ln2(x)))
+
+
+class AttentionWithWeights(torch.nn.Module):
+    def __init__(self, attn):
+        super().__init__()
+        self.attn = attn
+
+    def forward(self, x):
+        return self.attn(x), None
+
+
+class ConcatenatingBlock(torch.nn.Module):
+    """Builds its result as T5's layers do: ``(h,) + attention_output[1:]``, a tuple whose length a trace
+    with the attention as a call does not know."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.ln1, self.ln2, self.mlp = block.ln1, block.ln2, block.mlp
+        self.attn = AttentionWithWeights(block.attn)
+
+    def forward(self, x):
+        attention_output = self.attn(self.ln1(x))
+        x = x + attention_output[0]
+        x = x + self.mlp(self.ln2(x))
+        return (x,) + attention_output[1:]
+
+
+class UnwrappingModel(TinyTransformer):
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            out = block(x)
+            x = out["hidden"] if isinstance(out, dict) else out[0]
+        return self.head(self.ln_f(x))
+
+
+@pytest.mark.parametrize("wrap, block_graph", [(RecordBlock, True), (ConcatenatingBlock, False)],
+                         ids=["dict-subclass result", "concatenated tuple result"])
+def test_a_block_result_of_any_container_keeps_its_type_and_its_values(wrap, block_graph):
+    """A block returning a dict subclass runs its block graph and returns its own type again (fx returns
+    any dict as a plain one); a block returning a tuple concatenated with a sublayer's result runs on
+    TorchDynamo, which sees the tuple's length. Either way, the values of the model route."""
+    torch.manual_seed(0)
+    model = UnwrappingModel(dim=32, num_layers=3, num_heads=4).eval()
+    for index, block in enumerate(model.blocks):
+        model.blocks[index] = wrap(block)
+    layer, whole = both_routes(model)
+    ids = example_ids(layer.config)
+    torch.testing.assert_close(layer(ids), whole(ids), rtol=TIGHT, atol=TIGHT)
+    router = routing.routers(layer)[1]
+    assert [routes.traced is not None for routes in router._shapes.values()] == [block_graph]
+    with torch.no_grad():
+        result = layer.blocks[0](layer.embed(ids))
+    assert type(result) is (BlockOutput if wrap is RecordBlock else tuple)

@@ -55,7 +55,7 @@ def test_same_object_class_submodules_methods_and_attributes():
     # (repr folds identical layers: "(0-1): 2 x NanoBlock(")
     assert {line.split(":")[0] for line in heads} == {f"({site.name.rsplit('.', 1)[-1]})"
                                                       for site in attnres_fx.sites(model)}
-    assert all(line in heads or line == ")" or line.startswith(("(proj): Linear(", "(norm): RMSNorm(", "dim="))
+    assert all(line in heads or line == ")" or line.startswith(("(proj): PseudoQuery(", "(norm): RMSNorm(", "dim="))
                for line in added), added
     assert set(before.splitlines()) <= set(repr(model).splitlines())
 

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import operator
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
@@ -158,13 +159,31 @@ def routable_trace(block: nn.Module, forward: Callable, args: tuple, kwargs: dic
     """:func:`~attnres_fx.block_tracer.trace_block`, refused (:class:`~attnres_fx.TraceError`) where the
     stream changes its leading shape inside the block (``h.reshape(-1, d)`` before a sublayer): sources
     of two layouts must then be reshaped to each other, which needs the shapes a trace with sublayers as
-    calls does not have; such a block runs on TorchDynamo."""
+    calls does not have; or where it builds its result by concatenating a tuple with a sublayer's result
+    (``(h,) + attention_output[1:]``), whose length such a trace does not know: the stream then leaves
+    in no place of the graph's output. Such a block runs on TorchDynamo."""
     traced = trace_block(block, forward, args, kwargs, opened, shape)
     for stream in detect_residual_streams(traced.graph_module, min_sites=1).streams:
         if any(is_reshape(op) for site in stream.sites for op in site.inbound):
             raise TraceError(f"the residual stream of {type(block).__name__} changes its leading shape between "
                              "sites, which a trace with its sublayers as calls cannot follow")
+    (output,) = traced.graph_module.graph.find_nodes(op="output")
+    if any(_concatenates_a_sequence(node) for node in _nodes_in(output.args[0])):
+        raise TraceError(f"{type(block).__name__} returns a tuple concatenated with a sublayer's result, whose "
+                         "length a trace with its sublayers as calls does not know")
     return traced
+
+
+def _nodes_in(value: Any) -> list[fx.Node]:
+    if isinstance(value, fx.Node):
+        return [value]
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else ()
+    return [node for item in items for node in _nodes_in(item)]
+
+
+def _concatenates_a_sequence(node: fx.Node) -> bool:
+    return (node.op == "call_function" and node.target in (operator.add, operator.concat)
+            and any(isinstance(arg, (tuple, list)) for arg in node.args))
 
 
 class BlockModuleCalls(Emitter):

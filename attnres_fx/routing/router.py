@@ -144,6 +144,7 @@ class ModelRouter(Router):
             return type(self.module).forward(self.module, *args, **kwargs)
         if torch.compiler.is_exporting():
             self._refuse_export()
+        compat.install_output_recorders_for_call(self.module, kwargs)
         return self.run_dynamo(self.entry(None, self._backend), args, kwargs)
 
     def _backend(self, compiler: str):
@@ -345,16 +346,17 @@ class LayerRouter(Router):
             count = layout[1]
             state_inputs = (list(tensors[:count]), *tensors[count:])
         results = variant.forward(variant.bound, *inputs, *state_inputs)
+        result = routes.traced.result(results[0])
         if self.starts:
             note_stream_start(self.conversion, self.stream)
         if self.ends:
             note_stream_end(self.conversion, self.stream)
-            return results[0]
+            return result
         entered = tensors[:len(state.blocks)] if state is not None else ()
         after = StreamState(self.conversion, self.stream, self.span.start + signature.next_offset,
                             entered + tuple(results[2:]), results[1])
-        carrier_out = self._leaving(at_path(results[0], signature.carrier), after, before, via, reentrant)
-        return replaced_at(results[0], signature.carrier, carrier_out)
+        carrier_out = self._leaving(at_path(result, signature.carrier), after, before, via, reentrant)
+        return replaced_at(result, signature.carrier, carrier_out)
 
     def _entering(self, routes: _ShapeRoutes, inputs: list) -> tuple[torch.Tensor | None, StreamState | None, str]:
         """The carrier this call takes and the state it brings (``None`` at the stream's start)."""

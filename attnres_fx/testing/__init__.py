@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from attnres_fx.api import sites
-from attnres_fx.compat import unwrap_compiled
+from attnres_fx.compat import unwrapped
 from attnres_fx.models import HF_MODELS, LAYERS, hf_model, main_output
 
 
@@ -90,7 +90,7 @@ def randomise_pseudo_queries(model: nn.Module, seed: int = 1, std: float = 1.0) 
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for site in sites(model):
-            module = unwrap_compiled(model).get_submodule(site.name)
+            module = unwrapped(model).get_submodule(site.name)
             module.proj.weight.copy_(torch.randn(module.proj.weight.shape, generator=generator) * std)
             module.norm.weight.uniform_(0.5, 1.5, generator=generator)
     return model
