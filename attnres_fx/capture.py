@@ -314,12 +314,13 @@ def capture_for_plan(model: nn.Module, example_inputs: tuple | None, example_kwa
         except TraceError as recorded:
             # An op the recording cannot see, or one that fails run for real where TorchDynamo's fake
             # tensors take another path (a value read on the meta device): TorchDynamo decides. Where it
-            # fails too, a call the model itself refused is reported as the model's own error.
+            # fails too, not on an op of the model (it cannot bind the arguments), a call the model itself
+            # refused is reported as the model's own error.
             recording_failure = recorded
         try:
             gm, _ = capture_dynamo(model, *inputs)
         except TraceError as err:
-            if "model" in recording_failure.causes:
+            if "model" in recording_failure.causes and not _failed_on_inputs(err.causes.get("dynamo")):
                 recording_failure.causes.update(err.causes)
                 raise recording_failure  # noqa: B904 - its cause is the model's own error, as it should be
             raise
