@@ -71,8 +71,9 @@ def to_onnx(module: nn.Module, example_inputs: Any, path: str | Path, *, example
         check: run the ONNX model in onnxruntime on the example inputs and compare it with ``module``
             (fp32 and fp64 models, without the cache): an exporter can translate a graph into one that
             computes something else without an error (LongT5's local attention, through an explicit
-            graph). A model that disagrees is deleted again and raises :class:`attnres_fx.ExportError`
-            with the comparison.
+            graph). A model that disagrees (neither element-wise within 1e-3 nor per row within 1e-2 of
+            the row's norm: rounding of a deep model reaches the first, not the second) is deleted again
+            and raises :class:`attnres_fx.ExportError` with the comparison.
 
     Graph inputs are named after ``forward()``'s parameters (``ids``, ``input_ids``); outputs after
     the output's keys (``logits``, ``last_hidden_state``), ``output_<i>`` for a tuple, and ``logits``
@@ -126,9 +127,11 @@ def write_onnx(module: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any
     return path
 
 
-# Agreement required of an export: well above onnxruntime's own rounding (~1e-6 relative), well below a
-# wrong translation.
+# Agreement required of an export: element-wise, or per row (token) relative to the row's norm, since
+# rounding grows with depth (1.4e-3 on logits of a 12-layer, d=512 model: 8e-4 of the row). Well above
+# onnxruntime's own rounding either way, well below a wrong translation.
 CHECK_TOLERANCE = 1e-3
+CHECK_ROW_TOLERANCE = 1e-2
 
 
 def _checkable(module: nn.Module) -> bool:
@@ -139,12 +142,13 @@ def _checkable(module: nn.Module) -> bool:
 def _refuse_if_it_disagrees(module: nn.Module, path: Path, example_inputs: Any, example_kwargs: dict | None) -> None:
     report = verify(module, path, example_inputs, example_kwargs=example_kwargs, atol=CHECK_TOLERANCE,
                     rtol=CHECK_TOLERANCE)
-    if report.ok:
+    if all(out.ok or out.max_rel <= CHECK_ROW_TOLERANCE for out in report.outputs):
         return
     for written in (path, Path(f"{path}.data")):
         written.unlink(missing_ok=True)
     raise ExportError(f"the ONNX model computes something else than {type(module).__name__} on the example "
-                      f"inputs, so it was not kept ({path}):\n{report}\nThe exporter translated a graph it "
+                      f"inputs, so it was not kept ({path}):\n{report}\n(nor per row within {CHECK_ROW_TOLERANCE:g} "
+                      "of the row's norm). The exporter translated a graph it "
                       "took without an error into a wrong one. Export the model without AttnRes to see whether "
                       "the exporter handles it; check=False keeps such a model for inspection.")
 
