@@ -20,7 +20,9 @@ the same shape (and the same train/eval flags) run the same graph.
 Inputs are proxies that answer ``isinstance`` as the value they stand for (a tensor, a cache object),
 so that code testing types takes the branch it takes at run time; code that branches on a tensor's
 value, dtype or shape cannot be traced (:class:`~attnres_fx.TraceError`; the layer route then
-captures that block with TorchDynamo). Tracing patches ``torch.nn.Module.__call__`` for the duration,
+captures that block with TorchDynamo). Random draws that take no traced value (``torch.rand([])``, a
+LayerDrop's coin) are graph nodes, drawn at every call: ``torch.fx`` would run them once, at trace time,
+and bake the draw in. Tracing patches ``torch.nn.Module.__call__`` for the duration,
 as ``torch.fx`` does: other threads' module calls go through the tracer's hook untouched (the tracer
 acts only in its own thread), and traces are serialised with TorchDynamo's compilations.
 """
@@ -44,6 +46,8 @@ from .errors import TraceError
 CONSTANT_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
                   torch.memory_format, enum.Enum, type(Ellipsis), slice, range)
 BLOCK = "block"         # the traced block, as a submodule of the tracer's root
+# Functions that draw random values from their arguments' shapes alone.
+RANDOM_DRAWS = frozenset({torch.rand, torch.randn, torch.randint, torch.randperm, torch.normal})
 
 
 class _Tensor:
@@ -171,7 +175,7 @@ def trace_block(block: nn.Module, forward: Callable, args: tuple, kwargs: dict, 
     root.__class__ = traced_class
     tracer.value_types = [type(value) for value in values]
     try:
-        with compat.dynamo_compile_lock():
+        with compat.dynamo_compile_lock(), _RandomDrawsAsNodes(tracer):
             graph = tracer.trace(root)
     except TraceError:
         raise
@@ -265,6 +269,21 @@ class _BlockTracer(fx.Tracer):
         if isinstance(a, fx.Proxy):
             return a.node
         return super().create_arg(a)
+
+
+class _RandomDrawsAsNodes(torch.overrides.TorchFunctionMode):
+    """Records the random draws of the tracer's thread that take no traced value as graph nodes."""
+
+    def __init__(self, tracer: _BlockTracer):
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in RANDOM_DRAWS and threading.get_ident() == self.tracer.thread and not any(
+                isinstance(value, fx.Proxy) for value in (*args, *kwargs.values())):
+            return self.tracer.create_proxy("call_function", func, args, kwargs)
+        return func(*args, **kwargs)
 
 
 def _relative_module_stacks(graph: fx.Graph) -> None:

@@ -132,6 +132,36 @@ def test_control_flow_on_a_tensor_value_cannot_be_traced():
         trace_block(block, type(block).forward, (x,), {}, frozenset(), shape)
 
 
+def test_a_random_draw_is_drawn_at_every_call_and_a_branch_on_it_cannot_be_traced():
+    """torch.fx runs a draw that takes no traced value once, at trace time, and bakes it in: a layer's
+    random scale (or a LayerDrop's coin) would be frozen. Structural: the draw is a node of the graph;
+    numerical: each call draws anew, the draws of the original under the same seed; failure: a branch on
+    the draw (a LayerDrop) cannot be traced, so that the route does not bake the branch taken."""
+    class RandomScale(Branching):
+        def forward(self, x, scale=None, cache=None):
+            return super().forward(x * torch.rand([]))
+
+    class LayerDrop(Branching):
+        def forward(self, x, scale=None, cache=None):
+            return x if torch.rand([]) < 0.5 else super().forward(x)
+
+    block, x = RandomScale(), torch.randn(2, 8)
+    shape, _ = call_shape((x,), {}, (block,))
+    traced = trace_block(block, type(block).forward, (x,), {}, frozenset(), shape)
+    assert [n.target for n in traced.graph_module.graph.nodes if n.op == "call_function"][0] is torch.rand
+    forward = compiled_forward(traced.graph_module.graph, "test")
+    draws = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        got = forward(Bound(block), x)
+        torch.manual_seed(seed)
+        torch.testing.assert_close(got, block(x), rtol=0, atol=0)
+        draws.append(got)
+    assert not torch.equal(*draws)
+    with pytest.raises(TraceError, match="cannot be traced with its sublayers as calls"):
+        trace_block(LayerDrop(), LayerDrop.forward, (x,), {}, frozenset(), shape)
+
+
 def test_a_trace_in_one_thread_leaves_module_calls_in_other_threads_alone():
     """torch.fx patches nn.Module.__call__ while it traces: another thread's calls must run as usual."""
     other, x = nn.Linear(8, 8), torch.randn(4, 8)

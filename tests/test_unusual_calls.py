@@ -159,3 +159,30 @@ def test_expert_loops_that_depend_on_the_data_run_as_sublayer_calls(name):
     model = attnres_fx.attnresify(copy.deepcopy(original), preserve_scale=True)
     assert set(attnres_fx.plan_of(model).routes) == {"layer"}
     torch.testing.assert_close(model(**call).logits, original(**call).logits, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_a_layerdrop_in_a_blocks_own_code_is_refused_in_training_never_frozen():
+    """HuBERT's encoder adds its positional convolution (a site) and draws, in training, whether each layer
+    runs. Failure: with LayerDrop on, a training call raises TraceError (a trace would have frozen the draw
+    made while tracing: outputs silently not the original's); numerical: with ``layerdrop=0`` it trains
+    as the original, exactly (dropout off: it acts on the stream, which AttnRes holds as block sums)."""
+    torch.manual_seed(0)
+    config = transformers.HubertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                       do_stable_layer_norm=True, feat_extract_norm="layer", conv_dim=(16, 16),
+                                       conv_stride=(5, 4), conv_kernel=(10, 8), num_conv_pos_embeddings=16,
+                                       num_conv_pos_embedding_groups=2, layerdrop=0.5, mask_time_prob=0.0,
+                                       hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+    original = transformers.HubertModel(config).eval()
+    model = attnres_fx.attnresify(copy.deepcopy(original), preserve_scale=True).train()
+    audio = torch.randn(2, 1600, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(attnres_fx.TraceError, match="Data-dependent branching"):
+        model(audio)
+    for module in (original, model):
+        module.config.layerdrop = 0.0
+    original.train()
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        want = original(audio).last_hidden_state
+        torch.manual_seed(seed)
+        torch.testing.assert_close(model(audio).last_hidden_state, want, rtol=0, atol=0)
