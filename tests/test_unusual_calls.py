@@ -186,3 +186,21 @@ def test_a_layerdrop_in_a_blocks_own_code_is_refused_in_training_never_frozen():
         want = original(audio).last_hidden_state
         torch.manual_seed(seed)
         torch.testing.assert_close(model(audio).last_hidden_state, want, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_a_hybrid_of_linear_and_full_attention_generates_the_originals_tokens():
+    """Kimi Linear: a linear-attention layer (its recurrent state in the cache) and a full-attention one.
+    transformers' own generate needs one attention layer to count the cache's length (with none, the
+    original fails the same way); with one, the converted model generates the original's tokens."""
+    torch.manual_seed(0)
+    config = transformers.KimiLinearConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=4, linear_head_dim=16,
+                                           linear_num_heads=4, layer_types=["linear_attention", "full_attention"],
+                                           num_experts=4, num_experts_per_token=2, moe_intermediate_size=32,
+                                           pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    original = transformers.KimiLinearForCausalLM(config).eval()
+    model = attnres_fx.attnresify(copy.deepcopy(original), preserve_scale=True)
+    prompt = ids(length=6)
+    want = original.generate(prompt, max_new_tokens=5, do_sample=False)
+    assert torch.equal(model.generate(prompt, max_new_tokens=5, do_sample=False), want)
