@@ -3,7 +3,6 @@ reload, the CLI's convert and export, ONNX decoding with the KV cache."""
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 
