@@ -168,17 +168,10 @@ def routable_trace(block: nn.Module, forward: Callable, args: tuple, kwargs: dic
             raise TraceError(f"the residual stream of {type(block).__name__} changes its leading shape between "
                              "sites, which a trace with its sublayers as calls cannot follow")
     (output,) = traced.graph_module.graph.find_nodes(op="output")
-    if any(_concatenates_a_sequence(node) for node in _nodes_in(output.args[0])):
+    if any(_concatenates_a_sequence(node) for node in output.all_input_nodes):
         raise TraceError(f"{type(block).__name__} returns a tuple concatenated with a sublayer's result, whose "
                          "length a trace with its sublayers as calls does not know")
     return traced
-
-
-def _nodes_in(value: Any) -> list[fx.Node]:
-    if isinstance(value, fx.Node):
-        return [value]
-    items = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else ()
-    return [node for item in items for node in _nodes_in(item)]
 
 
 def _concatenates_a_sequence(node: fx.Node) -> bool:
@@ -234,15 +227,25 @@ def rewrite_block(traced: TracedBlock, plan, target: LayerTarget, block_path: st
     return gm, signature
 
 
+def variant_key(kind: tuple, shape: CallShape, planned, span, path: str, layout: Layout | None) -> tuple:
+    """What a rewritten block graph is shared by: the kind of block and call shape, its place in a stream
+    block (where the state it receives stands), whether it ends the stream, and the names of its
+    aggregations below the block (the stream's final one as ``None``)."""
+    place = "start" if layout is None else (span.start - layout.position, layout.position % planned.block_size,
+                                            layout.has_partial)
+    prefix = path + "."
+    names = tuple(site.name[len(prefix):] if site.name.startswith(prefix) else None for site in planned.sites
+                  if site.position is None or span.start <= site.position < span.stop)
+    return ("variant", kind, shape, place, span.stop == planned.num_positions, names)
+
+
 def block_variant(router: LayerRouter, traced: TracedBlock, shape: CallShape, layout: Layout | None) -> BlockVariant:
     """``traced`` rewritten for ``router``'s block with the stream's state in ``layout``; see the module
     docstring. The rewritten code is shared by the blocks of one kind that sit at the same place in a
     stream block and name their aggregations alike: it takes the completed blocks as one list and finds
     the block's modules on the ``self`` it is given."""
     planned = router.planned
-    place = "start" if layout is None else (router.span.start - layout.position, layout.position % planned.block_size,
-                                            layout.has_partial)
-    key = ("variant", router.kind, shape, place, router.ends, router.relative_names)
+    key = variant_key(router.kind, shape, planned, router.span, router.path, layout)
 
     def rewrite() -> tuple:
         target = LayerTarget(planned, router.span, entry_of(layout), router.ends)

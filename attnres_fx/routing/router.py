@@ -244,15 +244,6 @@ class LayerRouter(Router):
         super().reset()
         self._shapes.clear()
 
-    @functools.cached_property
-    def relative_names(self) -> tuple[str, ...]:
-        """The names of this block's aggregations below it (its stream's final one as ``None``): blocks of
-        one kind that name them alike share their rewritten graphs."""
-        prefix = self.path + "."
-        return tuple(site.name[len(prefix):] if site.name.startswith(prefix) else None
-                     for site in self.planned.sites
-                     if site.position is None or self.span.start <= site.position < self.span.stop)
-
     def _class_forward(self) -> tuple[Callable, bool, tuple]:
         """``(forward, checkpointed, kind)`` for the module's class now (FSDP2 swaps it): the forward the
         route runs (inside transformers' checkpointing wrapper, if any), whether there is such a wrapper,
@@ -346,17 +337,11 @@ class LayerRouter(Router):
             count = layout[1]
             state_inputs = (list(tensors[:count]), *tensors[count:])
         results = variant.forward(variant.bound, *inputs, *state_inputs)
-        result = routes.traced.result(results[0])
-        if self.starts:
-            note_stream_start(self.conversion, self.stream)
-        if self.ends:
-            note_stream_end(self.conversion, self.stream)
-            return result
-        entered = tensors[:len(state.blocks)] if state is not None else ()
-        after = StreamState(self.conversion, self.stream, self.span.start + signature.next_offset,
-                            entered + tuple(results[2:]), results[1])
-        carrier_out = self._leaving(at_path(result, signature.carrier), after, before, via, reentrant)
-        return replaced_at(result, signature.carrier, carrier_out)
+        after = self._state_after(state, tensors, signature.next_offset, results[1:])
+        if after is None:
+            return routes.traced.result(results[0])
+        carrier_out = self._leaving(at_path(results[0], signature.carrier), after, before, via, reentrant)
+        return routes.traced.result(replaced_at(results[0], signature.carrier, carrier_out))
 
     def _entering(self, routes: _ShapeRoutes, inputs: list) -> tuple[torch.Tensor | None, StreamState | None, str]:
         """The carrier this call takes and the state it brings (``None`` at the stream's start)."""
@@ -376,15 +361,32 @@ class LayerRouter(Router):
                     if state is not None:
                         carrier, routes.stream_input = value, index
                         break
+        self._check_entry(state)
+        return (carrier, state, via) if state is not None else (None, None, "")
+
+    def _check_entry(self, state: StreamState | None) -> None:
+        """Refuses a call that brings no state to a block that does not start the stream, or the state of
+        a later place in it."""
         if state is None:
             if not self.starts:
                 raise RoutingError(self._stateless_message())
-            return None, None, ""
-        if state.position > self.span.start:
+        elif state.position > self.span.start:
             raise RoutingError(f"{self.where} was called with the stream after residual site {state.position} of "
                                f"stream {self.stream}, but its own sites start at {self.span.start}: the stream's "
                                "modules must be called once each, in order")
-        return carrier, state, via
+
+    def _state_after(self, state: StreamState | None, tensors: tuple, next_offset: int,
+                     state_out: tuple) -> StreamState | None:
+        """The stream's state after this call (``state_out``: the partial sum, then the blocks it committed),
+        the stream's start and end noted; ``None`` where the call ends the stream."""
+        if self.starts:
+            note_stream_start(self.conversion, self.stream)
+        if self.ends:
+            note_stream_end(self.conversion, self.stream)
+            return None
+        entered = tensors[:len(state.blocks)] if state is not None else ()
+        return StreamState(self.conversion, self.stream, self.span.start + next_offset,
+                           entered + tuple(state_out[1:]), state_out[0])
 
     def _recomputable(self, given: torch.Tensor | None, state: StreamState | None) -> tuple[StreamState | None, bool]:
         """Activation checkpointing recomputes a block on a copy of its input, which carries no state: in the
@@ -421,13 +423,7 @@ class LayerRouter(Router):
 
     def _run_dynamo(self, args: tuple, kwargs: dict):
         carrier, state, via = _find_state((args, kwargs), self.conversion, self.stream)
-        if state is None:
-            if not self.starts:
-                raise RoutingError(self._stateless_message())
-        elif state.position > self.span.start:
-            raise RoutingError(f"{self.where} was called with the stream after residual site {state.position} of "
-                               f"stream {self.stream}, but its own sites start at {self.span.start}: the stream's "
-                               "modules must be called once each, in order")
+        self._check_entry(state)
         tensors: tuple[torch.Tensor, ...] = ()
         if state is not None and state.tensors:
             view, tensors = unbundle(state, carrier)
@@ -439,14 +435,9 @@ class LayerRouter(Router):
             out = self.run_dynamo(self.entry(layout, lambda compiler: self._dynamo_backend(compiler, layout),
                                              self.forward_function), args, kwargs, self.forward_function)
         before, reentrant = self._recomputable(carrier if carrier is not None else call.start, state)
-        if self.starts:
-            note_stream_start(self.conversion, self.stream)
-        if self.ends:
-            note_stream_end(self.conversion, self.stream)
+        after = self._state_after(state, tensors, call.next_offset, call.state_out)
+        if after is None:
             return out
-        entered = tensors[:len(state.blocks)] if state is not None else ()
-        after = StreamState(self.conversion, self.stream, self.span.start + call.next_offset,
-                            entered + call.state_out[1:], call.state_out[0])
         carrier_out = self._leaving(call.carrier, after, before, via, reentrant)
         return _replaced(out, call.carrier, carrier_out, what=f"the result of {self.where}")
 

@@ -24,7 +24,7 @@ from ..errors import TraceError
 from ..passes.pipeline import LayerTarget, rewrite_captured
 from ..passes.plan import Plan, StreamPlan
 from ..passes.rewrite import ModuleCalls
-from .graphs import Layout, entry_of, kind_of, rewrite_block, routable_trace
+from .graphs import Layout, entry_of, kind_of, rewrite_block, routable_trace, variant_key
 
 
 def try_layer_route(model: nn.Module, plan: Plan, modules: dict, calls: dict) -> None:
@@ -51,15 +51,13 @@ def _try_block(model, plan: Plan, stream: StreamPlan, span, modules: dict, call:
     traced_modules = (block, *(block.get_submodule(path) for path in sorted(span.opened)))
     shape, _ = call_shape(args, kwargs, traced_modules)
     kind = kind_of(block, forward, span.opened)
-    # The route shares a rewritten graph between blocks of one kind at one place in a stream block.
-    place = (position % stream.block_size, target.ends, tuple(
-        site.name[len(span.owner) + 1:] for site in stream.sites if site.position in range(span.start, span.stop)))
+    variant = variant_key(kind, shape, stream, span, span.owner, layout)    # the graphs the route shares
     try:
         if (kind, shape) not in traces:
             traces[kind, shape] = routable_trace(block, forward, args, kwargs, span.opened, shape)
-        if (kind, shape, place) not in traces:
+        if variant not in traces:
             rewrite_block(traces[kind, shape], plan, target, span.owner, modules, where)
-            traces[kind, shape, place] = True
+            traces[variant] = True
         return
     except TraceError as untraceable:
         reason = untraceable
