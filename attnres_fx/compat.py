@@ -493,3 +493,22 @@ def hf_attention_implementation(config) -> str:
     """The attention implementation a Hugging Face config selects (``"eager"``, ``"sdpa"``...): transformers
     keeps it in the private ``config._attn_implementation`` (set through ``set_attn_implementation``)."""
     return config._attn_implementation
+
+
+def hf_auto_classes(model_class: type, config_class: type) -> list[str]:
+    """The names of transformers' ``AutoModel*`` classes that build ``model_class`` from a config of
+    ``config_class``, read from each one's private ``_model_mapping`` (transformers 5.x)."""
+    import transformers
+
+    names = []
+    for name in dir(transformers):
+        mapping = getattr(getattr(transformers, name, None), "_model_mapping", None) if name.startswith("AutoModel") else None
+        if mapping is None:
+            continue
+        try:
+            built = mapping[config_class]
+        except (KeyError, ValueError, ImportError, AttributeError):
+            continue
+        if built is model_class or (isinstance(built, tuple) and model_class in built):
+            names.append(name)
+    return names
