@@ -130,7 +130,19 @@ def uninstall(model: nn.Module, conversion: Conversion) -> None:
         routed = _present(model, path)
         if routed is not None:
             routed.__dict__.pop("forward", None)
+    _sweep_copies(model)
     detach(model)
+
+
+def _sweep_copies(model: nn.Module) -> None:
+    """What a copy of a converted layer added after conversion brought along: its routers and the AttnRes
+    modules of its sites (a free ``BlockAttnRes`` of the user's, with no site, stays)."""
+    for module in list(model.modules()):
+        if isinstance(module.__dict__.get("forward"), Router):
+            del module.__dict__["forward"]
+        for name, child in list(module._modules.items()):
+            if isinstance(child, BlockAttnRes) and child.site is not None:
+                delattr(module, name)
 
 
 def _present(model: nn.Module, path: str) -> nn.Module | None:
