@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -30,26 +31,41 @@ from .errors import WriteError
 STAGING_PREFIX = ".attnres-tmp-"
 
 
-def cause(err: OSError) -> str:
+# How writers in Rust (safetensors, tokenizers) report an I/O error in their own exception types.
+_RUST_IO_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def error_number(err: BaseException) -> int | None:
+    """The ``errno`` of a failed write: an ``OSError``'s, or the one a Rust writer's message names."""
+    if isinstance(err, OSError):
+        return err.errno
+    found = _RUST_IO_ERROR.search(str(err))
+    return int(found.group(1)) if found else None
+
+
+def cause(err: BaseException) -> str:
     """What went wrong, in words a user acts on."""
-    if err.errno in (errno.ENOSPC, errno.EDQUOT):
-        return f"the disk is full ({err.strerror})"
+    if error_number(err) in (errno.ENOSPC, errno.EDQUOT):
+        return f"the disk is full ({err})"
     return f"{type(err).__name__}: {err}"
 
 
-def write_error(target: Path, step: str, err: OSError) -> WriteError:
+def write_error(target: Path, step: str, err: BaseException) -> WriteError:
     return WriteError(f"writing {target} failed while {step}: {cause(err)}. {target} is as it was before; "
-                      "free the space (or fix the cause) and write it again", err.errno)
+                      "free the space (or fix the cause) and write it again", error_number(err))
 
 
 @contextlib.contextmanager
 def writing(target: str | os.PathLike, step: str) -> Iterator[None]:
-    """Within: an ``OSError`` becomes a :class:`WriteError` naming ``target`` and ``step``."""
+    """Within: an ``OSError`` (or a Rust writer's I/O error) becomes a :class:`WriteError` naming
+    ``target`` and ``step``."""
     try:
         yield
     except WriteError:
         raise
-    except OSError as err:
+    except Exception as err:
+        if not isinstance(err, OSError) and error_number(err) is None:
+            raise
         raise write_error(Path(target), step, err) from err
 
 
@@ -85,23 +101,25 @@ def replaced_files(target: str | os.PathLike, companions: Callable[[Path], list[
 
 
 def _swap(target: Path, moves: list[tuple[Path, Path]], olds: list[Path], staging: Path) -> None:
-    """Rename every old file aside (into ``staging``), every new one in; undo all on any failure."""
+    """Rename every old file aside (into ``staging``), every new one in; undo all on any failure. Each
+    move is noted before it is made, so that an interrupt right after a rename is undone too."""
     aside: list[tuple[Path, Path]] = []
     placed: list[Path] = []
     try:
         for old in olds:
             kept = staging / f"{STAGING_PREFIX}old-{old.name}"
-            os.replace(old, kept)
             aside.append((kept, old))
+            os.replace(old, kept)
         for new, destination in moves:
-            os.replace(new, destination)
             placed.append(destination)
+            os.replace(new, destination)
     except BaseException as err:
         for destination in placed:
             with contextlib.suppress(OSError):
                 destination.unlink()
         for kept, old in aside:
-            os.replace(kept, old)
+            if kept.exists() or kept.is_symlink():
+                os.replace(kept, old)
         if isinstance(err, OSError):
             raise write_error(target, "moving the new files in", err) from err
         raise
@@ -124,14 +142,13 @@ def replaced_folder(target: str | os.PathLike, drop: Callable[[str], bool] = lam
                 if not (content / item.name).exists() and not drop(item.name):
                     _carry(item, content / item.name, target)
         aside = staging / f"{STAGING_PREFIX}old"
-        moved_aside = False
         try:
             if target.is_dir():
                 os.replace(target, aside)
-                moved_aside = True
             os.replace(content, target)
         except BaseException as err:
-            if moved_aside and not target.exists():
+            # Whether or not the rename that was interrupted had happened: the old folder goes back.
+            if aside.exists() and not target.exists():
                 os.replace(aside, target)
             if isinstance(err, OSError):
                 raise write_error(target, "moving the new folder in", err) from err
