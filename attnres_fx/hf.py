@@ -277,8 +277,14 @@ def _outermost(model: nn.Module) -> bool:
     return True
 
 
-compat.after_import("transformers.modeling_utils", lambda module: compat.wrap_post_init(
-    module.PreTrainedModel, convert_on_construction))
+def _on_transformers_import(modeling_utils) -> None:
+    """Once transformers is imported: its release checked against the supported range (``ImportError``
+    below it, a warning above), then the construction hook installed."""
+    compat.check_transformers_version(sys.modules["transformers"])
+    compat.wrap_post_init(modeling_utils.PreTrainedModel, convert_on_construction)
+
+
+compat.after_import("transformers.modeling_utils", _on_transformers_import)
 
 
 # -- attnres_fx.from_pretrained -----------------------------------------------------------------------------
