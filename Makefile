@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast fuzz bench bench-quick gpu-check compare compare-quick clean
+.PHONY: venv demo test test-fast test-compat fuzz bench bench-quick gpu-check gpu-check-dry gpu-wheels compare compare-quick clean
 
 venv: $(STAMP)
 
@@ -29,6 +29,22 @@ test: venv
 test-fast: venv
 	$(PYTEST) -m "not slow"
 
+# The ends of the supported range (pyproject.toml), torch:transformers: the GPU machines' pair and the newest
+# (transformers 5.25 needs a `kernels` release PyPI does not serve, so 5.24 is the newest installable). Each
+# pair has its own venv under ~/.cache, built on a machine's first run (PyPI's CUDA builds of torch: minutes,
+# ~5 GB) and reused after. In each: the fast suite, then the slow tests of conversion, the Hugging Face
+# workflow and compilation.
+COMPAT_PAIRS ?= 2.11.0:5.17.0 2.14.1:5.24.0
+COMPAT_SLOW  := tests/test_api.py tests/test_rewrite.py tests/test_hf_workflow.py tests/test_live.py tests/test_layer_route.py
+
+test-compat:
+	@set -e; for pair in $(COMPAT_PAIRS); do \
+		venv=$$(bash .ci/compat-venv $${pair%%:*} $${pair##*:}); \
+		echo "== torch $${pair%%:*}, transformers $${pair##*:} ($$venv)"; \
+		$$venv/bin/python -m pytest -q -n 2 --dist loadfile -p no:cacheprovider -m "not slow"; \
+		$$venv/bin/python -m pytest -q -n 2 --dist loadfile -p no:cacheprovider -m slow $(COMPAT_SLOW); \
+	done
+
 # The property tests with many random examples (make test runs a small derandomised set).
 fuzz: venv
 	$(PY) -m pytest -q tests/test_properties.py --hypothesis-profile=fuzz --hypothesis-show-statistics --timeout=0
@@ -39,9 +55,17 @@ bench: venv
 bench-quick: venv
 	$(PY) benchmarks/bench.py --quick
 
-# On a CUDA machine (torch with CUDA installed in .venv): the Triton kernels' tests and the op benchmark there.
-gpu-check: venv
-	PYTHON=$(PY) bash benchmarks/gpu_check.sh
+# The GPU check (benchmarks/gpu_check.sh): on a CUDA machine with its own python3 and torch, the report in
+# docs/gpu.md; gpu-check-dry runs the same steps at tiny sizes on the CPU (the suite runs it too).
+gpu-check:
+	bash benchmarks/gpu_check.sh
+
+gpu-check-dry: venv
+	PYTHON=$(PY) bash benchmarks/gpu_check.sh --dry-run --out benchmarks/results/gpu_dry_run.md
+
+# The peers' AttnRes kernels, as wheels for a machine without an index (.whl/, carried to the GPU machine).
+gpu-wheels:
+	python3 -m pip download --no-deps --only-binary=:all: -d .whl flash-linear-attention==0.6.0 fla-core==0.6.0 liger-kernel==0.8.5
 
 # Training comparison (benchmarks/compare.py): about an hour on 2 CPU cores; results in benchmarks/results/compare.
 compare: venv

@@ -459,12 +459,15 @@ def _wrap_from_pretrained(pretrained_model: type) -> None:
     pretrained_model.from_pretrained = classmethod(from_pretrained)
 
 
-def _install(module) -> None:
-    compat.wrap_post_init(module.PreTrainedModel, convert_on_construction)
-    _wrap_from_pretrained(module.PreTrainedModel)
+def _on_transformers_import(modeling_utils) -> None:
+    """Once transformers is imported: its release checked against the supported range (``ImportError``
+    below it, a warning above), then the construction hook and the check after loading installed."""
+    compat.check_transformers_version(sys.modules["transformers"])
+    compat.wrap_post_init(modeling_utils.PreTrainedModel, convert_on_construction)
+    _wrap_from_pretrained(modeling_utils.PreTrainedModel)
 
 
-compat.after_import("transformers.modeling_utils", _install)
+compat.after_import("transformers.modeling_utils", _on_transformers_import)
 
 
 # -- attnres_fx.from_pretrained -----------------------------------------------------------------------------

@@ -1,10 +1,18 @@
 #!/usr/bin/env bash
-# On a CUDA machine, in one command: the Triton kernels compiled for the GPU against the reference
-# oracle (forward, gradients, the operator's CUDA dispatch, opcheck), then the op and choices sections
-# of the benchmark on the GPU. Results in benchmarks/results/gpu/.
+# The GPU check in one command, on a CUDA machine as it comes: its own python3 (torch with CUDA, Triton,
+# transformers), the project from this checkout by PYTHONPATH (nothing is built or installed), the peers'
+# kernels from wheels in .whl/ where `make gpu-wheels` put them (installed into a temporary folder, no index).
+# Arguments go to benchmarks/gpu_check.py (--dry-run: every step at tiny sizes on the CPU; --out FILE).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-.venv/bin/python}
-"$PY" -c "import torch, triton; assert torch.cuda.is_available(), 'no CUDA device visible to torch'"
-"$PY" -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py
-"$PY" benchmarks/bench.py --sections op,choices --backends compiled --device cuda --out benchmarks/results/gpu
+PY=${PYTHON:-python3}
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+    site=$(mktemp -d)
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+case " $* " in
+    *" --dry-run "*) export TRITON_INTERPRET=1 ;;
+esac
+exec "$PY" benchmarks/gpu_check.py "$@"

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import attnres_fx
+from attnres_fx import compat
 from attnres_fx.models import TinyTransformer, example_ids
 from toy_models import DataDependentModel, NoResidualModel, PostNormModel, make_inputs
 
@@ -110,7 +111,10 @@ def test_untraceable_model_raises_trace_error_with_the_cause(untouched):
 
 
 @pytest.mark.parametrize("inputs,cause", [
-    (torch.randn(2, 16), r"Expected tensor for argument #1 'indices' to have one of the following scalar types"),
+    pytest.param(torch.randn(2, 16), r"Expected tensor for argument #1 'indices' to have one of the following scalar types",
+                 marks=pytest.mark.skipif(compat.release(torch.__version__) < (2, 13), reason=(
+                     "torch 2.11 and 2.12's fake embedding does not check the index dtype: a conversion on fake "
+                     "tensors cannot see this error there (the model's first real call raises it)"))),
     (torch.randint(0, 128, (2, 16, 3)), r"RuntimeError: .*shape"),
 ])
 def test_a_model_that_fails_on_the_example_inputs_raises_the_root_cause(model, untouched, inputs, cause):

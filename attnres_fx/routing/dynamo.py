@@ -74,8 +74,8 @@ def compiled_entry(forward: Callable, backend: Callable, compiler: str) -> Calla
     new length or batch reuses the graph; Inductor specialises first and makes a dimension dynamic once
     it changes."""
     dynamic = True if compiler == "eager" else None
-    return torch.compile(entry_function(forward), backend=backend, fullgraph=True, dynamic=dynamic,
-                         recompile_limit=RECOMPILE_LIMIT)
+    return compat.compile_with_recompile_limit(entry_function(forward), RECOMPILE_LIMIT, backend=backend,
+                                               fullgraph=True, dynamic=dynamic)
 
 
 def run(entry: Callable, forward: Callable, module, args: tuple, kwargs: dict,

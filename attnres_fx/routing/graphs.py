@@ -281,6 +281,7 @@ def rewritten_dynamo_graph(router: Router, gm: fx.GraphModule, example_inputs: l
     if compiler == "eager":
         result = rewrite_captured(graph_module, plan, lambda g: ModuleCalls(g, modules), where=router.where,
                                   prefix=router.path, layer=layer, carriers=carriers)
+        compat.checkpoint_regions_when_run_eagerly(graph_module)
         router.rewritten.append(graph_module)
         return graph_module.forward, result
     if torch.is_grad_enabled():

@@ -1,7 +1,11 @@
-"""Where attnres_fx reaches into other libraries' internals, in one place.
+"""Where attnres_fx reaches into transformers' internals, and what differs between the transformers releases
+it supports.
 
-Each entry says what it relies on and why no public interface does. Importing it checks the torch
-version: the supported range is the one the tests run on (:data:`SUPPORTED_TORCH`).
+Nothing here imports transformers: each entry looks up the module it needs in ``sys.modules`` (a model of
+transformers exists only once transformers is imported) and does nothing without it. An entry that differs
+between releases names the releases each branch covers. The supported range is
+:data:`SUPPORTED_TRANSFORMERS`, checked when transformers is imported beside attnres_fx
+(:func:`check_transformers_version`).
 """
 
 from __future__ import annotations
@@ -12,174 +16,27 @@ import importlib.abc
 import importlib.machinery
 import logging
 import sys
-
-import warnings
 from typing import Callable
 
 import torch
-import torch._dynamo
 from torch import nn
 
-# [minimum, first untested) of the torch releases attnres_fx runs on; pyproject.toml states the same.
-SUPPORTED_TORCH = ((2, 13), (2, 14))
+from .torch import OpOverload, check_version
+
+# [minimum, first untested) of the transformers releases attnres_fx runs on; pyproject.toml states the same,
+# and `make test` (the newest 5.x) and `make test-compat` (5.17 and the newest) run the suite on them.
+SUPPORTED_TRANSFORMERS = ((5, 16), (6, 0))
 
 
-def _check_torch_version(version: str) -> None:
-    release = tuple(int(part) for part in version.split("+")[0].split(".")[:2])
-    low, high = SUPPORTED_TORCH
-    supported = f"torch>={low[0]}.{low[1]},<{high[0]}.{high[1]}"
-    if release < low:
-        raise ImportError(f"attnres_fx needs {supported}; this is torch {version} (pip install 'torch=={low[0]}.{low[1]}.*')")
-    if release >= high:
-        warnings.warn(f"attnres_fx is tested on {supported}; torch {version} is newer: the internals listed in "
-                      "attnres_fx.compat may have moved", UserWarning, stacklevel=3)
-
-
-_check_torch_version(torch.__version__)
-
-# torch internals with no public equivalent: Dynamo's exception types (a graph break, a failed run on fake
-# tensors, a backend failure), FakeTensor (what a capture's example values are), the op overload types
-# of aten graphs, Inductor's graph compiler, fake-mode discovery.
-from torch._dynamo.exc import BackendCompilerFailed, TorchDynamoException, TorchRuntimeError  # noqa: E402, F401
-from torch._dynamo.exc import ObservedException  # noqa: E402, F401
-from torch._dynamo.exc import Unsupported as DynamoUnsupported  # noqa: E402, F401
-from torch._guards import detect_fake_mode  # noqa: E402, F401
-from torch._ops import OpOverload, OpOverloadPacket  # noqa: E402, F401
-from torch._subclasses.fake_tensor import FakeTensor, is_fake  # noqa: E402, F401
-# torch.utils._pytree: the flattening torch.export and Dynamo apply to inputs and outputs (no public module).
-import torch.utils._pytree as pytree  # noqa: E402, F401
-
-# nn.Module's global hook dicts live in its module.
-from torch.nn.modules import module as _modules_module  # noqa: E402
-
-# torch.nn's private base classes: what every dropout, batch/instance norm and convolution derives from.
-DropoutBase = nn.modules.dropout._DropoutNd
-NormBase = nn.modules.batchnorm._NormBase
-ConvBase = nn.modules.conv._ConvNd
-
-
-def transformer_seq_len_helper() -> tuple[object, str]:
-    """Where torch.nn's Transformer layers read the sequence length with Python control flow on the
-    input (``torch.nn.modules.transformer._get_seq_len``): (module, attribute), for fx to record as one call."""
-    from torch.nn.modules import transformer
-
-    return transformer, "_get_seq_len"
-
-
-def dynamo_compile_lock():
-    """TorchDynamo's compilation lock (``torch._dynamo.convert_frame.compile_lock``, a re-entrant lock; no
-    public name): held while something else patches process-wide state for a trace, so that no
-    compilation in another thread traces while it is patched."""
-    from torch._dynamo import convert_frame
-
-    return convert_frame.compile_lock
-
-
-def lazy_graph_modules():
-    """Within: ``fx.GraphModule`` generates its Python code when first called, not at every edit
-    (``torch.fx._lazy_graph_module``): for graphs whose code is generated elsewhere."""
-    from torch.fx._lazy_graph_module import _use_lazy_graph_module
-
-    return _use_lazy_graph_module(True)
-
-
-def inductor_compile(graph_module, example_inputs, config_patches=None):
-    """Inductor on an fx graph inside a Dynamo backend (``torch._inductor.compile_fx.compile_fx``, what
-    ``torch.compile``'s default backend calls)."""
-    from torch._inductor.compile_fx import compile_fx
-
-    return compile_fx(graph_module, example_inputs, config_patches=config_patches)
-
-
-@contextlib.contextmanager
-def dynamo_capture_config(ignore_logging: set):
-    """Dynamo settings of every capture: float attributes as constants (``specialize_float``) and the
-    logging functions ``ignore_logging`` as no-ops (``ignore_logging_functions``)."""
-    ignored = torch._dynamo.config.ignore_logging_functions | ignore_logging
-    with torch._dynamo.config.patch(specialize_float=True, ignore_logging_functions=ignored):
-        yield
-
-
-def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
-    """The tensor a view was made from (``Tensor._base``), or None: how a stream value that a layer
-    returns as a view of its computed output is found again."""
-    return tensor._base
+def check_transformers_version(module) -> None:
+    """Raise ``ImportError`` for a transformers below :data:`SUPPORTED_TRANSFORMERS`, warn for one above."""
+    check_version("transformers", module.__version__, SUPPORTED_TRANSFORMERS)
 
 
 def mark_hf_initialized(module: nn.Module) -> None:
     """Tell transformers' ``init_weights`` that ``module`` is initialised already (its private
     ``_is_hf_initialized`` flag): it would otherwise draw random weights over the AttnRes zeros."""
     module._is_hf_initialized = True
-
-
-@contextlib.contextmanager
-def compiling_despite_force_eager():
-    """Within: ``torch.compile``'d functions compile even under the user's
-    ``torch.compiler.set_stance("force_eager")``: a converted model's routes run its AttnRes rewrite
-    through Dynamo, and without it they would run the unrewritten layers. Other stances are kept. Reads
-    the current stance from ``torch._dynamo.eval_frame._stance`` (no public getter)."""
-    from torch._dynamo import eval_frame
-
-    current = getattr(getattr(eval_frame, "_stance", None), "stance", "default")
-    if current != "force_eager":
-        yield
-        return
-    with torch.compiler.set_stance("default"):
-        yield
-
-
-def saved_tensor_hooks_active() -> bool:
-    """Whether ``torch.autograd.graph.saved_tensors_hooks`` are in place (non-reentrant activation
-    checkpointing, activation offloading): ``torch._C._autograd._top_saved_tensors_default_hooks``, no public
-    accessor."""
-    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
-
-
-def module_hooks(module: nn.Module) -> bool:
-    """Whether calling ``module`` does more than its class's forward: forward or backward hooks of its own,
-    global ones (the private hook dicts of ``nn.Module`` and ``torch.nn.modules.module``; no public
-    accessor), or a wrapper another library set as its instance ``forward`` (accelerate's device hooks)."""
-    return bool("forward" in module.__dict__ or module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or _modules_module._global_forward_hooks
-                or _modules_module._global_forward_pre_hooks or _modules_module._global_backward_hooks
-                or _modules_module._global_backward_pre_hooks)
-
-
-def nn_module_hook_guards():
-    """Within: TorchDynamo guards the hook dicts of the modules it traces
-    (``torch._dynamo.config.skip_nnmodule_hook_guards`` off; read when a trace builds its guards), so that
-    a hook registered after a capture triggers a new one."""
-    return torch._dynamo.config.patch(skip_nnmodule_hook_guards=False)
-
-
-@contextlib.contextmanager
-def mha_fast_path_off():
-    """Within: ``torch.nn``'s Transformer layers take their regular path, not the inference fast path
-    that runs a whole layer as one fused op (``torch.backends.mha``; TorchDynamo guards on the flag)."""
-    before = torch.backends.mha.get_fastpath_enabled()
-    if not before:
-        yield
-        return
-    torch.backends.mha.set_fastpath_enabled(False)
-    try:
-        yield
-    finally:
-        torch.backends.mha.set_fastpath_enabled(True)
-
-
-def on_dynamo_compile(start, end) -> None:
-    """Call ``start(args)`` / ``end(args)`` when TorchDynamo starts / ends a compilation, in the compiling
-    thread, under its compilation lock (``torch._dynamo.callback_handler``)."""
-    torch._dynamo.callback_handler.register_start_callback(start)
-    torch._dynamo.callback_handler.register_end_callback(end)
-
-
-def is_dynamo_frame_compile(args) -> bool:
-    """Whether a compilation callback's ``args`` are those of a frame Dynamo traces (not a deferred
-    backward compilation)."""
-    from torch._dynamo.callback import CallbackTrigger
-
-    return args.callback_trigger == CallbackTrigger.DYNAMO
 
 
 @contextlib.contextmanager
@@ -200,20 +57,6 @@ def output_recorders_traceable():
         yield
     finally:
         collector.global_var, collector.compiling = None, False
-
-
-def unwrapped(module: nn.Module) -> nn.Module:
-    """The model inside the wrappers users put around one: ``torch.compile``'s ``OptimizedModule`` (which
-    keeps it as the private ``_orig_mod``) and PEFT's ``PeftModel`` (``get_base_model()``), in any
-    nesting; ``module`` itself when it is no wrapper."""
-    while True:
-        inner = module.__dict__.get("_modules", {}).get("_orig_mod")
-        if inner is None and type(module).__module__.startswith("peft.") and callable(
-                getattr(module, "get_base_model", None)):
-            inner = module.get_base_model()
-        if inner is None or inner is module:
-            return module
-        module = inner
 
 
 def once_only_logging() -> set:
@@ -420,25 +263,6 @@ def hf_onnx_translations(program) -> dict:
     return {op: function for op, function in table.items() if op in ours}
 
 
-# Run a function while Dynamo traces, its result taken as a constant (``torch._dynamo``'s decorator).
-assume_constant_result = torch._dynamo.assume_constant_result
-
-
-def tracing_for_one_graph() -> bool:
-    """Whether the TorchDynamo trace in progress must make one graph (``fullgraph``, or graph breaks made
-    errors): ``InstructionTranslator.current_tx().one_graph``; no public interface says it. False outside
-    a Dynamo trace (torch.export's non-strict tracing has no translator)."""
-    from torch._dynamo.symbolic_convert import InstructionTranslator
-
-    try:
-        translator = InstructionTranslator.current_tx()
-    except AttributeError:
-        return False
-    return translator is not None and bool(translator.one_graph or getattr(translator, "error_on_graph_break", False))
-
-
-# -- transformers ---------------------------------------------------------------------------------------
-
 _AFTER_IMPORT: dict[str, list] = {}
 
 
@@ -497,7 +321,7 @@ def hf_attention_implementation(config) -> str:
 
 def hf_auto_classes(model_class: type, config_class: type) -> list[str]:
     """The names of transformers' ``AutoModel*`` classes that build ``model_class`` from a config of
-    ``config_class``, read from each one's private ``_model_mapping`` (transformers 5.x)."""
+    ``config_class``, read from each one's private ``_model_mapping`` (transformers 5.16-5.24)."""
     import transformers
 
     names = []
@@ -512,3 +336,27 @@ def hf_auto_classes(model_class: type, config_class: type) -> list[str]:
         if built is model_class or (isinstance(built, tuple) and model_class in built):
             names.append(name)
     return names
+
+
+__all__ = [
+    "SUPPORTED_TRANSFORMERS",
+    "check_transformers_version",
+    "mark_hf_initialized",
+    "output_recorders_traceable",
+    "once_only_logging",
+    "hf_checkpointed_forward",
+    "hf_checkpointing_on",
+    "hf_checkpointed_call",
+    "remember_hf_compiled_call",
+    "forget_hf_compiled_call",
+    "checkpointing_flag_holders",
+    "hf_inner_checkpointing_flags_off",
+    "output_recorders_installed",
+    "install_output_recorders_for_call",
+    "hf_saved_under_own_names",
+    "hf_onnx_translations",
+    "after_import",
+    "wrap_post_init",
+    "hf_attention_implementation",
+    "hf_auto_classes",
+]

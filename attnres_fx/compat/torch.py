@@ -1,0 +1,331 @@
+"""Where attnres_fx reaches into torch's internals, and what differs between the torch releases it supports.
+
+Each entry says what it relies on and why no public interface does; an entry that differs between releases
+names the releases each branch covers. The supported range is :data:`SUPPORTED_TORCH`; importing this
+module checks it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import threading
+import warnings
+from typing import Callable
+
+import torch
+import torch._dynamo
+from torch import nn
+
+# [minimum, first untested) of the torch releases attnres_fx runs on; pyproject.toml states the same, and
+# `make test` (2.13) and `make test-compat` (2.11 and 2.14) run the suite on them.
+SUPPORTED_TORCH = ((2, 11), (2, 15))
+
+
+def release(version: str) -> tuple[int, int]:
+    """``(major, minor)`` of a version string such as ``"2.11.0+cu130"`` or ``"5.17.0.dev0"``."""
+    return tuple(int(part) for part in version.split("+")[0].split(".")[:2])
+
+
+def check_version(library: str, version: str, supported: tuple[tuple[int, int], tuple[int, int]]) -> None:
+    """Raise ``ImportError`` for a release of ``library`` below ``supported`` (naming the range and the pip
+    command); warn for one at or above its first untested release."""
+    low, high = supported
+    text = f"{library}>={low[0]}.{low[1]},<{high[0]}.{high[1]}"
+    if release(version) < low:
+        raise ImportError(f"attnres_fx needs {text}; this is {library} {version} "
+                          f"(pip install '{library}>={low[0]}.{low[1]},<{high[0]}.{high[1]}')")
+    if release(version) >= high:
+        warnings.warn(f"attnres_fx is tested on {text}; {library} {version} is newer: the internals listed in "
+                      f"attnres_fx.compat may have moved", UserWarning, stacklevel=4)
+
+
+check_version("torch", torch.__version__, SUPPORTED_TORCH)
+
+# torch internals with no public equivalent: Dynamo's exception types (a graph break, a failed run on fake
+# tensors, a backend failure), FakeTensor (what a capture's example values are), the op overload types
+# of aten graphs, Inductor's graph compiler, fake-mode discovery. Each is at the same place in 2.11-2.14.
+from torch._dynamo.exc import BackendCompilerFailed, TorchDynamoException, TorchRuntimeError  # noqa: E402, F401
+from torch._dynamo.exc import ObservedException  # noqa: E402, F401
+from torch._dynamo.exc import Unsupported as DynamoUnsupported  # noqa: E402, F401
+from torch._guards import detect_fake_mode  # noqa: E402, F401
+from torch._ops import OpOverload, OpOverloadPacket  # noqa: E402, F401
+from torch._subclasses.fake_tensor import FakeTensor, is_fake  # noqa: E402, F401
+# torch.utils._pytree: the flattening torch.export and Dynamo apply to inputs and outputs (no public module).
+import torch.utils._pytree as pytree  # noqa: E402, F401
+
+# nn.Module's global hook dicts live in its module.
+from torch.nn.modules import module as _modules_module  # noqa: E402
+
+# torch.nn's private base classes: what every dropout, batch/instance norm and convolution derives from.
+DropoutBase = nn.modules.dropout._DropoutNd
+NormBase = nn.modules.batchnorm._NormBase
+ConvBase = nn.modules.conv._ConvNd
+
+# Run a function while Dynamo traces, its result taken as a constant (``torch._dynamo``'s decorator).
+assume_constant_result = torch._dynamo.assume_constant_result
+
+
+def transformer_seq_len_helper() -> tuple[object, str]:
+    """Where torch.nn's Transformer layers read the sequence length with Python control flow on the
+    input (``torch.nn.modules.transformer._get_seq_len``): (module, attribute), for fx to record as one call."""
+    from torch.nn.modules import transformer
+
+    return transformer, "_get_seq_len"
+
+
+def dynamo_compile_lock():
+    """TorchDynamo's compilation lock (``torch._dynamo.convert_frame.compile_lock``, a re-entrant lock; no
+    public name): held while something else patches process-wide state for a trace, so that no
+    compilation in another thread traces while it is patched."""
+    from torch._dynamo import convert_frame
+
+    return convert_frame.compile_lock
+
+
+def lazy_graph_modules():
+    """Within: ``fx.GraphModule`` generates its Python code when first called, not at every edit
+    (``torch.fx._lazy_graph_module``): for graphs whose code is generated elsewhere."""
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
+
+    return _use_lazy_graph_module(True)
+
+
+def inductor_compile(graph_module, example_inputs, config_patches=None):
+    """Inductor on an fx graph inside a Dynamo backend (``torch._inductor.compile_fx.compile_fx``, what
+    ``torch.compile``'s default backend calls)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(graph_module, example_inputs, config_patches=config_patches)
+
+
+@contextlib.contextmanager
+def dynamo_capture_config(ignore_logging: set):
+    """Dynamo settings of every capture: float attributes as constants (``specialize_float``) and the
+    logging functions ``ignore_logging`` as no-ops (``ignore_logging_functions``)."""
+    ignored = torch._dynamo.config.ignore_logging_functions | ignore_logging
+    with torch._dynamo.config.patch(specialize_float=True, ignore_logging_functions=ignored):
+        yield
+
+
+def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The tensor a view was made from (``Tensor._base``), or None: how a stream value that a layer
+    returns as a view of its computed output is found again."""
+    return tensor._base
+
+
+@contextlib.contextmanager
+def compiling_despite_force_eager():
+    """Within: ``torch.compile``'d functions compile even under the user's
+    ``torch.compiler.set_stance("force_eager")``: a converted model's routes run its AttnRes rewrite
+    through Dynamo, and without it they would run the unrewritten layers. Other stances are kept. Reads
+    the current stance from ``torch._dynamo.eval_frame._stance`` (no public getter)."""
+    from torch._dynamo import eval_frame
+
+    current = getattr(getattr(eval_frame, "_stance", None), "stance", "default")
+    if current != "force_eager":
+        yield
+        return
+    with torch.compiler.set_stance("default"):
+        yield
+
+
+def saved_tensor_hooks_active() -> bool:
+    """Whether ``torch.autograd.graph.saved_tensors_hooks`` are in place (non-reentrant activation
+    checkpointing, activation offloading): ``torch._C._autograd._top_saved_tensors_default_hooks``, no public
+    accessor."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+def module_hooks(module: nn.Module) -> bool:
+    """Whether calling ``module`` does more than its class's forward: forward or backward hooks of its own,
+    global ones (the private hook dicts of ``nn.Module`` and ``torch.nn.modules.module``; no public
+    accessor), or a wrapper another library set as its instance ``forward`` (accelerate's device hooks)."""
+    return bool("forward" in module.__dict__ or module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or _modules_module._global_forward_hooks
+                or _modules_module._global_forward_pre_hooks or _modules_module._global_backward_hooks
+                or _modules_module._global_backward_pre_hooks)
+
+
+def nn_module_hook_guards():
+    """Within: TorchDynamo guards the hook dicts of the modules it traces
+    (``torch._dynamo.config.skip_nnmodule_hook_guards`` off; read when a trace builds its guards), so that
+    a hook registered after a capture triggers a new one."""
+    return torch._dynamo.config.patch(skip_nnmodule_hook_guards=False)
+
+
+@contextlib.contextmanager
+def mha_fast_path_off():
+    """Within: ``torch.nn``'s Transformer layers take their regular path, not the inference fast path
+    that runs a whole layer as one fused op (``torch.backends.mha``; TorchDynamo guards on the flag)."""
+    before = torch.backends.mha.get_fastpath_enabled()
+    if not before:
+        yield
+        return
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(True)
+
+
+def on_dynamo_compile(start, end) -> None:
+    """Call ``start(args)`` / ``end(args)`` when TorchDynamo starts / ends a compilation, in the compiling
+    thread, under its compilation lock (``torch._dynamo.callback_handler``)."""
+    torch._dynamo.callback_handler.register_start_callback(start)
+    torch._dynamo.callback_handler.register_end_callback(end)
+
+
+def is_dynamo_frame_compile(args) -> bool:
+    """Whether a compilation callback's ``args`` are those of a frame Dynamo traces (not a deferred
+    backward compilation)."""
+    from torch._dynamo.callback import CallbackTrigger
+
+    return args.callback_trigger == CallbackTrigger.DYNAMO
+
+
+def unwrapped(module: nn.Module) -> nn.Module:
+    """The model inside the wrappers users put around one: ``torch.compile``'s ``OptimizedModule`` (which
+    keeps it as the private ``_orig_mod``) and PEFT's ``PeftModel`` (``get_base_model()``), in any
+    nesting; ``module`` itself when it is no wrapper."""
+    while True:
+        inner = module.__dict__.get("_modules", {}).get("_orig_mod")
+        if inner is None and type(module).__module__.startswith("peft.") and callable(
+                getattr(module, "get_base_model", None)):
+            inner = module.get_base_model()
+        if inner is None or inner is module:
+            return module
+        module = inner
+
+
+def tracing_for_one_graph() -> bool:
+    """Whether the TorchDynamo trace in progress must make one graph (``fullgraph``, or graph breaks made
+    errors): ``InstructionTranslator.current_tx().one_graph``; no public interface says it. False outside
+    a Dynamo trace (torch.export's non-strict tracing has no translator)."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    try:
+        translator = InstructionTranslator.current_tx()
+    except AttributeError:
+        return False
+    return translator is not None and bool(translator.one_graph or getattr(translator, "error_on_graph_break", False))
+
+
+def _compile_takes_recompile_limit() -> bool:
+    return "recompile_limit" in inspect.signature(torch.compile).parameters
+
+
+class _RaisedRecompileLimit:
+    """Within: ``torch._dynamo.config.recompile_limit`` is at least ``limit`` while any such context is open
+    in any thread (a count under a lock: the first in raises it, the last out restores the user's value)."""
+
+    _lock = threading.Lock()
+    _open = 0
+    _before: int | None = None
+
+    def __init__(self, limit: int):
+        self.limit = limit
+
+    def __enter__(self):
+        cls = type(self)
+        with cls._lock:
+            if cls._open == 0:
+                cls._before = torch._dynamo.config.recompile_limit
+                torch._dynamo.config.recompile_limit = max(cls._before, self.limit)
+            cls._open += 1
+
+    def __exit__(self, *exc):
+        cls = type(self)
+        with cls._lock:
+            cls._open -= 1
+            if cls._open == 0:
+                torch._dynamo.config.recompile_limit = cls._before
+
+
+def compile_with_recompile_limit(function: Callable, recompile_limit: int, **compile_kwargs) -> Callable:
+    """``torch.compile(function, **compile_kwargs)`` allowed ``recompile_limit`` graphs per code object.
+    torch 2.13 and 2.14 take the limit as ``torch.compile``'s own ``recompile_limit`` keyword (per region).
+    torch 2.11 and 2.12 have only the process-wide ``torch._dynamo.config.recompile_limit``, read when a
+    frame compiles, which happens inside a call: there each call of the compiled function runs with the
+    setting raised to at least ``recompile_limit``, and the user's value comes back once no such call is in
+    progress in any thread."""
+    if _compile_takes_recompile_limit():
+        return torch.compile(function, recompile_limit=recompile_limit, **compile_kwargs)
+    compiled = torch.compile(function, **compile_kwargs)
+
+    @functools.wraps(function)
+    def with_recompile_limit(*args, **kwargs):
+        with _RaisedRecompileLimit(recompile_limit):
+            return compiled(*args, **kwargs)
+
+    return with_recompile_limit
+
+
+# torch 2.13 and 2.14: the eager implementation of ``torch.ops.higher_order.tag_activation_checkpoint`` (what
+# TorchDynamo captures ``torch.utils.checkpoint.checkpoint`` as) checkpoints its body. torch 2.11 and 2.12 run
+# the body as a plain call there (only AOTAutograd honours the tag): a captured graph run eagerly keeps
+# every activation.
+_EAGER_HOP_CHECKPOINTS = release(torch.__version__) >= (2, 13)
+
+
+def _checkpointed_body(body, *args, **kwargs):
+    """What the tag's eager implementation does from torch 2.13: the body under non-reentrant checkpointing."""
+    from torch.utils.checkpoint import checkpoint
+
+    kwargs = {key: value for key, value in kwargs.items() if key not in ("use_reentrant", "context_fn")}
+    return checkpoint(body, *args, use_reentrant=False, **kwargs)
+
+
+def checkpoint_regions_when_run_eagerly(graph_module) -> None:
+    """Make the checkpointed regions of a TorchDynamo graph that runs eagerly (not through AOTAutograd)
+    recompute in the backward pass on every supported release: on torch 2.11 and 2.12 each
+    ``tag_activation_checkpoint`` call becomes a call of ``torch.utils.checkpoint.checkpoint`` on its body,
+    what later releases run for the tag; in place, nothing to do from 2.13."""
+    if _EAGER_HOP_CHECKPOINTS:
+        return
+    tag = torch.ops.higher_order.tag_activation_checkpoint
+    calls = graph_module.graph.find_nodes(op="call_function", target=tag)
+    for node in calls:
+        node.target = _checkpointed_body
+    if calls:
+        graph_module.recompile()
+
+
+__all__ = [
+    "checkpoint_regions_when_run_eagerly",
+    "compile_with_recompile_limit",
+    "SUPPORTED_TORCH",
+    "release",
+    "check_version",
+    "BackendCompilerFailed",
+    "TorchDynamoException",
+    "TorchRuntimeError",
+    "ObservedException",
+    "DynamoUnsupported",
+    "detect_fake_mode",
+    "OpOverload",
+    "OpOverloadPacket",
+    "FakeTensor",
+    "is_fake",
+    "pytree",
+    "DropoutBase",
+    "NormBase",
+    "ConvBase",
+    "assume_constant_result",
+    "transformer_seq_len_helper",
+    "dynamo_compile_lock",
+    "lazy_graph_modules",
+    "inductor_compile",
+    "dynamo_capture_config",
+    "view_base",
+    "compiling_despite_force_eager",
+    "saved_tensor_hooks_active",
+    "module_hooks",
+    "nn_module_hook_guards",
+    "mha_fast_path_off",
+    "on_dynamo_compile",
+    "is_dynamo_frame_compile",
+    "unwrapped",
+    "tracing_for_one_graph",
+]
