@@ -38,7 +38,10 @@ AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "xla")
 
 
 def stream_dtype(sources) -> torch.dtype:
-    """The dtype of the residual stream the sources make up: their promoted dtype (what adding them gives)."""
+    """The dtype of the residual stream the sources make up: their promoted dtype (what adding them gives).
+    Under fx symbolic tracing (proxies, no dtypes to compare) the first source's."""
+    if not all(isinstance(source, torch.Tensor) for source in sources):
+        return sources[0].dtype
     return functools.reduce(torch.promote_types, [source.dtype for source in sources])
 
 
@@ -51,8 +54,8 @@ def in_fp32(aggregation):
     the formulation computes in fp32 on purpose, and autocast would run its matmuls in bf16/fp16."""
     @functools.wraps(aggregation)
     def run(proj_weight, norm_weight, sources, **options):
-        device_type = sources[0].device.type
-        if autocast_on(device_type):
+        if isinstance(sources[0], torch.Tensor) and autocast_on(sources[0].device.type):
+            device_type = sources[0].device.type
             with torch.autocast(device_type, enabled=False):
                 return aggregation(proj_weight, norm_weight, sources, **options)
         return aggregation(proj_weight, norm_weight, sources, **options)
@@ -165,9 +168,8 @@ def reference_backward(grad, sources, proj_weight, norm_weight, eps: float, pres
     """Note [backward] in PyTorch ops: the gradients of every source (in its dtype) and of the folded
     query (fp32 ``[D]``). What ``attnres::aggregate_backward`` computes where no kernel does
     (:mod:`attnres_fx.ops`); the per-token logits are recomputed here, not saved by the forward."""
-    device_type = grad.device.type
-    if autocast_on(device_type):
-        with torch.autocast(device_type, enabled=False):
+    if isinstance(grad, torch.Tensor) and autocast_on(grad.device.type):
+        with torch.autocast(grad.device.type, enabled=False):
             return reference_backward(grad, sources, proj_weight, norm_weight, eps, preserve_scale)
     query = folded_query(proj_weight, norm_weight)
     values = [source.float() for source in sources]

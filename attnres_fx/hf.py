@@ -89,7 +89,9 @@ class SavePretrained:
         config = self.model.config
         saved = {name: (hasattr(config, name), getattr(config, name, None)) for name in (CONFIG_ATTRIBUTE, "auto_map")}
         setattr(config, CONFIG_ATTRIBUTE, config_entry(self.model))
-        config.auto_map = {**(getattr(config, "auto_map", None) or {}), **auto_map(self.model)}
+        mapped = auto_map(self.model)
+        if mapped:
+            config.auto_map = {**(getattr(config, "auto_map", None) or {}), **mapped}
         try:
             with compat.hf_saved_under_own_names(set(_attnres_weights(self.model))):
                 return type(self.model).save_pretrained(self.model, directory, *args, **kwargs)
@@ -240,8 +242,15 @@ def read_config(directory, shown=None) -> dict[str, Any]:
 def auto_map(model: nn.Module) -> dict[str, str]:
     """The ``auto_map`` entries of a saved converted model's ``config.json``: each ``AutoModel*`` class
     that builds its class names the class in the folder's loading code (:func:`loading_code`)."""
-    classes = compat.hf_auto_classes(type(model), type(model.config))
-    return {name: f"{Path(CODE_NAME).stem}.{type(model).__name__}" for name in classes}
+    cls = _saved_class(model)
+    classes = compat.hf_auto_classes(cls, type(model.config))
+    return {name: f"{Path(CODE_NAME).stem}.{cls.__name__}" for name in classes}
+
+
+def _saved_class(model: nn.Module) -> type:
+    """The model's class as transformers defines it (a model loaded through the folder's loading code is
+    of its subclass there)."""
+    return next((cls for cls in type(model).__mro__ if cls.__module__.startswith("transformers.")), type(model))
 
 
 def loading_code(model: nn.Module) -> str:
@@ -249,7 +258,7 @@ def loading_code(model: nn.Module) -> str:
     trust_remote_code=True)`` in a process that has not imported attnres_fx. It imports attnres_fx (so
     the model built from the folder's config is converted, its weights checked) and names a subclass of
     the saved class; where attnres_fx is not installed, transformers refuses the folder naming it."""
-    cls = type(model)
+    cls = _saved_class(model)
     return (f'''"""The converted {cls.__name__} of this folder, for transformers alone:
 ``AutoModel...from_pretrained(folder, trust_remote_code=True)``. Written by attnres_fx {__version__}:
 importing it converts every model built from a config with an "attnres" entry (pip install attnres-fx)."""
