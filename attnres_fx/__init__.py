@@ -31,6 +31,7 @@ from .errors import (
     StreamMismatchError,
     TraceError,
     UnsupportedArchitectureError,
+    WriteError,
 )
 from .hf import from_pretrained
 from .pipelining import pipeline_stages
@@ -49,7 +50,7 @@ from .training import (
 __all__ = [
     "AttnResConfig", "AttnResError", "AttnResWarning", "BlockAttnRes", "CheckpointMismatchError", "DepthRecorder", "DepthWeights",
     "DepthWeightsError", "ExportError", "ForeignCompileError", "NoResidualStreamError", "PassContractError", "RoutingError", "ServingLayoutError", "Site", "SiteWeights",
-    "StreamMismatchError", "TraceError", "UnsupportedArchitectureError", "attnresify", "compile",
+    "StreamMismatchError", "TraceError", "UnsupportedArchitectureError", "WriteError", "attnresify", "compile",
     "config_of", "conversion_options", "depth_metrics", "depth_monitor_callback", "depth_weights", "detect", "freeze",
     "from_pretrained", "is_converted", "monitor_depth", "param_groups", "pipeline_stages", "plan_of", "remove",
     "rewrite", "sites",

@@ -3,7 +3,9 @@
 ``out = s * sum_i softmax_i(q . v_i * r_i) * v_i``, with ``q = proj.weight[0] * norm.weight`` (the
 pseudo-query with the key norm's weight folded in), ``r_i = rsqrt(mean(v_i ** 2) + eps)`` (the key
 norm of source ``i``) and ``s`` the number of sources with ``preserve_scale``, else 1. Logits, softmax
-and accumulation run in fp32; the result takes the first source's dtype.
+and accumulation run in fp32, under ``torch.autocast`` too (which would otherwise run the dot products in
+its lower precision); the result has the stream's dtype: the sources' promoted dtype, as the residual adds
+it replaces give (a bf16 embedding added to fp32 sublayer outputs is an fp32 stream).
 
 - :func:`fusable`: one pass per source for its logit, the softmax on per-token scalars, one more pass for
   the weighted sum; no stacking, so Inductor fuses it into one kernel and exporters see plain ops. What
@@ -20,6 +22,8 @@ what graph captures see and what the operator falls back to where no kernel is a
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -27,6 +31,35 @@ import torch.nn.functional as F
 # the op count dominates, e.g. 80 us stacked vs 140-450 us per source for 2-9 sources of [1, 1, 128];
 # above some 16k elements the stacked copy costs more than it saves).
 STACKED_MAX_ELEMENTS = 16_384
+
+
+# Device types torch.autocast knows (asking about another, such as "meta", is an error).
+AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "xla")
+
+
+def stream_dtype(sources) -> torch.dtype:
+    """The dtype of the residual stream the sources make up: their promoted dtype (what adding them gives).
+    Under fx symbolic tracing (proxies, no dtypes to compare) the first source's."""
+    if not all(isinstance(source, torch.Tensor) for source in sources):
+        return sources[0].dtype
+    return functools.reduce(torch.promote_types, [source.dtype for source in sources])
+
+
+def autocast_on(device_type: str) -> bool:
+    return device_type in AUTOCAST_DEVICES and torch.is_autocast_enabled(device_type)
+
+
+def in_fp32(aggregation):
+    """``aggregation(proj_weight, norm_weight, sources, ...)`` with autocast off for the sources' device:
+    the formulation computes in fp32 on purpose, and autocast would run its matmuls in bf16/fp16."""
+    @functools.wraps(aggregation)
+    def run(proj_weight, norm_weight, sources, **options):
+        if isinstance(sources[0], torch.Tensor) and autocast_on(sources[0].device.type):
+            device_type = sources[0].device.type
+            with torch.autocast(device_type, enabled=False):
+                return aggregation(proj_weight, norm_weight, sources, **options)
+        return aggregation(proj_weight, norm_weight, sources, **options)
+    return run
 
 
 def folded_query(proj_weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
@@ -82,36 +115,39 @@ def _probabilities(query, sources, eps, preserve_scale):
     return values, scales, dots, [e * inverse for e in exps]
 
 
+@in_fp32
 def fusable(proj_weight, norm_weight, sources, *, eps: float, preserve_scale: bool) -> torch.Tensor:
     """The aggregation as plain per-source ops: what graph captures see (module docstring)."""
     query = folded_query(proj_weight, norm_weight)
     logits = [depth_logit(value.float(), query, eps) for value in sources]
     _, exps, total = softmax_parts(logits)
     inverse = (len(sources) if preserve_scale else 1.0) / total
-    return weighted_sum([e * inverse for e in exps], sources).to(sources[0].dtype)
+    return weighted_sum([e * inverse for e in exps], sources).to(stream_dtype(sources))
 
 
+@in_fp32
 def stacked(proj_weight, norm_weight, sources, *, eps: float, preserve_scale: bool) -> torch.Tensor:
     """The aggregation in a few ops on the stacked sources: for small sources (module docstring)."""
-    values = torch.stack(sources).float()
+    values = torch.stack([source.float() for source in sources])
     logits = F.rms_norm(values, (values.shape[-1],), eps=eps) @ folded_query(proj_weight, norm_weight)
     weights = torch.softmax(logits, dim=0).unsqueeze(-1)
     if preserve_scale:
         weights = weights * len(sources)
-    return (weights * values).sum(0).to(sources[0].dtype)
+    return (weights * values).sum(0).to(stream_dtype(sources))
 
 
+@in_fp32
 def batched(proj_weight, norm_weight, sources, *, eps: float, preserve_scale: bool) -> torch.Tensor:
     """The aggregation as two batched matrix products over the sources stacked along ``-2``
     (``[..., K, D]``): logits ``V q``, then ``softmax(...)^T V``. What ONNX graphs hold (measured
     fastest in onnxruntime, which runs MatMul as one kernel and each elementwise op as a pass of its own:
     ``benchmarks/bench.py``'s ``onnx_forms``)."""
-    values = torch.stack(sources, dim=-2).float()
+    values = torch.stack([source.float() for source in sources], dim=-2)
     scales = key_scale(values, eps).squeeze(-1)
     weights = torch.softmax(torch.matmul(values, folded_query(proj_weight, norm_weight)) * scales, dim=-1)
     if preserve_scale:
         weights = weights * len(sources)
-    return torch.matmul(weights.unsqueeze(-2), values).squeeze(-2).to(sources[0].dtype)
+    return torch.matmul(weights.unsqueeze(-2), values).squeeze(-2).to(stream_dtype(sources))
 
 
 # Note [backward]
@@ -132,6 +168,9 @@ def reference_backward(grad, sources, proj_weight, norm_weight, eps: float, pres
     """Note [backward] in PyTorch ops: the gradients of every source (in its dtype) and of the folded
     query (fp32 ``[D]``). What ``attnres::aggregate_backward`` computes where no kernel does
     (:mod:`attnres_fx.ops`); the per-token logits are recomputed here, not saved by the forward."""
+    if isinstance(grad, torch.Tensor) and autocast_on(grad.device.type):
+        with torch.autocast(grad.device.type, enabled=False):
+            return reference_backward(grad, sources, proj_weight, norm_weight, eps, preserve_scale)
     query = folded_query(proj_weight, norm_weight)
     values = [source.float() for source in sources]
     grad = grad.float()

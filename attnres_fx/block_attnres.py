@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import TYPE_CHECKING
 
 import torch
@@ -15,6 +17,22 @@ if TYPE_CHECKING:
     from attnres_fx.passes.plan import Site
 
 DEFAULT_EPS = 1e-6
+# The key norm adds eps in fp32 whatever the sources' dtype (fp32, bf16, fp16 are all normalised in fp32):
+# an eps below fp32's smallest normal number rounds to (nearly) 0 there, and a zero source (a padding
+# embedding) then gives 0 * inf = NaN.
+SMALLEST_EPS = torch.finfo(torch.float32).tiny
+
+
+def check_eps(eps) -> float:
+    """``eps`` as a float, or ``ValueError`` unless it is a finite number of at least fp32's smallest
+    normal number (:data:`SMALLEST_EPS`)."""
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not math.isfinite(eps) or eps <= 0:
+        raise ValueError(f"eps must be a positive finite number, got {eps!r}")
+    if eps < SMALLEST_EPS:
+        raise ValueError(f"eps must be at least {SMALLEST_EPS:.4g}, the smallest normal float32 number (the key norm "
+                         f"adds it in fp32 for every source dtype), got {eps!r}: it would round to 0 there and a zero "
+                         "source would give NaN")
+    return float(eps)
 
 
 def aggregate(proj_weight: torch.Tensor, norm_weight: torch.Tensor, sources, *, eps: float,
@@ -22,8 +40,8 @@ def aggregate(proj_weight: torch.Tensor, norm_weight: torch.Tensor, sources, *, 
     """``sum_i softmax_i(w . RMSNorm(v_i)) * v_i`` over ``sources`` (``[..., D]`` each), fp32 inside.
 
     The functional form of :class:`BlockAttnRes` (``proj_weight`` ``[1, D]``, ``norm_weight`` ``[D]``).
-    The result has the first source's dtype; with ``preserve_scale`` it is multiplied by the number of
-    sources. Under a graph capture (Dynamo, torch.export, fx) it is :func:`aggregation.fusable`, plain
+    The result has the stream's dtype (the sources' promoted dtype), under ``torch.autocast`` too; with
+    ``preserve_scale`` it is multiplied by the number of sources. Under a graph capture (Dynamo, torch.export, fx) it is :func:`aggregation.fusable`, plain
     ops Inductor fuses with their neighbours and exporters translate; run eagerly, :func:`ops.eager`
     picks the fastest implementation: the fused operator ``attnres::aggregate`` (a C++ or Triton kernel)
     where there is one.
@@ -79,8 +97,9 @@ class BlockAttnRes(nn.Module):
     starts with equal weight) and
     ``norm = RMSNorm(dim)`` holds the key normalisation (weight ``[dim]``, ones).
 
-    The logits, the softmax and the weighted sum run in fp32 whatever the sources' dtype; the result is
-    cast back to the dtype of the first source. With ``preserve_scale=True`` the aggregate is multiplied
+    The logits, the softmax and the weighted sum run in fp32 whatever the sources' dtype, under
+    ``torch.autocast`` too; the result has the stream's dtype (the sources' promoted dtype: a bf16
+    embedding and fp32 sublayer outputs make an fp32 stream, as the residual adds gave). With ``preserve_scale=True`` the aggregate is multiplied
     by the number of sources, so at zero init it equals the plain sum of the sources (the original
     residual stream) exactly, on any architecture.
 
@@ -103,7 +122,7 @@ class BlockAttnRes(nn.Module):
         if dim <= 0:
             raise ValueError(f"dim must be positive, got {dim}")
         self.dim = dim
-        self.eps = eps
+        self.eps = check_eps(eps)
         self.preserve_scale = preserve_scale
         # Where this module sits in a converted model (attnres_fx.sites reads it); None for a free module.
         self.site: Site | None = None

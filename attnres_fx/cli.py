@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from . import api
+from . import api, atomic
 from .checks import eps_bound, relative_error
 from .depth import depth_weights
 from .errors import AttnResError
@@ -165,7 +165,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"Forward time, eager, {torch.get_num_threads()} thread(s), median of {TIMED_RUNS} interleaved runs: "
           f"original {before_ms:.2f} ms, converted {after_ms:.2f} ms (ratio {after_ms / before_ms:.2f})")
     code_path = out_dir / "rewritten_graph.py"
-    code_path.write_text(api.rewrite(model, inputs, example_kwargs=kwargs).code)
+    code = api.rewrite(model, inputs, example_kwargs=kwargs).code
+    with atomic.replaced_files(code_path) as staged, atomic.writing(code_path, "writing the graph's code"):
+        staged.write_text(code)
     print(f"Explicit graph code (attnres_fx.rewrite) saved to {code_path}")
     if args.backends:
         # Imported here: the ONNX packages are an optional extra.

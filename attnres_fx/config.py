@@ -9,11 +9,11 @@ and read back into it.
 from __future__ import annotations
 
 import dataclasses
-import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
-from attnres_fx.block_attnres import DEFAULT_EPS
+from attnres_fx.block_attnres import DEFAULT_EPS, check_eps
 from attnres_fx.passes.plan import ROUTES
 
 # The version of the option set: a saved config of another version is read by its own rules.
@@ -41,14 +41,15 @@ class AttnResConfig:
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+            if value is not None:
+                # A numpy integer counts as the int it is (and is saved as one in config.json).
+                object.__setattr__(self, name, int(value))
         for name in ("preserve_scale", "allow_partial"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
-        eps = self.eps
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
-            raise ValueError(f"eps must be a positive finite number, got {eps!r}")
+        object.__setattr__(self, "eps", check_eps(self.eps))
         if self.route not in ROUTES:
             raise ValueError(f"route must be one of {ROUTES}, got {self.route!r}")
         if self.version != CONFIG_VERSION:

@@ -65,6 +65,16 @@ class CheckpointMismatchError(AttnResError):
     missing AttnRes weights; the message names what differs."""
 
 
+class WriteError(AttnResError, OSError):
+    """Writing a file or folder failed (the disk full, a folder not writable, an interrupted move); the
+    target is as it was before. The message names the target, the step and the cause; ``errno`` is the
+    underlying error's."""
+
+    def __init__(self, message: str, code: int | None = None):
+        super().__init__(message)
+        self.errno = code
+
+
 class ExportError(AttnResError):
     """Compiling or exporting a rewritten module failed; carries the exporter's root cause."""
 

@@ -25,9 +25,13 @@ installed once transformers' ``modeling_utils`` is imported (:func:`attnres_fx.c
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import json
+import re
 import sys
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -36,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import api, compat, conversion, routing
+from . import api, atomic, compat, conversion, routing
 from .config import AttnResConfig
 from .conversion import is_converted, plan_of, sites
 from .errors import AttnResWarning, CheckpointMismatchError
@@ -44,37 +48,71 @@ from .version import __version__
 
 CONFIG_NAME = "attnres_config.json"
 WEIGHTS_NAME = "attnres.safetensors"
+CODE_NAME = "modeling_attnres.py"
 CONFIG_ATTRIBUTE = "attnres"
-FORMAT_VERSION = 2
-READABLE_FORMATS = (1, 2)
+# Format 3 adds the fingerprint that ties the config entry, attnres_config.json and attnres.safetensors
+# together; folders of formats 1 and 2 load without that check.
+FORMAT_VERSION = 3
+READABLE_FORMATS = (1, 2, 3)
+FINGERPRINTED = 3
+FINGERPRINT_KEY = "attnres_fingerprint"
 
 
 class SavePretrained:
     """``model.save_pretrained`` of a converted model: the class's own with the config entry, then
-    ``attnres_config.json`` and ``attnres.safetensors``."""
+    ``attnres_config.json``, ``attnres.safetensors`` and the loading code for ``trust_remote_code``, all
+    written into a temporary folder beside the target, checked there, and moved in at once
+    (:func:`attnres_fx.atomic.replaced_folder`): a failure or an interrupt leaves the target as it was,
+    and the files of an earlier save (weights, AttnRes files) never stay beside new ones."""
 
     def __init__(self, model: nn.Module):
         self.model = model
 
     def __call__(self, save_directory, *args, **kwargs):
+        if not kwargs.get("is_main_process", True):
+            # Another process writes the folder; this one only takes part in gathering the weights.
+            return type(self.model).save_pretrained(self.model, save_directory, *args, **kwargs)
+        target = Path(save_directory)
+        if kwargs.get("push_to_hub"):
+            kwargs.setdefault("repo_id", target.name)
+        with atomic.replaced_folder(target, drop=_written_by_a_save) as staging:
+            with atomic.writing(target, "writing the weights and config.json"):
+                result = self._save_model(staging, *args, **kwargs)
+            with atomic.writing(target, f"writing {CONFIG_NAME}, {WEIGHTS_NAME} and {CODE_NAME}"):
+                write_config(self.model, staging)
+                _write_attnres_weights(self.model, staging)
+                (staging / CODE_NAME).write_text(loading_code(self.model))
+            check_unit(staging, where=target)
+        return result
+
+    def _save_model(self, directory: Path, *args, **kwargs):
         config = self.model.config
-        had, before = hasattr(config, CONFIG_ATTRIBUTE), getattr(config, CONFIG_ATTRIBUTE, None)
+        saved = {name: (hasattr(config, name), getattr(config, name, None)) for name in (CONFIG_ATTRIBUTE, "auto_map")}
         setattr(config, CONFIG_ATTRIBUTE, config_entry(self.model))
+        mapped = auto_map(self.model)
+        if mapped:
+            config.auto_map = {**(getattr(config, "auto_map", None) or {}), **mapped}
         try:
             with compat.hf_saved_under_own_names(set(_attnres_weights(self.model))):
-                result = type(self.model).save_pretrained(self.model, save_directory, *args, **kwargs)
+                return type(self.model).save_pretrained(self.model, directory, *args, **kwargs)
         finally:
-            if had:
-                setattr(config, CONFIG_ATTRIBUTE, before)
-            else:
-                delattr(config, CONFIG_ATTRIBUTE)
-        if kwargs.get("is_main_process", True):
-            write_config(self.model, save_directory)
-            _write_attnres_weights(self.model, save_directory)
-        return result
+            for name, (had, before) in saved.items():
+                if had:
+                    setattr(config, name, before)
+                elif hasattr(config, name):
+                    delattr(config, name)
 
     def __repr__(self) -> str:
         return f"<attnres_fx save_pretrained of {type(self.model).__name__}>"
+
+
+# Files of a model folder that a save writes anew: an older save's are not carried over beside a new one
+# (a shard of a larger model, the AttnRes files of a converted one).
+_SAVED_FILES = re.compile(r"(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?")
+
+
+def _written_by_a_save(name: str) -> bool:
+    return bool(_SAVED_FILES.fullmatch(name)) or name in (CONFIG_NAME, WEIGHTS_NAME, CODE_NAME)
 
 
 class CompiledCall:
@@ -119,6 +157,19 @@ def attach(model: nn.Module) -> None:
 
 
 def detach(model: nn.Module) -> None:
+    """Undo :func:`attach`, and take from the model's config what a saved conversion put there (the
+    ``"attnres"`` entry, the ``auto_map`` entries naming the folder's loading code): a model saved after
+    :func:`attnres_fx.remove` is the original model."""
+    config = getattr(model, "config", None)
+    if config is not None and CONFIG_ATTRIBUTE in vars(config):
+        delattr(config, CONFIG_ATTRIBUTE)
+    auto = getattr(config, "auto_map", None)
+    if isinstance(auto, dict) and any(_ours(ref) for ref in auto.values()):
+        kept = {name: ref for name, ref in auto.items() if not _ours(ref)}
+        if kept:
+            config.auto_map = kept
+        else:
+            delattr(config, "auto_map")
     if isinstance(model.__dict__.get("save_pretrained"), SavePretrained):
         del model.__dict__["save_pretrained"]
     if isinstance(model.__dict__.get("get_compiled_call"), CompiledCall):
@@ -129,18 +180,40 @@ def detach(model: nn.Module) -> None:
 conversion.on_convert(attach, detach)
 
 
+def _ours(reference: Any) -> bool:
+    return isinstance(reference, str) and reference.startswith(f"{Path(CODE_NAME).stem}.")
+
+
 def config_entry(model: nn.Module) -> dict[str, Any]:
     """The ``"attnres"`` entry of a converted model's ``config.json``: its :class:`AttnResConfig`, block
-    sizes and format."""
-    return {"format": FORMAT_VERSION, "attnres_fx_version": __version__,
-            "options": conversion.config_of(model).to_dict(), "block_sizes": list(plan_of(model).block_sizes)}
+    sizes, format and the fingerprint of its AttnRes weights with them (:func:`fingerprint`)."""
+    entry = {"format": FORMAT_VERSION, "attnres_fx_version": __version__,
+             "options": conversion.config_of(model).to_dict(), "block_sizes": list(plan_of(model).block_sizes)}
+    return {**entry, "fingerprint": fingerprint(_attnres_weights(model), entry)}
+
+
+def fingerprint(tensors: dict[str, torch.Tensor], entry: dict[str, Any]) -> str:
+    """One hash of the AttnRes tensors (names, dtypes, shapes, bytes) and the conversion that made them
+    (the entry's options and block sizes): recorded in the config entry, ``attnres_config.json`` and the
+    metadata of ``attnres.safetensors``, so that files of different saves, models or dtypes never pass for
+    one checkpoint."""
+    digest = hashlib.sha256(json.dumps({"options": entry["options"], "block_sizes": entry["block_sizes"]},
+                                       sort_keys=True).encode())
+    for key in sorted(tensors):
+        tensor = tensors[key].detach().cpu().contiguous()
+        digest.update(f"{key}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:32]
+
+
+def _site_list(model: nn.Module) -> list[dict[str, Any]]:
+    return [{key: value for key, value in asdict(site).items() if key not in ("position", "branch")}
+            for site in plan_of(model).sites]
 
 
 def saved_config(model: nn.Module) -> dict[str, Any]:
     """What ``attnres_config.json`` holds for a converted model: the config entry and the site list."""
-    return {**config_entry(model),
-            "sites": [{key: value for key, value in asdict(site).items() if key not in ("position", "branch")}
-                      for site in plan_of(model).sites]}
+    return {**config_entry(model), "sites": _site_list(model)}
 
 
 def write_config(model: nn.Module, directory) -> Path:
@@ -150,18 +223,53 @@ def write_config(model: nn.Module, directory) -> Path:
     return path
 
 
-def read_config(directory) -> dict[str, Any]:
+def read_config(directory, shown=None) -> dict[str, Any]:
+    """``attnres_config.json`` of ``directory``, checked (``shown``: the folder to name in errors)."""
+    shown = Path(shown or directory)
     path = Path(directory) / CONFIG_NAME
     if not path.is_file():
-        raise CheckpointMismatchError(f"{directory} has no {CONFIG_NAME}: it was not saved from a model converted "
+        raise CheckpointMismatchError(f"{shown} has no {CONFIG_NAME}: it was not saved from a model converted "
                                       "by attnres_fx (load it with the model class itself)")
     try:
         config = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointMismatchError(f"{path} cannot be read: {type(err).__name__}: {err}. Save the converted "
-                                      "model again") from err
-    check_entry(config, str(path), "")
+        raise CheckpointMismatchError(f"{shown / CONFIG_NAME} cannot be read: {type(err).__name__}: {err}. Save the "
+                                      "converted model again") from err
+    check_entry(config, str(shown / CONFIG_NAME), "")
     return config
+
+
+def auto_map(model: nn.Module) -> dict[str, str]:
+    """The ``auto_map`` entries of a saved converted model's ``config.json``: each ``AutoModel*`` class
+    that builds its class names the class in the folder's loading code (:func:`loading_code`)."""
+    cls = _saved_class(model)
+    classes = compat.hf_auto_classes(cls, type(model.config))
+    return {name: f"{Path(CODE_NAME).stem}.{cls.__name__}" for name in classes}
+
+
+def _saved_class(model: nn.Module) -> type:
+    """The model's class as transformers defines it (a model loaded through the folder's loading code is
+    of its subclass there)."""
+    return next((cls for cls in type(model).__mro__ if cls.__module__.startswith("transformers.")), type(model))
+
+
+def loading_code(model: nn.Module) -> str:
+    """``modeling_attnres.py``: what transformers runs for ``Auto*.from_pretrained(folder,
+    trust_remote_code=True)`` in a process that has not imported attnres_fx. It imports attnres_fx (so
+    the model built from the folder's config is converted, its weights checked) and names a subclass of
+    the saved class; where attnres_fx is not installed, transformers refuses the folder naming it."""
+    cls = _saved_class(model)
+    return (f'''"""The converted {cls.__name__} of this folder, for transformers alone:
+``AutoModel...from_pretrained(folder, trust_remote_code=True)``. Written by attnres_fx {__version__}:
+importing it converts every model built from a config with an "attnres" entry (pip install attnres-fx)."""
+
+import attnres_fx  # noqa: F401 - converts the model built from this folder's config, checks its weights
+from {cls.__module__} import {cls.__name__} as _Saved
+
+
+class {cls.__name__}(_Saved):
+    """{cls.__name__} as transformers defines it; converted when it is built."""
+''')
 
 
 def check_entry(entry: Any, where: str, key: str) -> AttnResConfig:
@@ -179,7 +287,8 @@ def check_entry(entry: Any, where: str, key: str) -> AttnResConfig:
     if entry.get("format") not in READABLE_FORMATS:
         raise CheckpointMismatchError(f"{named}: AttnRes format {entry.get('format')!r}, this attnres_fx reads "
                                       f"formats {READABLE_FORMATS}")
-    fields = (("options", dict), ("block_sizes", list)) + ((("sites", list),) if not key else ())
+    fields = (("options", dict), ("block_sizes", list)) + ((("sites", list),) if not key else ()) + \
+        ((("fingerprint", str),) if entry["format"] >= FINGERPRINTED else ())
     for field, kind in fields:
         if not isinstance(entry.get(field), kind):
             raise CheckpointMismatchError(f"{named}: '{field}' is {entry.get(field)!r:.80}, not a {kind.__name__} "
@@ -222,31 +331,93 @@ def convert_on_construction(model: nn.Module) -> None:
         api.remove(model)
         raise CheckpointMismatchError(f"{type(model).__name__}: its config was saved with AttnRes block sizes "
                                       f"{entry.get('block_sizes')}, the model built from it converts to {list(sizes)}")
+    if entry is not None and saved[2] is not None:
+        _LOAD_CHECKS[model] = functools.partial(check_loaded, directory=saved[2], entry=entry)
     if after is not None:
         after(model)
 
 
-def _saved_entry(model: nn.Module) -> tuple[dict, AttnResConfig] | None:
-    """The checked ``"attnres"`` entry of ``model``'s config and its options, or None when it has none; an
-    entry that does not agree with the ``attnres_config.json`` saved beside its ``config.json`` is refused
-    too."""
+# Models built by transformers' from_pretrained from a converted folder -> the check of the weights its
+# loader gave them, run once from_pretrained returns (:func:`check_loaded`).
+_LOAD_CHECKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _saved_entry(model: nn.Module) -> tuple[dict, AttnResConfig, Path | None] | None:
+    """The checked ``"attnres"`` entry of ``model``'s config, its options and the folder it was read
+    from (None when not from a folder), or None when it has none. The entry is checked with the files
+    beside its ``config.json`` as one checkpoint (:func:`check_unit`); a config without an entry read from
+    a folder that holds AttnRes files is refused (transformers would build the original model beside the
+    converted one's weights)."""
     config = getattr(model, "config", None)
-    if config is None or CONFIG_ATTRIBUTE not in vars(config):
+    if config is None:
         return None
     directory = Path(getattr(config, "name_or_path", "") or "")
-    where = str(directory / "config.json") if directory.is_dir() else f"{type(model).__name__}.config"
+    from_folder = directory.is_dir() and (directory / "config.json").is_file()
+    if CONFIG_ATTRIBUTE not in vars(config):
+        if from_folder and (directory / CONFIG_NAME).is_file() and _outermost(model):
+            raise CheckpointMismatchError(_no_entry(directory))
+        return None
+    where = str(directory / "config.json") if from_folder else f"{type(model).__name__}.config"
     entry = getattr(config, CONFIG_ATTRIBUTE)
     options = check_entry(entry, where, CONFIG_ATTRIBUTE)
-    beside = directory / CONFIG_NAME
-    if directory.is_dir() and beside.is_file():
-        saved = read_config(directory)
-        differs = [field for field in ("options", "block_sizes") if saved.get(field) != entry.get(field)]
+    if from_folder and (directory / CONFIG_NAME).is_file():
+        check_unit(directory, entry=entry)
+    return entry, options, directory if from_folder else None
+
+
+def _no_entry(directory: Path) -> str:
+    return (f"{directory / 'config.json'} has no '{CONFIG_ATTRIBUTE}' entry, but {CONFIG_NAME} lies beside it: the "
+            "folder's config and weights were written by a model that is not converted (saved over a converted "
+            "one), or the entry was deleted, so transformers would build the original model. Restore the entry "
+            f"from {CONFIG_NAME} (and its fingerprint), or delete {CONFIG_NAME} and {WEIGHTS_NAME} to load the "
+            "original model")
+
+
+def check_unit(directory, *, entry: dict | None = None, where=None) -> tuple[dict, dict]:
+    """``attnres_config.json``, ``attnres.safetensors`` and the ``config.json`` entry of a saved converted
+    model (``entry``: as read already; else from ``config.json`` when there is one) checked as one
+    checkpoint: the same options, block sizes and fingerprint in all three, and tensors that hash to it.
+    Returns the saved config and the AttnRes tensors; a mismatch raises
+    :class:`~attnres_fx.CheckpointMismatchError` naming the file and key (``where``: the folder to name)."""
+    directory = Path(directory)
+    shown = Path(where or directory)
+    saved = read_config(directory, shown)
+    if entry is None and (directory / "config.json").is_file():
+        entry = _config_json_entry(directory, shown)
+    if entry is not None:
+        fields = ("options", "block_sizes") + (("fingerprint",) if saved["format"] >= FINGERPRINTED else ())
+        differs = [field for field in fields if saved.get(field) != entry.get(field)]
         if differs:
             raise CheckpointMismatchError(
-                f"{where}, key '{CONFIG_ATTRIBUTE}': its {' and '.join(differs)} differ from those in {beside} "
-                f"({', '.join(f'{f}: {entry.get(f)!r} against {saved.get(f)!r}' for f in differs)}): the AttnRes "
-                "weights saved there were made by the conversion that file records. Restore the entry from it.")
-    return entry, options
+                f"{shown / 'config.json'}, key '{CONFIG_ATTRIBUTE}': its {' and '.join(differs)} differ from those in "
+                f"{shown / CONFIG_NAME} ({', '.join(f'{f}: {entry.get(f)!r} against {saved.get(f)!r}' for f in differs)})"
+                f": the two were written by different saves. Save the converted model again (or restore the entry "
+                f"from {CONFIG_NAME} if only the entry was edited).")
+    stored, recorded = _stored_attnres_weights(directory, shown)
+    if saved["format"] >= FINGERPRINTED:
+        path = shown / WEIGHTS_NAME
+        if recorded != saved["fingerprint"]:
+            raise CheckpointMismatchError(
+                f"{path}: its metadata '{FINGERPRINT_KEY}' is {recorded!r}, {shown / CONFIG_NAME} records "
+                f"{saved['fingerprint']!r}: the AttnRes weights come from another save. Save the converted model again.")
+        if fingerprint(stored, saved) != saved["fingerprint"]:
+            raise CheckpointMismatchError(
+                f"{path}: its tensors do not hash to the fingerprint {saved['fingerprint']!r} they were saved with "
+                "(changed after saving: another model's weights, another dtype, edited values). Save the converted "
+                "model again.")
+    return saved, stored
+
+
+def _config_json_entry(directory: Path, shown: Path) -> dict:
+    path = directory / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointMismatchError(f"{shown / 'config.json'} cannot be read: {type(err).__name__}: {err}") from err
+    if not isinstance(config, dict) or CONFIG_ATTRIBUTE not in config:
+        raise CheckpointMismatchError(_no_entry(shown))
+    check_entry(config[CONFIG_ATTRIBUTE], str(shown / "config.json"), CONFIG_ATTRIBUTE)
+    return config[CONFIG_ATTRIBUTE]
 
 
 @contextlib.contextmanager
@@ -277,11 +448,32 @@ def _outermost(model: nn.Module) -> bool:
     return True
 
 
+def _wrap_from_pretrained(pretrained_model: type) -> None:
+    """Make ``PreTrainedModel.from_pretrained`` (a public classmethod) check the AttnRes weights its loader
+    gave a converted model (:func:`check_loaded`) before returning it, once."""
+    original = pretrained_model.__dict__["from_pretrained"].__func__
+    if getattr(original, "_attnres_wrapped", False):
+        return
+
+    @functools.wraps(original)
+    def from_pretrained(cls, *args, **kwargs):
+        result = original(cls, *args, **kwargs)
+        model = result[0] if isinstance(result, tuple) else result
+        check = _LOAD_CHECKS.pop(model, None)
+        if check is not None:
+            check(model)
+        return result
+
+    from_pretrained._attnres_wrapped = True
+    pretrained_model.from_pretrained = classmethod(from_pretrained)
+
+
 def _on_transformers_import(modeling_utils) -> None:
     """Once transformers is imported: its release checked against the supported range (``ImportError``
-    below it, a warning above), then the construction hook installed."""
+    below it, a warning above), then the construction hook and the check after loading installed."""
     compat.check_transformers_version(sys.modules["transformers"])
     compat.wrap_post_init(modeling_utils.PreTrainedModel, convert_on_construction)
+    _wrap_from_pretrained(modeling_utils.PreTrainedModel)
 
 
 compat.after_import("transformers.modeling_utils", _on_transformers_import)
@@ -295,25 +487,24 @@ def from_pretrained(model_or_cls, directory, **from_pretrained_kwargs) -> nn.Mod
     ``model_or_cls``: a model class (``LlamaForCausalLM``, or an ``Auto*`` class): its own
     ``from_pretrained(directory, **from_pretrained_kwargs)``, which gives the converted model (see the
     module docstring); or a model instance of the same architecture (its own weights are kept), converted
-    with the saved options and given the saved AttnRes weights. Either way the sites are checked against
-    the saved ones: a model that converts to others raises :class:`~attnres_fx.CheckpointMismatchError`
-    naming them, and an instance is left unconverted.
+    with the saved options and given the saved AttnRes weights. Either way the folder's AttnRes files and
+    config entry are checked as one checkpoint (:func:`check_unit`) and the sites against the saved ones:
+    a model that converts to others raises :class:`~attnres_fx.CheckpointMismatchError` naming them, and
+    an instance is left unconverted.
     """
-    saved = read_config(directory)
+    saved, stored = check_unit(directory)
     if isinstance(model_or_cls, type):
         model = model_or_cls.from_pretrained(directory, **from_pretrained_kwargs)
         if not is_converted(model):
             raise CheckpointMismatchError(f"{directory}: {type(model).__name__} was built without its AttnRes "
                                           f"conversion (config.json has no '{CONFIG_ATTRIBUTE}' entry?)")
-        _check_sites(saved, saved_config(model), directory)
-        _restore_unloaded_weights(model, directory)
+        _check_sites(saved, {"sites": _site_list(model), "block_sizes": list(plan_of(model).block_sizes)}, directory)
         return model
     model = model_or_cls
     config = check_entry(saved, str(Path(directory) / CONFIG_NAME), "")
-    stored = _stored_attnres_weights(directory)
     api.attnresify(model, config=config)
     try:
-        _check_sites(saved, saved_config(model), directory)
+        _check_sites(saved, {"sites": _site_list(model), "block_sizes": list(plan_of(model).block_sizes)}, directory)
         model.load_state_dict(_fitting(model, stored, directory), strict=False)
     except BaseException:
         api.remove(model)
@@ -349,21 +540,25 @@ def _write_attnres_weights(model: nn.Module, directory) -> None:
     from safetensors.torch import save_file
 
     tensors = {key: value.detach().cpu().contiguous() for key, value in _attnres_weights(model).items()}
-    save_file(tensors, str(Path(directory) / WEIGHTS_NAME))
+    save_file(tensors, str(Path(directory) / WEIGHTS_NAME),
+              metadata={"format": "pt", FINGERPRINT_KEY: config_entry(model)["fingerprint"]})
 
 
-def _stored_attnres_weights(directory) -> dict:
-    """Every tensor of ``attnres.safetensors``; a missing or damaged file raises naming it."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+def _stored_attnres_weights(directory, shown=None) -> tuple[dict, str | None]:
+    """Every tensor of ``attnres.safetensors`` and the fingerprint its metadata records; a missing or
+    damaged file raises naming it."""
+    from safetensors import SafetensorError, safe_open
 
     path = Path(directory) / WEIGHTS_NAME
+    named = Path(shown or directory) / WEIGHTS_NAME
     if not path.is_file():
-        raise CheckpointMismatchError(f"{path} not found: save the converted model with its save_pretrained")
+        raise CheckpointMismatchError(f"{named} not found: the AttnRes weights are missing. Save the converted "
+                                      "model with its save_pretrained")
     try:
-        return load_file(str(path))
+        with safe_open(str(path), "pt") as weights:
+            return {key: weights.get_tensor(key) for key in weights.keys()}, (weights.metadata() or {}).get(FINGERPRINT_KEY)
     except (SafetensorError, OSError) as err:
-        raise CheckpointMismatchError(f"{path} cannot be read ({type(err).__name__}: {err}): the file is damaged "
+        raise CheckpointMismatchError(f"{named} cannot be read ({type(err).__name__}: {err}): the file is damaged "
                                       "or truncated. Save the converted model again") from err
 
 
@@ -383,21 +578,71 @@ def _fitting(model: nn.Module, stored: dict, directory) -> dict:
     return {key: stored[key] for key in wanted}
 
 
-def _restore_unloaded_weights(model: nn.Module, directory) -> None:
-    """Give the AttnRes weights transformers' loader did not load the values of ``attnres.safetensors``,
-    and say so: a checkpoint whose ``model.safetensors`` holds them under names the loader renames (written
-    while transformers' reverted renamings applied to them, Mixtral's ``mlp_res`` as ``block_sparse_moe.res``;
-    see :func:`attnres_fx.compat.hf_saved_under_own_names`) would otherwise load uninitialised ones."""
-    stored = _fitting(model, _stored_attnres_weights(directory), directory)
+def check_loaded(model: nn.Module, directory: Path, entry: dict) -> None:
+    """After transformers' loader filled a converted model built from ``directory``: its AttnRes weights
+    are those of ``attnres.safetensors``. Those the main weights lack (or hold under names the loader
+    renames: written while transformers' reverted renamings applied to them, Mixtral's ``mlp_res`` as
+    ``block_sparse_moe.res``; see :func:`attnres_fx.compat.hf_saved_under_own_names`) would keep
+    uninitialised memory: they are taken from ``attnres.safetensors``, with a warning. Main weights that
+    hold other AttnRes values under their own names come from another save: refused, naming them."""
     current = _attnres_weights(model)
+    prefix = _saved_prefix(model, current, _main_weight_names(directory) or set())
+    in_main = _main_weight_names(directory)
+    if in_main is not None:
+        in_main = {key[len(prefix):] for key in in_main if key.startswith(prefix)}
+    if not (directory / CONFIG_NAME).is_file():
+        stored = None
+    else:
+        saved = check_unit(directory, entry=entry)[1]
+        prefix = _saved_prefix(model, current, set(saved))
+        stored = _fitting(model, {key[len(prefix):]: value for key, value in saved.items() if key.startswith(prefix)},
+                          directory)
+    if stored is None:
+        missing = sorted(key for key in current if in_main is None or key not in in_main)
+        if missing:
+            raise CheckpointMismatchError(
+                f"{directory}: the main weights hold no AttnRes weights for {', '.join(missing[:4])}"
+                f"{'...' if len(missing) > 4 else ''}, and {WEIGHTS_NAME} is missing: the AttnRes weights are lost. "
+                "Save the converted model again")
+        return
     differ = [key for key, value in current.items()
               if value.device.type != "meta" and not torch.equal(value, stored[key].to(value.device, value.dtype))]
+    conflicting = [key for key in differ if in_main is not None and key in in_main]
+    if conflicting:
+        raise CheckpointMismatchError(
+            f"{directory}: the main weights and {WEIGHTS_NAME} hold different AttnRes weights for "
+            f"{', '.join(conflicting[:4])}{'...' if len(conflicting) > 4 else ''}: they come from different saves. "
+            "Save the converted model again")
     if not differ:
         return
     with torch.no_grad():
         for key in differ:
             current[key].copy_(stored[key])
-    warnings.warn(f"{directory}: model.safetensors gave other AttnRes weights than {WEIGHTS_NAME} for "
-                  f"{', '.join(differ[:4])}{'...' if len(differ) > 4 else ''} (transformers' loader did not "
-                  f"load them): they were taken from {WEIGHTS_NAME}. Save the model again to rewrite its "
-                  "checkpoint.", AttnResWarning, stacklevel=3)
+    warnings.warn(f"{directory}: the main weights gave no AttnRes weights for {', '.join(differ[:4])}"
+                  f"{'...' if len(differ) > 4 else ''} (missing, or under names transformers' loader did not load): "
+                  f"they were taken from {WEIGHTS_NAME}. Save the model again to rewrite its checkpoint.",
+                  AttnResWarning, stacklevel=4)
+
+
+def _saved_prefix(model: nn.Module, current: dict, saved: set[str]) -> str:
+    """``"model."`` where the folder holds the model ``model`` is the base of (an ``AutoModel`` built from
+    a ``...ForCausalLM`` folder: transformers drops the prefix when it loads), else ``""``."""
+    prefix = f"{getattr(model, 'base_model_prefix', '')}."
+    if prefix != "." and current and not set(current) & saved and {prefix + key for key in current} & saved:
+        return prefix
+    return ""
+
+
+def _main_weight_names(directory: Path) -> set[str] | None:
+    """The tensor names of the folder's safetensors weights (one file or a sharded index), or None where
+    they are in another format."""
+    from safetensors import safe_open
+
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        return set(json.loads(index.read_text()).get("weight_map", {}))
+    single = directory / "model.safetensors"
+    if single.is_file():
+        with safe_open(str(single), "pt") as weights:
+            return set(weights.keys())
+    return None

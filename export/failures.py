@@ -15,6 +15,8 @@ from attnres_fx.errors import ExportError
 
 # (substrings looked for in the type names and messages of the whole chain, hint). First match wins.
 _HINTS = (
+    (("No space left on device", "Disk quota exceeded", "os error 28"),
+     "the disk is full: free space and export again (the target was left as it was)."),
     (("GuardOnDataDependent", "data-dependent", "Data-dependent"),
      "forward() makes a Python decision on tensor values (e.g. `if x.sum() > 0:`), or produces a shape "
      "that depends on them (e.g. `x[x > 0]`), which a graph cannot hold. Express the choice with "

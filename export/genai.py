@@ -27,8 +27,6 @@ from __future__ import annotations
 import copy
 import inspect
 import json
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from attnres_fx import atomic
 from attnres_fx.api import explicit_graph
 from attnres_fx.conversion import is_converted
 from attnres_fx.errors import ExportError, ServingLayoutError
@@ -107,7 +106,9 @@ def to_genai(model: nn.Module, out_dir: str | Path, *, tokenizer: Any = None, pr
         model: a Hugging Face decoder-only language model (``...ForCausalLM``), converted by ``attnresify``
             (exported through its explicit graph with its current weights) or not (the same export of
             an original, to compare with). Left unchanged.
-        out_dir: the folder; created if needed, files of the same names replaced.
+        out_dir: the folder; created if needed. Written beside it and swapped in whole: a failure, an
+            interrupt or a full disk leaves it as it was; files of an earlier folder that this export does
+            not write (other than the model's) are kept.
         tokenizer: a Hugging Face tokenizer (``save_pretrained`` writes ``tokenizer.json`` and
             ``tokenizer_config.json``, which ``onnxruntime_genai.Tokenizer`` reads); also a source of
             the special token ids the model's configs lack.
@@ -122,7 +123,8 @@ def to_genai(model: nn.Module, out_dir: str | Path, *, tokenizer: Any = None, pr
 
     Raises :class:`attnres_fx.ServingLayoutError` before writing anything for a model the folder cannot
     describe (an encoder-decoder, a state-space or linear-attention cache), and
-    :class:`attnres_fx.ExportError` if the export fails (nothing is written then either).
+    :class:`attnres_fx.ExportError` if the export or a write fails (the disk full included), and
+    :class:`attnres_fx.WriteError` if moving the folder in does (nothing is changed then either).
     """
     dtype = _option(precision, PRECISIONS, "precision")
     _option(execution_provider, PROVIDERS, "execution_provider")
@@ -133,17 +135,15 @@ def to_genai(model: nn.Module, out_dir: str | Path, *, tokenizer: Any = None, pr
     config = genai_config(model, shape, tokenizer=tokenizer, execution_provider=execution_provider,
                           chunk_size=chunk_size)
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    # Everything is written beside out_dir first and moved in once complete: a failure leaves nothing.
-    with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.") as staging:
-        staging = Path(staging)
-        export_decoder(model, shape, dtype, staging / MODEL_NAME, opset=opset, two_phase=two_phase)
-        (staging / CONFIG_NAME).write_text(json.dumps(config, indent=4) + "\n")
+    # Everything is written into a folder beside out_dir and swapped in once complete (the old folder
+    # renamed aside, the new one in): a failure leaves out_dir as it was.
+    with atomic.replaced_folder(out_dir, drop=lambda name: name in (MODEL_NAME, f"{MODEL_NAME}.data", CONFIG_NAME)) as staging:
+        export_decoder(model, shape, dtype, staging / MODEL_NAME, opset=opset, two_phase=two_phase,
+                       target=out_dir / MODEL_NAME)
+        with reraise_as_export_error(f"writing {out_dir / CONFIG_NAME}"):
+            (staging / CONFIG_NAME).write_text(json.dumps(config, indent=4) + "\n")
         if tokenizer is not None:
             _save_tokenizer(tokenizer, shape.context_length, staging)
-        out_dir.mkdir(exist_ok=True)
-        for item in staging.iterdir():
-            shutil.move(str(item), out_dir / item.name)
     return out_dir
 
 
@@ -187,7 +187,7 @@ def decoder_shape(model: nn.Module, context_length: int | None = None) -> Decode
 
 
 def export_decoder(model: nn.Module, shape: DecoderShape, dtype: torch.dtype, path: Path, *,
-                   opset: int | None = None, two_phase: bool = True) -> Path:
+                   opset: int | None = None, two_phase: bool = True, target: Path | None = None) -> Path:
     """``model``'s decoder graph with the cache, in ``dtype`` and eval mode, at ``path`` (its explicit graph
     when it is converted), checked to return a cache of the declared shape. ``model`` is left as it was."""
     if next(model.parameters()).dtype != dtype:
@@ -207,7 +207,7 @@ def export_decoder(model: nn.Module, shape: DecoderShape, dtype: torch.dtype, pa
         # Weights in model.onnx.data beside the graph, as the builder writes them: onnxruntime then reads
         # them without holding a second copy in the graph's protobuf while it loads.
         return write_onnx(wrapper, args, {}, dynamic_shapes, input_names, output_names, path, opset=opset,
-                          external_data=True, two_phase=two_phase)
+                          external_data=True, two_phase=two_phase, target=target)
     finally:
         model.train(training)
 

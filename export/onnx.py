@@ -23,7 +23,7 @@ import onnx
 import torch
 from torch import nn
 
-from attnres_fx import ops
+from attnres_fx import atomic, ops
 from attnres_fx.api import explicit_graph, rewrite
 from attnres_fx.block_attnres import BlockAttnRes
 from attnres_fx.errors import AttnResWarning, ExportError
@@ -46,6 +46,10 @@ def to_onnx(module: nn.Module, example_inputs: Any, path: str | Path, *, example
             dynamic: bool = True, opset: int | None = None, external_data: bool | None = None,
             two_phase: bool = True, with_cache: bool = False, check: bool = True) -> Path:
     """Export ``module`` to an ONNX file at ``path`` and check it with ``onnx.checker``; return the path.
+
+    The file (and its ``.data``) is written and checked beside ``path`` and moved in once it passed: a
+    failure, an interrupt or a full disk leaves ``path`` as it was (a ``.data`` of an earlier export that
+    this one does not have is deleted with it).
 
     Args:
         module: a model converted by ``attnresify`` (exported through its explicit graph,
@@ -94,19 +98,28 @@ def to_onnx(module: nn.Module, example_inputs: Any, path: str | Path, *, example
             _warn_size_one(call.names, call.tensors)
         with reraise_as_export_error("running the module on the example inputs"), torch.no_grad():
             names_out = output_names(module, module(*args, **kwargs))
-    path = write_onnx(module, args, kwargs, dynamic_shapes, names_in, names_out, path, opset=opset,
-                      external_data=external_data, two_phase=two_phase)
-    if check and not with_cache and _checkable(source):
-        _refuse_if_it_disagrees(source, path, example_inputs, example_kwargs)
+    path = Path(path)
+    # Written and checked beside the target, then moved in with its .data: a failure leaves it as it was.
+    with atomic.replaced_files(path, onnx_files) as staged:
+        write_onnx(module, args, kwargs, dynamic_shapes, names_in, names_out, staged, opset=opset,
+                   external_data=external_data, two_phase=two_phase, target=path)
+        if check and not with_cache and _checkable(source):
+            _refuse_if_it_disagrees(source, staged, example_inputs, example_kwargs, path)
     return path
+
+
+def onnx_files(path: Path) -> list[Path]:
+    """An ONNX model's files: the graph and its external data beside it."""
+    return [path, Path(f"{path}.data")]
 
 
 def write_onnx(module: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any, input_names: list[str],
                output_names: list[str], path: str | Path, *, opset: int | None = None,
-               external_data: bool | None = None, two_phase: bool = True) -> Path:
+               external_data: bool | None = None, two_phase: bool = True, target: Path | None = None) -> Path:
     """Export ``module`` called with ``(args, kwargs)`` to ``path``, its graph inputs and outputs named as
     given, and check it with ``onnx.checker``: the step every ONNX export of this package ends with.
-    ``module`` is a plain module or an explicit graph; the other options are :func:`to_onnx`'s."""
+    ``module`` is a plain module or an explicit graph; ``target``: the file errors name (where ``path``
+    is a temporary one); the other options are :func:`to_onnx`'s."""
     module = inference_form(module, two_phase)
     path = Path(path)
     with reraise_as_export_error("torch.export"):
@@ -119,9 +132,9 @@ def write_onnx(module: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any
                                          output_names=output_names, opset_version=opset, verbose=False,
                                          custom_translation_table=hf_onnx_translations(program) or None)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with reraise_as_export_error(f"saving {path}"):
+    with reraise_as_export_error(f"saving {target or path}"):
         onnx_program.save(path, external_data=external_data)
-    with reraise_as_export_error("onnx.checker"):
+    with reraise_as_export_error(f"onnx.checker of {target or path}"):
         # The path, not a loaded proto: the checker then reads external data itself, past 2 GB.
         onnx.checker.check_model(str(path))
     return path
@@ -139,15 +152,16 @@ def _checkable(module: nn.Module) -> bool:
     return {p.dtype for p in module.parameters() if p.dtype.is_floating_point} <= {torch.float32, torch.float64}
 
 
-def _refuse_if_it_disagrees(module: nn.Module, path: Path, example_inputs: Any, example_kwargs: dict | None) -> None:
-    report = verify(module, path, example_inputs, example_kwargs=example_kwargs, atol=CHECK_TOLERANCE,
-                    rtol=CHECK_TOLERANCE)
+def _refuse_if_it_disagrees(module: nn.Module, path: Path, example_inputs: Any, example_kwargs: dict | None,
+                            target: Path) -> None:
+    with reraise_as_export_error(f"running {target} in onnxruntime"):
+        report = verify(module, path, example_inputs, example_kwargs=example_kwargs, atol=CHECK_TOLERANCE,
+                        rtol=CHECK_TOLERANCE)
     if all(out.ok or out.max_rel <= CHECK_ROW_TOLERANCE for out in report.outputs):
         return
-    for written in (path, Path(f"{path}.data")):
-        written.unlink(missing_ok=True)
     raise ExportError(f"the ONNX model computes something else than {type(module).__name__} on the example "
-                      f"inputs, so it was not kept ({path}):\n{report}\n(nor per row within {CHECK_ROW_TOLERANCE:g} "
+                      f"inputs, so it was not written ({target} is as it was):\n{report}\n(nor per row within "
+                      f"{CHECK_ROW_TOLERANCE:g} "
                       "of the row's norm). The exporter translated a graph it "
                       "took without an error into a wrong one. Export the model without AttnRes to see whether "
                       "the exporter handles it; check=False keeps such a model for inspection.")

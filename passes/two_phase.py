@@ -48,7 +48,8 @@ Worked example: 2 layers (4 sites), ``block_size=2``; ``at0`` / ``at1`` are the 
 
 (``w_k`` / ``g_k`` are ``get_attr`` nodes of the sites' ``proj.weight`` / ``norm.weight``;
 ``<query s>`` is the ``attnres_phase1_block<n>_query<s>`` item of the phase-1 result; each phase-2
-call also gets the site's first source, whose dtype its result takes.)
+call also gets the site's first source: its result takes the dtype of that source and the partial
+sum promoted, the stream's. Both phases compute in fp32 under ``torch.autocast`` too.)
 
 The schedule is meant for inference: it reads each completed block once per block instead of once per
 site. Measured on a 2-core CPU (``make bench``, op section; 4 x 256 tokens, d=512, 3 sites over 8
@@ -68,7 +69,8 @@ from torch import fx
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from attnres_fx import ops
-from attnres_fx.aggregation import depth_logit, folded_query, key_scale, softmax_parts, weighted_sum
+from attnres_fx.aggregation import (autocast_on, depth_logit, folded_query, in_fp32, key_scale, softmax_parts,
+                                    weighted_sum)
 from attnres_fx.block_attnres import BlockAttnRes, captured
 from attnres_fx.errors import PassContractError
 from attnres_fx.kernels import cpu
@@ -76,6 +78,7 @@ from attnres_fx.kernels import cpu
 SCHEDULE_META = "two_phase"
 
 
+@in_fp32
 def phase1(proj_weights: tuple[torch.Tensor, ...], norm_weights: tuple[torch.Tensor, ...],
            blocks: tuple[torch.Tensor, ...], *, eps: float) -> tuple[tuple[torch.Tensor, ...], ...]:
     """Score S pseudo-queries against the completed ``blocks`` at once.
@@ -130,10 +133,14 @@ def _phase1_batched(queries: list[torch.Tensor], blocks, eps: float):
 def phase2(state: tuple[torch.Tensor, torch.Tensor, torch.Tensor], proj_weight: torch.Tensor,
            norm_weight: torch.Tensor, partial: torch.Tensor, first: torch.Tensor, *, eps: float,
            scale: float) -> torch.Tensor:
-    """Merge the partial sum into one query's phase-1 state; the result has ``first``'s dtype.
+    """Merge the partial sum into one query's phase-1 state; the result has the stream's dtype (``first``'s
+    and ``partial``'s promoted).
 
     Eagerly on the CPU without a gradient, the C++ kernel ``attnres_cpu::phase2`` (one look at the
     partial and the state per token); otherwise PyTorch ops (fused by Inductor under a capture)."""
+    if autocast_on(partial.device.type):
+        with torch.autocast(partial.device.type, enabled=False):
+            return phase2(state, proj_weight, norm_weight, partial, first, eps=eps, scale=scale)
     running_max, sum_exp, acc = state
     if (partial.dtype == first.dtype and acc.shape == partial.shape
             and _runs_kernel((partial,), (proj_weight,), (norm_weight,), state)):
@@ -147,7 +154,7 @@ def phase2(state: tuple[torch.Tensor, torch.Tensor, torch.Tensor], proj_weight: 
     inverse = scale / (old * sum_exp + new)
     # Normalised last: onnxruntime fuses an Add followed by a LayerNormalization into its
     # SkipLayerNormalization, which ran some 15x slower than the two apart (3.3 ms vs 0.2 ms per site).
-    return (torch.addcmul(old * acc, new, partial) * inverse).to(first.dtype)
+    return (torch.addcmul(old * acc, new, partial) * inverse).to(torch.promote_types(first.dtype, partial.dtype))
 
 
 def phase2_alone(partial: torch.Tensor, *, scale: float) -> torch.Tensor:

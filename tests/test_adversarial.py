@@ -3,7 +3,10 @@ outside the blocks, wrappers and libraries layered before and after conversion (
 torchao, ``torch.inference_mode``), transformers' output recorders, pickling, an input layout Inductor
 asserts. Every case either behaves as the original model does, or is refused before anything changes
 by an error naming the cause and the way out; the model is then untouched: state, outputs, hooks,
-instance attributes, config and ``torch.save`` (``conftest.assert_untouched``).
+instance attributes, config and ``torch.save`` (``conftest.assert_untouched``). On disk, a save or an
+export over an earlier one that fails (a full disk, an interrupt at any line) leaves the earlier one as it
+was; a checkpoint whose files come from different saves, or lost its config entry, is refused naming the
+file; precision at the edges (mixed dtypes, autocast, a tiny eps) is as documented.
 
 Models are converted with ``preserve_scale=True`` (zero pseudo-queries): the original function, up to
 fp32 round-off of the reassociated sums.
@@ -14,6 +17,7 @@ from __future__ import annotations
 import copy
 import io
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -272,3 +276,482 @@ def test_a_non_contiguous_embedding_compiles_on_the_layer_route():
         want = model(IDS)
         attnres_fx.compile(model)
         close(model(IDS), want)
+
+
+# -- edges of precision and options ----------------------------------------------------------------------
+
+def _fp64_aggregate(module, sources):
+    """The aggregation's formula in fp64: the reference a fp32 computation is held to."""
+    values = torch.stack([s.double() for s in sources])
+    query = module.proj.weight[0].double() * module.norm.weight.double()
+    keys = values * torch.rsqrt(values.square().mean(-1, keepdim=True) + module.eps)
+    return (torch.softmax(keys @ query, 0).unsqueeze(-1) * values).sum(0)
+
+
+def _mixed_sources():
+    generator = torch.Generator().manual_seed(0)
+    module = attnres_fx.BlockAttnRes(64)
+    with torch.no_grad():
+        module.proj.weight.copy_(torch.randn(1, 64, generator=generator))
+    embedding = torch.randn(2, 5, 64, generator=generator).bfloat16()
+    outputs = [torch.randn(2, 5, 64, generator=generator) for _ in range(2)]
+    return module, [embedding, *outputs]
+
+
+@pytest.mark.parametrize("mode", ["eager", "autocast", "autocast, captured"])
+def test_mixed_dtype_sources_aggregate_in_fp32_into_the_streams_dtype(mode):
+    """A bf16 embedding with fp32 sublayer outputs is an fp32 stream (as the residual adds promote): the
+    aggregate is fp32 and within fp32 round-off (1e-6) of the fp64 formula, eagerly and under
+    ``torch.autocast`` (which would run the dot products as bf16 matmuls, some 1e-2 off), captured too."""
+    module, sources = _mixed_sources()
+    call = torch.compile(module, backend="eager", fullgraph=True) if "captured" in mode else module
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled="autocast" in mode)
+    with torch.no_grad(), autocast:
+        out = call(*sources)
+    assert out.dtype == torch.float32
+    assert (out.double() - _fp64_aggregate(module, sources)).abs().max() < 1e-6
+
+
+def test_two_phase_and_export_forms_keep_fp32_under_autocast():
+    """The forms graph captures and exports use (per-source, stacked, batched) agree with the fp64 formula
+    under autocast as eagerly."""
+    from attnres_fx import aggregation
+
+    module, sources = _mixed_sources()
+    want = _fp64_aggregate(module, sources)
+    for form in (aggregation.fusable, aggregation.stacked, aggregation.batched):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            out = form(module.proj.weight, module.norm.weight, sources, eps=module.eps, preserve_scale=False)
+        assert out.dtype == torch.float32 and (out.double() - want).abs().max() < 1e-6, form.__name__
+
+
+def test_an_eps_that_is_zero_in_fp32_is_refused(untouched):
+    """1e-300 is 0 in fp32, where the key norm adds it: a zero (padding) source would give NaN. Refused
+    naming the bound; the smallest normal fp32 number itself keeps a zero source finite."""
+    model = tiny()
+    check = untouched(model, IDS)
+    for make in (lambda: attnres_fx.AttnResConfig(eps=1e-300), lambda: attnres_fx.attnresify(model, (IDS,), eps=1e-300),
+                 lambda: attnres_fx.BlockAttnRes(8, eps=1e-40)):
+        with pytest.raises(ValueError, match=r"eps must be at least 1\.175e-38, the smallest normal float32"):
+            make()
+    check()
+    smallest = torch.finfo(torch.float32).tiny
+    module = attnres_fx.BlockAttnRes(8, eps=smallest)
+    with torch.no_grad():
+        assert torch.isfinite(module(torch.zeros(1, 2, 8), torch.randn(1, 2, 8))).all()
+
+
+def test_numpy_integers_are_taken_as_ints():
+    np = pytest.importorskip("numpy")
+    model = attnres_fx.attnresify(tiny(), (IDS,), block_size=np.int64(2), num_blocks=np.int32(2), preserve_scale=True)
+    config = attnres_fx.config_of(model)
+    assert type(config.block_size) is int and type(config.num_blocks) is int
+    assert json.loads(json.dumps(config.to_dict()))["block_size"] == 2
+    with torch.no_grad():
+        close(model(IDS), TINY_OUT)
+
+
+# -- a model changed after conversion --------------------------------------------------------------------
+
+@pytest.mark.parametrize("change, what", [
+    (lambda blocks: blocks.__delitem__(1), r"1 of the 2 layers converted are gone \(pruned\)"),
+    (lambda blocks: blocks.append(copy.deepcopy(blocks[0])), r"blocks\.2 was added after conversion"),
+    (lambda blocks: blocks.insert(0, copy.deepcopy(TINY.blocks[0])), r"blocks\.0 was added after conversion"),
+], ids=["pruned", "a converted layer copied in", "a plain layer inserted"])
+def test_a_layer_pruned_or_added_after_conversion_raises_stream_mismatch(change, what):
+    """Not ``AttributeError: ModuleList has no attribute `2` `` nor a silent run: StreamMismatchError
+    naming the container and the way out, and ``remove`` takes the changed model."""
+    model = attnres_fx.attnresify(copy.deepcopy(TINY), (IDS,), preserve_scale=True)
+    change(model.blocks)
+    with pytest.raises(attnres_fx.StreamMismatchError, match=rf"^blocks holds other layers .*{what}.*attnres_fx\.remove"):
+        with torch.no_grad():
+            model(IDS)
+    attnres_fx.remove(model)
+    assert not attnres_fx.is_converted(model) and not any(
+        isinstance(m, attnres_fx.BlockAttnRes) for m in model.modules())
+    attnres_fx.attnresify(model, (IDS,), preserve_scale=True)
+    with torch.no_grad():
+        model(IDS)
+
+
+# -- on disk: one consistent checkpoint, written whole or not at all -----------------------------------------
+
+def _files(directory: Path) -> dict[str, bytes]:
+    """Every file under ``directory`` by relative path, with its bytes."""
+    return {str(path.relative_to(directory)): path.read_bytes() for path in sorted(directory.rglob("*")) if path.is_file()}
+
+
+def _leftovers(parent: Path) -> list[str]:
+    return [path.name for path in parent.iterdir() if path.name.startswith(".attnres-tmp-")]
+
+
+@pytest.fixture(scope="module")
+def saved_llama(tmp_path_factory):
+    """A converted Llama with random pseudo-queries, saved; its logits; a second such model (other
+    pseudo-queries) for saves over the first."""
+    first = randomise_pseudo_queries(attnres_fx.attnresify(build_hf("llama"), num_blocks=2), seed=3, std=0.5)
+    second = randomise_pseudo_queries(attnres_fx.attnresify(build_hf("llama"), num_blocks=2), seed=4, std=0.5)
+    directory = tmp_path_factory.mktemp("saved") / "llama"
+    first.save_pretrained(directory)
+    ids = torch.randint(1, 128, (2, 7), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        logits = first(ids).logits
+    return {"model": first, "other": second, "directory": directory, "ids": ids, "logits": logits}
+
+
+def _same_attnres_weights(model, saved) -> bool:
+    state, want = model.state_dict(), saved.state_dict()
+    return all(torch.equal(state[key], value) for key, value in want.items() if "_res." in key)
+
+
+def _reloaded(got, want):
+    """The weights reload exactly; the logits of a model built anew may differ by fp32 round-off of its
+    first calls' kernels (1e-6 of logits of size ~0.1)."""
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _copy(directory: Path, into: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(directory, into))
+
+
+def _auto(directory, **kwargs):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(directory, **kwargs).eval()
+
+
+@pytest.mark.slow
+@needs_hf
+def test_a_checkpoint_saved_after_remove_loads_as_the_original(saved_llama, tmp_path):
+    """``remove`` takes the config entry with the AttnRes modules: the next save is the original model's
+    (formerly the entry stayed, and the model loaded converted with uninitialised pseudo-queries: NaN)."""
+    loaded = _auto(saved_llama["directory"])
+    attnres_fx.remove(loaded)
+    assert not hasattr(loaded.config, "attnres")
+    with torch.no_grad():
+        want = loaded(saved_llama["ids"]).logits
+    loaded.save_pretrained(tmp_path / "plain")
+    assert "attnres" not in json.loads((tmp_path / "plain" / "config.json").read_text())
+    again = _auto(tmp_path / "plain")
+    assert not attnres_fx.is_converted(again)
+    with torch.no_grad():
+        assert torch.equal(again(saved_llama["ids"]).logits, want)
+
+
+@pytest.mark.slow
+@needs_hf
+def test_attnres_weights_missing_from_the_main_weights_are_restored_or_refused(saved_llama, tmp_path):
+    """Never uninitialised memory: AttnRes weights the main weights lack come from ``attnres.safetensors``
+    (with a warning); without that file they are an error naming what is lost."""
+    from safetensors.torch import load_file, save_file
+
+    directory = _copy(saved_llama["directory"], tmp_path / "copy")
+    weights = load_file(str(directory / "model.safetensors"))
+    save_file({k: v for k, v in weights.items() if "_res." not in k}, str(directory / "model.safetensors"),
+              metadata={"format": "pt"})
+    with pytest.warns(attnres_fx.AttnResWarning, match=r"gave no AttnRes weights for .* taken from attnres\.safetensors"):
+        model = _auto(directory)
+    assert _same_attnres_weights(model, saved_llama["model"])
+    with torch.no_grad():
+        _reloaded(model(saved_llama["ids"]).logits, saved_llama["logits"])
+    (directory / "attnres.safetensors").unlink()
+    (directory / "attnres_config.json").unlink()
+    with pytest.raises(attnres_fx.CheckpointMismatchError, match=r"no AttnRes weights for .*attnres\.safetensors is missing"):
+        _auto(directory)
+
+
+@pytest.mark.slow
+@needs_hf
+@pytest.mark.parametrize("swap", ["attnres.safetensors of another save", "attnres.safetensors in fp16",
+                                  "attnres_config.json of another save"])
+def test_files_of_different_saves_are_refused_on_every_load_path(saved_llama, tmp_path, swap, untouched):
+    """The config entry, ``attnres_config.json`` and ``attnres.safetensors`` carry one fingerprint: a file
+    of another save (logits 0.75 off before), an fp16 copy, is refused naming the file, by
+    ``attnres_fx.from_pretrained`` of an instance or a class and by transformers' own loader."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    import transformers
+
+    directory = _copy(saved_llama["directory"], tmp_path / "copy")
+    other = saved_llama["other"]
+    other.save_pretrained(tmp_path / "other")
+    if swap == "attnres.safetensors in fp16":
+        with safe_open(str(directory / "attnres.safetensors"), "pt") as f:
+            tensors, metadata = {k: f.get_tensor(k).half() for k in f.keys()}, f.metadata()
+        save_file(tensors, str(directory / "attnres.safetensors"), metadata=metadata)
+        named = r"attnres\.safetensors: its tensors do not hash to the fingerprint"
+    else:
+        name = swap.split()[0]
+        (directory / name).write_bytes((tmp_path / "other" / name).read_bytes())
+        named = (r"attnres\.safetensors: its metadata 'attnres_fingerprint'" if name == "attnres.safetensors"
+                 else r"config\.json, key 'attnres': its fingerprint differ")
+    instance = build_hf("llama")
+    check = untouched(instance)
+    for load in (lambda: attnres_fx.from_pretrained(instance, directory),
+                 lambda: attnres_fx.from_pretrained(transformers.LlamaForCausalLM, directory),
+                 lambda: _auto(directory)):
+        with pytest.raises(attnres_fx.CheckpointMismatchError, match=named):
+            load()
+    check()
+
+
+@pytest.mark.slow
+@needs_hf
+@pytest.mark.parametrize("how", ["a plain model saved over it", "the config entry deleted"])
+def test_a_folder_whose_config_lost_its_entry_is_refused(saved_llama, tmp_path, how, untouched):
+    """AttnRes files beside a ``config.json`` without the entry: transformers would build the original
+    model (0.71 off), ``from_pretrained`` of an instance applied the old AttnRes files. Refused naming
+    ``config.json`` and what to do."""
+    directory = _copy(saved_llama["directory"], tmp_path / "copy")
+    if how == "the config entry deleted":
+        config = json.loads((directory / "config.json").read_text())
+        del config["attnres"]
+        (directory / "config.json").write_text(json.dumps(config))
+    else:
+        build_hf("llama").save_pretrained(directory)
+    instance = build_hf("llama")
+    check = untouched(instance)
+    for load in (lambda: attnres_fx.from_pretrained(instance, directory), lambda: _auto(directory)):
+        with pytest.raises(attnres_fx.CheckpointMismatchError, match=r"copy/config\.json has no 'attnres' entry, but "
+                           r"attnres_config\.json lies beside it"):
+            load()
+    check()
+
+
+@pytest.mark.slow
+@needs_hf
+def test_transformers_alone_loads_the_converted_model_with_trust_remote_code(saved_llama, tmp_path):
+    """A process that never imported attnres_fx: ``trust_remote_code=True`` runs the folder's
+    ``modeling_attnres.py``, which imports attnres_fx: the converted model, the saved logits."""
+    import subprocess
+    import sys
+
+    torch.save(saved_llama["ids"], tmp_path / "ids.pt")
+    script = (
+        "import sys, torch, transformers\n"
+        "assert 'attnres_fx' not in sys.modules\n"
+        "m = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()\n"
+        "import attnres_fx\n"
+        "with torch.no_grad(): torch.save(m(torch.load(sys.argv[2])).logits, sys.argv[3])\n"
+        "print(attnres_fx.is_converted(m), type(m).__mro__[1].__name__)\n")
+    env = {**__import__("os").environ, "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    done = subprocess.run([sys.executable, "-c", script, str(saved_llama["directory"]), str(tmp_path / "ids.pt"),
+                           str(tmp_path / "logits.pt")], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-2:] == ["True", "LlamaForCausalLM"]
+    _reloaded(torch.load(tmp_path / "logits.pt"), saved_llama["logits"])
+
+
+class _Interrupt:
+    """Counts the lines run in attnres_fx, transformers and safetensors while a call runs (``sys.settrace``)
+    and raises ``KeyboardInterrupt`` at line ``at``: an interrupt at any point of a save or an export."""
+
+    def __init__(self, at: int | None = None):
+        import safetensors
+        import transformers
+
+        self.roots = tuple(str(Path(m.__file__).parent) for m in (attnres_fx, transformers, safetensors))
+        self.roots += tuple(str(Path(root).resolve()) for root in self.roots) + (str(Path(attnres_fx.__file__).parent.parent / "export"),)
+        self.at, self.count = at, 0
+
+    def run(self, call):
+        import sys
+
+        def local(frame, event, arg):
+            if event == "line":
+                self.count += 1
+                if self.count == self.at:
+                    raise KeyboardInterrupt(f"line {self.count}")
+            return local
+
+        sys.settrace(lambda frame, event, arg: local if frame.f_code.co_filename.startswith(self.roots) else None)
+        try:
+            call()
+        finally:
+            sys.settrace(None)
+        return self.count
+
+
+@pytest.mark.slow
+@needs_hf
+def test_a_save_interrupted_anywhere_leaves_the_old_checkpoint_or_the_new_one(saved_llama, tmp_path):
+    """Saving over an earlier converted save, interrupted at random lines of the save (attnres_fx's,
+    transformers' and safetensors' code): the folder holds the earlier save or the new one, whole, and
+    nothing of the attempt beside it."""
+    import random
+    import shutil
+
+    parent = tmp_path / "saves"
+    before = _files(saved_llama["directory"])
+    target = _copy(saved_llama["directory"], parent / "llama")
+    lines = _Interrupt().run(lambda: saved_llama["other"].save_pretrained(target))
+    after = _files(target)
+    assert after != before and not _leftovers(parent)
+    for at in sorted(random.Random(0).sample(range(1, lines + 1), 6)):
+        shutil.rmtree(target)
+        _copy(saved_llama["directory"], target)
+        with pytest.raises(KeyboardInterrupt):
+            _Interrupt(at).run(lambda: saved_llama["other"].save_pretrained(target))
+        assert _files(target) in (before, after), f"interrupted at line {at} of {lines}"
+        assert not _leftovers(parent), at
+
+
+@pytest.mark.slow
+@needs_hf
+def test_a_failed_save_over_a_converted_one_leaves_it_as_it_was(saved_llama, tmp_path, monkeypatch):
+    """A save failing after the main weights are written (the AttnRes files not yet), formerly left them
+    beside the old AttnRes files, which ``from_pretrained`` preferred (1.35 off): now the folder is as
+    before, and loads as the earlier save."""
+    from attnres_fx import hf
+
+    target = _copy(saved_llama["directory"], tmp_path / "llama")
+    before = _files(target)
+
+    def fail(*args):
+        raise OSError(5, "Input/output error")
+    monkeypatch.setattr(hf, "_write_attnres_weights", fail)
+    with pytest.raises(attnres_fx.WriteError, match=r"writing .*llama failed while writing attnres_config\.json, "
+                       r"attnres\.safetensors .*Input/output error.*is as it was before"):
+        saved_llama["other"].save_pretrained(target)
+    assert _files(target) == before and not _leftovers(tmp_path)
+    monkeypatch.undo()
+    with torch.no_grad():
+        _reloaded(attnres_fx.from_pretrained(build_hf("llama"), target)(saved_llama["ids"]).logits,
+                  saved_llama["logits"])
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MiB tmpfs mounted for the test (root only; skipped with the reason elsewhere), and a function
+    that fills it up to ``left`` free bytes."""
+    import os
+    import subprocess
+
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs to fill: {done.stderr.strip() or done.returncode}")
+
+    def fill(left: int) -> None:
+        stat = os.statvfs(mount)
+        free = stat.f_bavail * stat.f_frsize
+        with open(mount / "filler", "wb") as filler:
+            filler.write(b"\0" * max(0, free - left))
+    try:
+        yield mount, fill
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+@pytest.mark.slow
+@needs_hf
+def test_a_save_onto_a_full_disk_says_so_and_leaves_the_folder(saved_llama, small_disk):
+    mount, fill = small_disk
+    target = _copy(saved_llama["directory"], mount / "llama")
+    before = _files(target)
+    fill(left=16 * 1024)
+    with pytest.raises(attnres_fx.WriteError, match=r"llama failed while .*: the disk is full .*is as it was before"):
+        saved_llama["other"].save_pretrained(target)
+    assert _files(target) == before and not _leftovers(mount)
+
+
+@pytest.mark.slow
+def test_an_onnx_export_that_fails_leaves_the_file_as_it_was(tmp_path, monkeypatch):
+    """Formerly written straight to its path: a failing checker or verification left a truncated or
+    unchecked file (or deleted the earlier one)."""
+    import os
+
+    import onnx
+
+    from attnres_fx import export
+
+    path = tmp_path / "tiny.onnx"
+    path.write_bytes(b"an earlier export")
+    model = attnres_fx.attnresify(tiny(), (IDS,), preserve_scale=True)
+
+    def refuse(*args, **kwargs):
+        raise onnx.checker.ValidationError("refused")
+    monkeypatch.setattr(onnx.checker, "check_model", refuse)
+    with pytest.raises(attnres_fx.ExportError, match=r"onnx\.checker of .*tiny\.onnx failed"):
+        export.to_onnx(model, (IDS,), path)
+    assert path.read_bytes() == b"an earlier export" and sorted(p.name for p in tmp_path.iterdir()) == ["tiny.onnx"]
+    monkeypatch.undo()
+    # An interrupt right after each step that writes: the file saved beside the target, the old file
+    # moved aside, the new one moved in (the rename that commits it, undone). The export itself is
+    # replaced by a write of its bytes (the steps around it are what is tried).
+    from attnres_fx.export import onnx as onnx_export
+
+    def exported(module, args, kwargs, dynamic_shapes, names_in, names_out, staged, **options):
+        staged.write_bytes(b"a new export")
+        return staged
+    monkeypatch.setattr(onnx_export, "write_onnx", exported)
+    for owner, name, call in [(onnx_export, "write_onnx", 1), (os, "replace", 1), (os, "replace", 2)]:
+        calls = []
+        real = getattr(owner, name)
+
+        def interrupted(*args, real=real, calls=calls, call=call, name=name, **kwargs):
+            result = real(*args, **kwargs)
+            calls.append(1)
+            if len(calls) == call:
+                raise KeyboardInterrupt(name)
+            return result
+        with monkeypatch.context() as patch:
+            patch.setattr(owner, name, interrupted)
+            with pytest.raises(KeyboardInterrupt):
+                export.to_onnx(model, (IDS,), path, check=False)
+        assert path.read_bytes() == b"an earlier export", f"interrupted after {name} {call}"
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.onnx"], (name, call)
+    export.to_onnx(model, (IDS,), path, check=False)
+    assert path.read_bytes() == b"a new export" and sorted(p.name for p in tmp_path.iterdir()) == ["tiny.onnx"]
+
+
+@pytest.mark.slow
+def test_an_onnx_export_onto_a_full_disk_says_so(small_disk):
+    from attnres_fx import export
+
+    mount, fill = small_disk
+    path = mount / "tiny.onnx"
+    path.write_bytes(b"an earlier export")
+    model = attnres_fx.attnresify(tiny(dim=64), (IDS,), preserve_scale=True)
+    fill(left=8 * 1024)
+    with pytest.raises(attnres_fx.ExportError, match=r"(?s)saving .*tiny\.onnx failed.*the disk is full"):
+        export.to_onnx(model, (IDS,), path)
+    assert path.read_bytes() == b"an earlier export" and not _leftovers(mount)
+
+
+@pytest.mark.slow
+@needs_hf
+def test_to_genai_over_an_earlier_folder_failing_part_way_leaves_it_whole(tmp_path, monkeypatch):
+    """Formerly the staged files moved in one at a time: a failure after the first left a folder of two
+    exports. Now the folder is swapped whole: a failure in the move leaves the earlier one."""
+    import os
+    import shutil
+
+    from attnres_fx import export
+    from attnres_fx.testing.serving import serving_model
+
+    out = tmp_path / "served"
+    out.mkdir()
+    for name in ("model.onnx", "model.onnx.data", "genai_config.json", "notes.txt"):
+        (out / name).write_text(f"earlier {name}")
+    before = _files(out)
+    moves = []
+    real_replace, real_move = os.replace, shutil.move
+
+    def second_fails(real):
+        def move(source, destination, *args):
+            moves.append(destination)
+            if len(moves) == 2:
+                raise OSError(28, "No space left on device")
+            return real(source, destination, *args)
+        return move
+    monkeypatch.setattr(os, "replace", second_fails(real_replace))
+    monkeypatch.setattr(shutil, "move", second_fails(real_move))
+    model = attnres_fx.attnresify(serving_model("llama"), num_blocks=2)
+    with pytest.raises(attnres_fx.WriteError, match=r"served failed while moving the new folder in: the disk is full"):
+        export.to_genai(model, out)
+    assert _files(out) == before and not _leftovers(tmp_path)

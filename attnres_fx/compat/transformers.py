@@ -319,6 +319,25 @@ def hf_attention_implementation(config) -> str:
     return config._attn_implementation
 
 
+def hf_auto_classes(model_class: type, config_class: type) -> list[str]:
+    """The names of transformers' ``AutoModel*`` classes that build ``model_class`` from a config of
+    ``config_class``, read from each one's private ``_model_mapping`` (transformers 5.16-5.24)."""
+    import transformers
+
+    names = []
+    for name in dir(transformers):
+        mapping = getattr(getattr(transformers, name, None), "_model_mapping", None) if name.startswith("AutoModel") else None
+        if mapping is None:
+            continue
+        try:
+            built = mapping[config_class]
+        except (KeyError, ValueError, ImportError, AttributeError):
+            continue
+        if built is model_class or (isinstance(built, tuple) and model_class in built):
+            names.append(name)
+    return names
+
+
 __all__ = [
     "SUPPORTED_TRANSFORMERS",
     "check_transformers_version",
@@ -339,4 +358,5 @@ __all__ = [
     "after_import",
     "wrap_post_init",
     "hf_attention_implementation",
+    "hf_auto_classes",
 ]

@@ -71,7 +71,7 @@ def install(model: nn.Module, plan: Plan, modules: dict[str, BlockAttnRes], conf
                 module.forward = ModelRouter(model, module, path, conversion)
         for stream in plan.streams:
             if stream.route == "layer":
-                watch = StreamWatch(conversion, stream.index)
+                watch = StreamWatch(conversion, stream.index, _layer_containers(model, stream))
                 owner = model.get_submodule(stream.owner)
                 handles.append(owner.register_forward_pre_hook(watch.enter))
                 handles.append(owner.register_forward_hook(watch.leave, always_call=True))
@@ -87,6 +87,18 @@ def install(model: nn.Module, plan: Plan, modules: dict[str, BlockAttnRes], conf
             module.__dict__.pop("forward", None)
         raise
     return conversion
+
+
+def _layer_containers(model: nn.Module, stream) -> dict[str, tuple[nn.Module, tuple]]:
+    """The containers (``ModuleList``, ``ModuleDict``, ``Sequential``) that hold ``stream``'s layers, by
+    path, with their children as converted: what :class:`StreamWatch` checks at every call."""
+    found = {}
+    for span in stream.layers:
+        parent = span.owner.rpartition(".")[0]
+        container = model.get_submodule(parent)
+        if isinstance(container, (nn.ModuleList, nn.ModuleDict, nn.Sequential)) and parent not in found:
+            found[parent] = (container, tuple(container._modules.values()))
+    return found
 
 
 def whole_call(model: nn.Module, conversion: Conversion, on: bool) -> None:
@@ -111,7 +123,32 @@ def uninstall(model: nn.Module, conversion: Conversion) -> None:
         handle.remove()
     for name in installed.modules:
         parent, _, attribute = name.rpartition(".")
-        delattr(model.get_submodule(parent), attribute)
+        holder = _present(model, parent)
+        if holder is not None and attribute in holder._modules:
+            delattr(holder, attribute)
     for path in installed.routed:
-        model.get_submodule(path).__dict__.pop("forward", None)
+        routed = _present(model, path)
+        if routed is not None:
+            routed.__dict__.pop("forward", None)
+    _sweep_copies(model)
     detach(model)
+
+
+def _sweep_copies(model: nn.Module) -> None:
+    """What a copy of a converted layer added after conversion brought along: its routers and the AttnRes
+    modules of its sites (a free ``BlockAttnRes`` of the user's, with no site, stays)."""
+    for module in list(model.modules()):
+        if isinstance(module.__dict__.get("forward"), Router):
+            del module.__dict__["forward"]
+        for name, child in list(module._modules.items()):
+            if isinstance(child, BlockAttnRes) and child.site is not None:
+                delattr(module, name)
+
+
+def _present(model: nn.Module, path: str) -> nn.Module | None:
+    """The submodule at ``path``, or None where it is gone (a layer pruned after conversion: its AttnRes
+    modules and router went with it)."""
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None

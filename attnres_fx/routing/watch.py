@@ -29,11 +29,15 @@ class _Record:
 
 
 class StreamWatch:
-    """The hooks on the owner of stream ``stream`` of ``conversion``."""
+    """The hooks on the owner of stream ``stream`` of ``conversion``. ``layers``: the containers that hold
+    the stream's routed layers (a ``ModuleList``, by path) and their children as converted; a call that
+    finds one changed (a layer pruned, added or replaced after conversion) raises
+    :class:`~attnres_fx.StreamMismatchError` naming it, before anything runs."""
 
-    def __init__(self, conversion, stream: int):
+    def __init__(self, conversion, stream: int, layers: dict[str, tuple[nn.Module, tuple]] | None = None):
         self.conversion = conversion
         self.stream = stream
+        self.layers = layers or {}
 
     def enter(self, module, args):
         if torch.compiler.is_dynamo_compiling():
@@ -47,6 +51,9 @@ class StreamWatch:
 
     @torch.compiler.disable
     def _enter(self):
+        for path, (container, children) in self.layers.items():
+            if tuple(container._modules.values()) != children:
+                raise layers_changed(self.conversion, path, container, children)
         _WATCHED.__dict__.setdefault("stack", []).append(_Record(self.conversion, self.stream))
 
     def leave(self, module, args, output):
@@ -91,6 +98,24 @@ def stream_ended_early(conversion, stream: int, owner: nn.Module) -> StreamMisma
         f"one ({planned.layers[-1].owner}), so the stream ended early and its final aggregation was never "
         "taken. This happens when a call takes a code path the conversion did not see (fewer layers), or when "
         "the model changed after conversion (attnres_fx.remove, then convert again).")
+
+
+def layers_changed(conversion, path: str, container: nn.Module, children: tuple) -> StreamMismatchError:
+    converted = [name for name, child in container._modules.items()]
+    planned = {id(child) for child in children}
+    now = {id(child) for child in container._modules.values()}
+    gone = len(planned - now)
+    added = [f"{path}.{name}" for name, child in container._modules.items() if id(child) not in planned]
+    sites = [site.name for site in conversion.plan.sites if site.name.startswith(f"{path}.")]
+    what = "; ".join(part for part in (
+        f"{gone} of the {len(children)} layers converted are gone (pruned)" if gone else "",
+        f"{', '.join(added)} {'was' if len(added) == 1 else 'were'} added after conversion" if added else "",
+        "" if gone or added else "its layers were reordered") if part)
+    return StreamMismatchError(
+        f"{path or '<root>'} holds other layers than when the model was converted ({len(children)} then, "
+        f"{len(converted)} now: {what}), so its AttnRes plan ({len(sites)} sites, {sites[0] if sites else ''}...) no "
+        "longer fits. Convert the model again for its new layers: attnres_fx.remove(model) (which takes the changed "
+        "model), then attnres_fx.attnresify(model).")
 
 
 def refuse_foreign_fullgraph(where: str) -> None:
