@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from attnres_fx import compat
 from attnres_fx.errors import ExportError
 
 EXAMPLE_PAST = 4        # past length of the traced example: > 1, so torch.export keeps it dynamic
@@ -36,9 +37,9 @@ class DecoderWithCache(nn.Module):
 
         layers = [(past[2 * i], past[2 * i + 1]) for i in range(len(past) // 2)]
         cache = DynamicCache(ddp_cache_data=layers, config=self.model.config)
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
-                         use_cache=True, return_dict=True)
-        present = [tensor for layer in out.past_key_values.layers for tensor in (layer.keys, layer.values)]
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                         **{compat.cache_argument(self.model.forward): cache}, use_cache=True, return_dict=True)
+        present = [tensor for layer in compat.output_cache(out).layers for tensor in (layer.keys, layer.values)]
         return (out.logits, *present)
 
 

@@ -25,7 +25,6 @@ converted by ``attnresify`` keeps its AttnRes aggregations (in the two-phase sch
 from __future__ import annotations
 
 import copy
-import inspect
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from attnres_fx import atomic
+from attnres_fx import atomic, compat
 from attnres_fx.api import explicit_graph
 from attnres_fx.conversion import is_converted
 from attnres_fx.errors import ExportError, ServingLayoutError
@@ -92,8 +91,8 @@ class ServedDecoder(nn.Module):
         length = input_ids.shape[1]
         masks = position_masks(self.model, attention_mask, length, past[0].dtype)
         out = self.model(input_ids=input_ids, attention_mask=masks, position_ids=positions_of(attention_mask)[:, -length:],
-                         cache=cache, use_cache=True, return_dict=True)
-        present = [tensor for layer in out.cache.layers for tensor in (layer.keys, layer.values)]
+                         **{compat.cache_argument(self.model.forward): cache}, use_cache=True, return_dict=True)
+        present = [tensor for layer in compat.output_cache(out).layers for tensor in (layer.keys, layer.values)]
         return (out.logits, *present)
 
 
@@ -170,7 +169,7 @@ def decoder_shape(model: nn.Module, context_length: int | None = None) -> Decode
             f"{name} has {what}: their cache is a fixed-size state (convolution or recurrent), not keys and "
             "values that grow with the sequence, which is the only cache this folder's graph declares. "
             "to_onnx exports the model as one graph without a cache")
-    if "cache" not in inspect.signature(model.forward).parameters:
+    if compat.cache_argument(model.forward) is None:
         raise ServingLayoutError(f"{name}.forward takes no cache: it cannot be given the attention key/value cache "
                                  "this folder's graph declares")
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None

@@ -1,6 +1,7 @@
 """The supported releases: one range per library, stated once in compat and once in pyproject.toml, checked
 at import; the differences between releases handled in compat."""
 
+import functools
 import re
 import subprocess
 import sys
@@ -99,3 +100,31 @@ def test_compile_with_recompile_limit_allows_that_many_graphs_and_restores_the_s
     assert len(calls) == 10
     assert torch._dynamo.config.recompile_limit == before
     torch._dynamo.reset()
+
+
+def test_a_capture_ignoring_several_logging_functions_logs_no_error():
+    """transformers' once-only logging helpers are functools.lru_cache wrappers, which do not sort; torch
+    2.11 sorts Dynamo's config sets into each compilation's metrics and logs the failure as an error at
+    every capture. No error is logged on any release, and the logging calls stay no-ops in the graph."""
+    import logging
+
+    quiet = [functools.lru_cache(None)(lambda message, i=i: print(message, i)) for i in range(2)]
+
+    def block(x):
+        quiet[0]("inside")
+        quiet[1]("inside")
+        return x + 1
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    dynamo_logger = logging.getLogger("torch._dynamo")
+    dynamo_logger.addHandler(handler)
+    try:
+        with compat.dynamo_capture_config(set(quiet)):
+            out = torch.compile(block, backend="eager", fullgraph=True)(torch.zeros(2))
+    finally:
+        dynamo_logger.removeHandler(handler)
+        torch._dynamo.reset()
+    assert torch.equal(out, torch.ones(2))
+    assert not [r for r in records if r.levelno >= logging.ERROR], [r.getMessage()[:300] for r in records]

@@ -100,10 +100,43 @@ def inductor_compile(graph_module, example_inputs, config_patches=None):
     return compile_fx(graph_module, example_inputs, config_patches=config_patches)
 
 
+def graph_break_release_hint(err: Exception) -> str | None:
+    """What to do about a graph break that only this torch release has, or None. torch 2.11 and 2.12 cannot
+    trace ``copy.deepcopy`` of a Python object (2.13 traces it); transformers' encoder-decoder configs
+    (T5's) deepcopy themselves when a decoder makes its key/value cache."""
+    if release(torch.__version__) < (2, 13) and "copy.deepcopy" in str(err):
+        return (f"torch {torch.__version__} cannot trace copy.deepcopy (torch 2.13 can); where a decoder makes its "
+                "cache inside the graph (transformers' encoder-decoders), pass use_cache=False or a cache made "
+                "before the call, or upgrade torch.")
+    return None
+
+
+@functools.cache
+def _metrics_without_unsortable_config() -> None:
+    """torch 2.11 and 2.12 sort every set of Dynamo's config into each compilation's metrics record
+    (``torch._dynamo.utils._get_dynamo_config_for_logging``), ``ignore_logging_functions`` included, whose
+    functions do not sort: the record fails and Dynamo logs the failure as an error, with a traceback, at
+    every capture. From 2.13 that set is left out of the record; here the record goes without the config."""
+    from torch._dynamo import utils
+
+    config_for_logging = utils._get_dynamo_config_for_logging
+
+    @functools.wraps(config_for_logging)
+    def without_unsortable():
+        try:
+            return config_for_logging()
+        except TypeError:
+            return None
+
+    utils._get_dynamo_config_for_logging = without_unsortable
+
+
 @contextlib.contextmanager
 def dynamo_capture_config(ignore_logging: set):
     """Dynamo settings of every capture: float attributes as constants (``specialize_float``) and the
     logging functions ``ignore_logging`` as no-ops (``ignore_logging_functions``)."""
+    if release(torch.__version__) < (2, 13):
+        _metrics_without_unsortable_config()
     ignored = torch._dynamo.config.ignore_logging_functions | ignore_logging
     with torch._dynamo.config.patch(specialize_float=True, ignore_logging_functions=ignored):
         yield
@@ -293,6 +326,7 @@ def checkpoint_regions_when_run_eagerly(graph_module) -> None:
 
 
 __all__ = [
+    "graph_break_release_hint",
     "checkpoint_regions_when_run_eagerly",
     "compile_with_recompile_limit",
     "SUPPORTED_TORCH",

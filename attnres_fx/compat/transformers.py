@@ -14,6 +14,7 @@ import contextlib
 import functools
 import importlib.abc
 import importlib.machinery
+import inspect
 import logging
 import sys
 from typing import Callable
@@ -67,6 +68,23 @@ def once_only_logging() -> set:
     return {getattr(logging.Logger, name) for name in ("warning_once", "info_once") if hasattr(logging.Logger, name)}
 
 
+# The models' and layers' key/value cache argument, and their output's field: `past_key_values` up to 5.17 (the
+# GPU machines' release), `cache` from the rename (5.24 has it and still takes `past_key_values` as a deprecated
+# alias). `layer_past` is what some layers call it in every release.
+CACHE_ARGUMENTS = ("cache", "past_key_values", "layer_past")
+
+
+def cache_argument(forward: Callable) -> str | None:
+    """The name ``forward`` takes the key/value cache under (``cache`` or ``past_key_values``), or None."""
+    parameters = inspect.signature(forward).parameters
+    return next((name for name in CACHE_ARGUMENTS[:2] if name in parameters), None)
+
+
+def output_cache(output):
+    """The key/value cache a model's output carries (``output.cache``; ``output.past_key_values`` before 5.2x)."""
+    return output["cache"] if "cache" in output else output.get("past_key_values")
+
+
 def hf_checkpointed_forward(cls: type) -> Callable | None:
     """The forward that transformers' gradient-checkpointing wrapper wraps on ``cls`` (a
     ``GradientCheckpointingLayer``: its class ``forward`` is ``forward_with_checkpointing``, once per
@@ -97,7 +115,7 @@ def hf_checkpointed_call(module: nn.Module, run: Callable, args: tuple, kwargs: 
         kwargs["use_cache"] = False
         changed.append("`use_cache=False`")
     if not getattr(module, "_can_checkpoint_with_cache", False):
-        for name in ("cache", "layer_past"):
+        for name in CACHE_ARGUMENTS:
             if kwargs.get(name) is not None:
                 kwargs[name] = None
                 changed.append(f"`{name}=None`")
@@ -165,6 +183,16 @@ def _records_outputs(module: nn.Module, capturing) -> bool:
     return False
 
 
+def _recordable_outputs(capturing, module: nn.Module) -> dict:
+    """The outputs transformers can record for ``module`` (``hidden_states``, ``attentions``, ...): its
+    private ``_CAN_RECORD_REGISTRY``, a dict keyed by ``str`` of the class up to 5.17, a registry looked up by
+    the module itself in 5.24."""
+    registry = capturing._CAN_RECORD_REGISTRY
+    if isinstance(registry, dict):
+        return registry.get(str(type(module))) or {}
+    return registry.get(module) or {}
+
+
 def _install_output_recorders(model: nn.Module, capturing) -> None:
     """Install transformers' output-recording hooks where a call asking for outputs would: on each module
     whose forward records outputs, outermost first, once (transformers' flag on the module says whether
@@ -212,7 +240,7 @@ def install_output_recorders_for_call(model: nn.Module, kwargs: dict) -> None:
     if capturing is None:
         return
     modules = list(model.modules())
-    flags = {"output_attentions"} | {f"output_{key}" for m in modules for key in capturing._CAN_RECORD_REGISTRY.get(m)}
+    flags = {"output_attentions"} | {f"output_{key}" for m in modules for key in _recordable_outputs(capturing, m)}
     configs = {id(c): c for m in modules if (c := getattr(m, "config", None)) is not None}.values()
     if any(kwargs.get(flag) or any(getattr(c, flag, False) for c in configs) for flag in flags):
         _install_output_recorders(model, capturing)
@@ -339,6 +367,9 @@ def hf_auto_classes(model_class: type, config_class: type) -> list[str]:
 
 
 __all__ = [
+    "CACHE_ARGUMENTS",
+    "cache_argument",
+    "output_cache",
     "SUPPORTED_TRANSFORMERS",
     "check_transformers_version",
     "mark_hf_initialized",

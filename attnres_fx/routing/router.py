@@ -568,7 +568,9 @@ def _graph_break_message(router: Router, err: Exception) -> str:
     else:
         lines.append("A converted model runs each call as one Dynamo graph (fullgraph), so that every residual "
                      "stream is rewritten whole; a graph break would leave part of a stream unconverted.")
-    if _has_sharded_submodules(router.module):
+    if (hint := compat.graph_break_release_hint(err)) is not None:
+        lines.append(hint)
+    elif _has_sharded_submodules(router.module):
         lines.append("Here: FSDP2's fully_shard was applied to modules inside it; its hooks are kept out of "
                      "Dynamo graphs. Shard whole blocks (fully_shard on each module that performs residual "
                      "sites, then on the root), or use DistributedDataParallel.")
