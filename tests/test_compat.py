@@ -99,7 +99,6 @@ def test_compile_with_recompile_limit_allows_that_many_graphs_and_restores_the_s
         compiled(torch.ones(2), n)
     assert len(calls) == 10
     assert torch._dynamo.config.recompile_limit == before
-    torch._dynamo.reset()
 
 
 def test_a_capture_ignoring_several_logging_functions_logs_no_error():
@@ -125,6 +124,5 @@ def test_a_capture_ignoring_several_logging_functions_logs_no_error():
             out = torch.compile(block, backend="eager", fullgraph=True)(torch.zeros(2))
     finally:
         dynamo_logger.removeHandler(handler)
-        torch._dynamo.reset()
     assert torch.equal(out, torch.ones(2))
     assert not [r for r in records if r.levelno >= logging.ERROR], [r.getMessage()[:300] for r in records]
