@@ -374,6 +374,25 @@ def test_a_layer_pruned_or_added_after_conversion_raises_stream_mismatch(change,
         model(IDS)
 
 
+def test_layers_wrapped_after_conversion_run_as_converted_and_wrapped_out_of_order_raise():
+    """``checkpoint_wrapper`` per block (torchtitan's order) holds each converted layer as a submodule: the
+    same layers, so the call runs, exactly as before (checkpointing recomputes the same ops); the same
+    wrappers in another order are the layers reordered."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = attnres_fx.attnresify(copy.deepcopy(TINY), (IDS,), preserve_scale=True)
+    with torch.no_grad():
+        want = model(IDS)
+    for index, block in enumerate(model.blocks):
+        model.blocks[index] = checkpoint_wrapper(block)
+    with torch.no_grad():
+        torch.testing.assert_close(model(IDS), want, rtol=0, atol=0)
+    model.blocks[0], model.blocks[1] = model.blocks[1], model.blocks[0]
+    with pytest.raises(attnres_fx.StreamMismatchError, match=r"^blocks holds other layers .*its layers were reordered"):
+        with torch.no_grad():
+            model(IDS)
+
+
 # -- on disk: one consistent checkpoint, written whole or not at all -----------------------------------------
 
 def _files(directory: Path) -> dict[str, bytes]:

@@ -32,12 +32,14 @@ class StreamWatch:
     """The hooks on the owner of stream ``stream`` of ``conversion``. ``layers``: the containers that hold
     the stream's routed layers (a ``ModuleList``, by path) and their children as converted; a call that
     finds one changed (a layer pruned, added or replaced after conversion) raises
-    :class:`~attnres_fx.StreamMismatchError` naming it, before anything runs."""
+    :class:`~attnres_fx.StreamMismatchError` naming it, before anything runs. A child that wraps its
+    converted layer (``checkpoint_wrapper``, which holds the layer as a submodule) is that layer."""
 
     def __init__(self, conversion, stream: int, layers: dict[str, tuple[nn.Module, tuple]] | None = None):
         self.conversion = conversion
         self.stream = stream
         self.layers = layers or {}
+        self._accepted = {path: children for path, (_, children) in self.layers.items()}
 
     def enter(self, module, args):
         if torch.compiler.is_dynamo_compiling():
@@ -52,8 +54,11 @@ class StreamWatch:
     @torch.compiler.disable
     def _enter(self):
         for path, (container, children) in self.layers.items():
-            if tuple(container._modules.values()) != children:
-                raise layers_changed(self.conversion, path, container, children)
+            now = tuple(container._modules.values())
+            if now != self._accepted[path]:
+                if tuple(_converted_layer(child, children) for child in now) != children:
+                    raise layers_changed(self.conversion, path, container, children)
+                self._accepted[path] = now
         _WATCHED.__dict__.setdefault("stack", []).append(_Record(self.conversion, self.stream))
 
     def leave(self, module, args, output):
@@ -100,12 +105,20 @@ def stream_ended_early(conversion, stream: int, owner: nn.Module) -> StreamMisma
         "the model changed after conversion (attnres_fx.remove, then convert again).")
 
 
+def _converted_layer(child: nn.Module, children: tuple) -> nn.Module:
+    """``child`` itself, or the converted layer it wraps (the first of ``children`` among its submodules)."""
+    if any(child is layer for layer in children):
+        return child
+    return next((module for module in child.modules() if any(module is layer for layer in children)), child)
+
+
 def layers_changed(conversion, path: str, container: nn.Module, children: tuple) -> StreamMismatchError:
     converted = [name for name, child in container._modules.items()]
     planned = {id(child) for child in children}
-    now = {id(child) for child in container._modules.values()}
+    unwrapped = {name: _converted_layer(child, children) for name, child in container._modules.items()}
+    now = {id(child) for child in unwrapped.values()}
     gone = len(planned - now)
-    added = [f"{path}.{name}" for name, child in container._modules.items() if id(child) not in planned]
+    added = [f"{path}.{name}" for name, child in unwrapped.items() if id(child) not in planned]
     sites = [site.name for site in conversion.plan.sites if site.name.startswith(f"{path}.")]
     what = "; ".join(part for part in (
         f"{gone} of the {len(children)} layers converted are gone (pruned)" if gone else "",
