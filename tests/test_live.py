@@ -82,6 +82,21 @@ def test_forward_hooks_on_a_layer_fire_with_the_real_input_even_when_added_later
     assert len(seen) == 1, "a removed hook no longer fires"
 
 
+@both_routes
+def test_forward_hooks_added_later_fire_after_torch_compiler_reset(route):
+    """A reset (as test suites and notebooks do between models) drops Dynamo's caches and the settings
+    it had compiled with: a routed call's next compile still guards the layers' hook dicts."""
+    convert(nano(), route=route)(make_inputs())
+    torch.compiler.reset()
+    model = convert(nano(), route=route)
+    x = make_inputs()
+    model(x)
+    seen = []
+    model.h[1].register_forward_hook(lambda module, args, output: seen.append(output))
+    model(x)
+    assert len(seen) == 1
+
+
 # -- 3. call signatures ------------------------------------------------------------------------------------
 
 @both_routes

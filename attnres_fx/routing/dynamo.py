@@ -64,7 +64,8 @@ compat.on_dynamo_compile(_on_compile_start, _on_compile_end)
 def dynamo_call(checkpointing_flag_holders: tuple = ()):
     """Within: one call of a Dynamo entry of attnres_fx (see the module docstring)."""
     with (own_call(), compat.mha_fast_path_off(), compat.output_recorders_traceable(),
-          compat.compiling_despite_force_eager(), compat.hf_inner_checkpointing_flags_off(checkpointing_flag_holders)):
+          compat.compiling_despite_force_eager(), compat.hf_inner_checkpointing_flags_off(checkpointing_flag_holders),
+          compat.nn_module_hook_guards()):
         yield
 
 
