@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast test-compat fuzz bench bench-quick gpu-check gpu-check-dry gpu-wheels compare compare-quick clean
+.PHONY: venv demo test test-fast test-integration test-compat fuzz bench bench-quick gpu-check gpu-check-dry gpu-wheels compare compare-quick clean
 
 venv: $(STAMP)
 
@@ -23,11 +23,16 @@ demo: venv
 # Two workers (one per CI core); tests of one file share a worker, and the file's cached models.
 PYTEST := $(PY) -m pytest -q -n 2 --dist loadfile
 
+# The tiers (pyproject.toml): test-fast, the edit loop; test, what a release needs (test-fast included);
+# test-integration, what needs other venvs or engines (.ci/run runs it after test).
 test: venv
-	$(PYTEST)
+	$(PYTEST) -m "not integration"
 
 test-fast: venv
-	$(PYTEST) -m "not slow"
+	$(PYTEST) -m "not slow and not integration"
+
+test-integration: venv test-compat
+	$(PYTEST) -m integration
 
 # The ends of the supported range (pyproject.toml), torch:transformers: the GPU machines' pair and the newest
 # (transformers 5.25 needs a `kernels` release PyPI does not serve, so 5.24 is the newest installable). Each

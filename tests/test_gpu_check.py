@@ -29,7 +29,8 @@ def test_without_cuda_every_gpu_step_is_skipped_and_said_so(tmp_path):
         assert f"## {step}" in report and report.count("skipped: no CUDA") == len(STEPS), report
 
 
-@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(900)
 def test_the_dry_run_runs_every_step_on_the_cpu_and_passes(tmp_path):
     done, report = _run(tmp_path, "--dry-run", timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
