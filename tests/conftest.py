@@ -1,12 +1,21 @@
 import copy
+import importlib.metadata
 import importlib.util
 import io
 import os
+import subprocess
 import sys
+import traceback
 
-import pytest
-import torch
-from hypothesis import HealthCheck, settings
+# Inductor's compiled kernels are kept between runs, per torch release (its cache key has the release too;
+# the folder keeps releases apart for clearing one). Cold, the suite still passes: it only takes longer.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+    os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "attnres_fx",
+    f"inductor-torch{importlib.metadata.version('torch')}"))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -21,6 +30,38 @@ settings.register_profile("ci", max_examples=4, derandomize=True, database=None,
 settings.register_profile("fuzz", max_examples=400, deadline=None, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+class TierError(AssertionError):
+    """A test of the fast tier (unmarked) did what only the slow or integration tiers may."""
+
+
+@pytest.fixture(autouse=True)
+def _fast_tier_contract(request, monkeypatch):
+    """The fast tier (``make test-fast``: unmarked tests) runs no Inductor compile and starts no process, so
+    it stays the loop a developer runs after each edit; a test that needs either is marked ``slow`` (or
+    ``integration``). The C++ kernel's one-time build (``torch.utils.cpp_extension``, cached under
+    ``~/.cache``) is the exception: the op's tests are fast ones."""
+    if request.node.get_closest_marker("slow") or request.node.get_closest_marker("integration"):
+        yield
+        return
+    name = request.node.nodeid
+    real_popen = subprocess.Popen
+
+    class FastTierPopen(real_popen):
+        def __init__(self, *args, **kwargs):
+            if not any("cpp_extension" in frame.filename for frame in traceback.extract_stack()):
+                raise TierError(f"{name} starts a process: mark it @pytest.mark.slow")
+            super().__init__(*args, **kwargs)
+
+    def no_inductor(*args, **kwargs):
+        raise TierError(f"{name} compiles with Inductor: mark it @pytest.mark.slow")
+
+    import torch._inductor.compile_fx as compile_fx
+
+    monkeypatch.setattr(subprocess, "Popen", FastTierPopen)
+    monkeypatch.setattr(compile_fx, "compile_fx", no_inductor)
+    yield
 
 
 def snapshot(model: torch.nn.Module) -> dict:

@@ -171,6 +171,7 @@ def test_a_single_tensor_or_a_list_is_accepted_as_example_inputs(model):
         assert converted(x).shape == (2, 16, 128)
 
 
+@pytest.mark.slow
 def test_import_does_not_pull_optional_or_test_only_modules():
     code = ("import sys, attnres_fx, attnres_fx.passes, attnres_fx.cli, attnres_fx.export; "
             "loaded = {'transformers', 'onnx', 'onnxruntime', 'onnxscript', 'matplotlib', 'attnres_fx.testing'}"

@@ -26,6 +26,7 @@ def _run(out: Path, *flags: str) -> tuple[dict, str]:
     return json.loads((out / "bench.json").read_text()), (out / "bench.md").read_text()
 
 
+@pytest.mark.slow
 def test_quick_eager_sections(tmp_path):
     results, report = _run(tmp_path, "--backends", "eager", "--sections", "forward,train,first_call,decode,stages")
     forward = results["forward"]["bench"]["eager"]

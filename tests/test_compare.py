@@ -24,6 +24,7 @@ def _finite(values):
     return all(math.isfinite(v) for v in values)
 
 
+@pytest.mark.slow
 def test_quick_run_writes_every_output_with_finite_numbers(tmp_path):
     done = subprocess.run([sys.executable, str(COMPARE), "--quick", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600)

@@ -64,6 +64,7 @@ def test_a_newer_release_warns_and_a_supported_one_is_silent():
             compat.check_version("torch", version, compat.SUPPORTED_TORCH)
 
 
+@pytest.mark.slow
 def test_an_unsupported_transformers_is_refused_when_it_is_imported_beside_attnres_fx():
     """In a fresh process: attnres_fx first, then a transformers reporting an older release."""
     code = ("import sys, types, attnres_fx\n"

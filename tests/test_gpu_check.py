@@ -21,6 +21,7 @@ def _run(tmp_path, *args, timeout):
     return done, report.read_text() if report.exists() else ""
 
 
+@pytest.mark.slow
 def test_without_cuda_every_gpu_step_is_skipped_and_said_so(tmp_path):
     done, report = _run(tmp_path, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

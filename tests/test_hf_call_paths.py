@@ -360,6 +360,7 @@ def test_generate_compiles_its_decoding_steps_on_the_attnres_route(pairs):
         torch.compile(model.forward, fullgraph=True)(IDS)
 
 
+@pytest.mark.slow
 def test_t5_in_fp16_converts_through_its_clamps_between_sublayers():
     """T5 in fp16 clamps the stream after every sublayer, with bounds computed from the stream itself
     (``where(isinf(h).any(), max - 1000, max)``): the clamp is a stream op, applied to the aggregate the

@@ -331,6 +331,7 @@ def test_build_model_knows_tiny_and_every_hugging_face_name():
 
 # -- optional packages ----------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_import_needs_neither_transformers_nor_a_working_torchvision(tmp_path):
     """``import attnres_fx`` (models and CLI included) imports neither transformers nor timm, so a broken
     torchvision, as on this machine's CPU torch (README, Limits), cannot break it."""

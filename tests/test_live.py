@@ -315,6 +315,7 @@ def test_a_new_sequence_length_recompiles_at_most_once_more(compiled):
         assert [len(router.rewritten) for router in routers] == [1] * len(model.h)
 
 
+@pytest.mark.slow
 @both_routes
 def test_eager_and_inductor_routes_agree(route):
     model = randomise_pseudo_queries(convert(nano(), route=route))

@@ -189,6 +189,7 @@ def test_the_cpu_kernel_checks_its_inputs_too():
         torch.ops.attnres_cpu.aggregate([torch.randn(2, 8)], torch.ones(1, 7), norm.weight, EPS, False)
 
 
+@pytest.mark.slow
 def test_without_a_compiler_one_warning_and_the_same_result(tmp_path):
     """A fresh cache and a compiler that does not exist: the PyTorch formulation, with one warning."""
     script = textwrap.dedent("""

@@ -21,6 +21,7 @@ DEVICE = "cuda" if ON_GPU else "cpu"
 here = pytest.mark.skipif(not RUNS_HERE, reason="run by test_the_kernels_in_the_interpreter")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(RUNS_HERE, reason="the kernels' tests run in this process")
 def test_the_kernels_in_the_interpreter():
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
