@@ -3,7 +3,8 @@
     attnres-fx demo [--model NAME] [--num-blocks N | --block-size S] [--preserve-scale] [--no-backends]
     attnres-fx convert PATH_OR_NAME --out DIR [--num-blocks N | --block-size S] [--preserve-scale]
     attnres-fx export MODEL_OR_DIR --onnx OUT.onnx [--with-cache] [--num-blocks N | --block-size S]
-    attnres-fx genai MODEL_OR_DIR --out DIR [--precision fp32|fp16] [--provider cpu|cuda] [--chunk-size N]
+    attnres-fx genai MODEL_OR_DIR --out DIR [--precision fp32|fp16|int4] [--provider cpu|cuda] [--chunk-size N]
+                                          [--graph auto|builder|torch.onnx]
     attnres-fx inspect MODEL_OR_DIR [--png OUT.png] [--text TEXT]
 
 NAME is ``tiny`` (the built-in model) or a tiny random-weight Hugging Face model (``llama``, ``t5``...);
@@ -264,11 +265,15 @@ def cmd_genai(args: argparse.Namespace) -> int:
     with step(f"Writing the onnxruntime-genai folder {args.out} ({args.precision}, {args.provider})"):
         folder = to_genai(model, args.out, tokenizer=tokenizer, precision=args.precision,
                           execution_provider=args.provider, context_length=args.context_length,
-                          chunk_size=args.chunk_size)
+                          chunk_size=args.chunk_size, graph=args.graph)
     files = ", ".join(sorted(path.name for path in folder.iterdir()))
-    print(f"{type(model).__name__}: {len(api.sites(model))} BlockAttnRes sites; {folder}: {files}")
+    written = json.loads((folder / "written_by.json").read_text())["graph"]
+    print(f"{type(model).__name__}: {len(api.sites(model))} BlockAttnRes sites; {folder} ({written} graph): {files}")
     if args.provider != "cpu":
         print(f"Not checked here: the {args.provider} execution provider needs onnxruntime-genai-cuda on a GPU.")
+        return 0
+    if args.precision == "int4":
+        print("Tokens not compared: int4 weights round the model's logits, which moves its near-ties.")
         return 0
     # One prompt: a batch would be right-padded with the pad id, which a random example row may end with.
     prompt = (inputs[0] if inputs else kwargs["input_ids"])[:1]
@@ -401,7 +406,11 @@ def build_parser() -> argparse.ArgumentParser:
                                        "in onnxruntime-genai with model.generate (CPU only).")
     genai.add_argument("model", metavar="MODEL_OR_DIR", help=f"a model directory, or one of: {', '.join(HF_NAMES)}")
     genai.add_argument("--out", required=True, metavar="DIR", help="the folder to write")
-    genai.add_argument("--precision", choices=("fp32", "fp16"), default="fp32", help="weights and cache (default: fp32)")
+    genai.add_argument("--precision", choices=("fp32", "fp16", "int4"), default="fp32",
+                       help="weights and cache; int4: the model builder's graph only (default: fp32)")
+    genai.add_argument("--graph", choices=("auto", "builder", "torch.onnx"), default="auto",
+                       help="onnxruntime-genai's model builder graph with the AttnRes pass, or the torch.onnx export "
+                            "(default: auto, the builder's where it takes the architecture)")
     genai.add_argument("--provider", choices=("cpu", "cuda"), default="cpu",
                        help="execution provider recorded in genai_config.json (default: cpu)")
     genai.add_argument("--context-length", type=_positive_int, default=None, metavar="N",

@@ -5,9 +5,16 @@ batches).
     from attnres_fx import export
     folder = export.to_genai(model, "served", tokenizer=tokenizer)   # model.onnx, genai_config.json, tokenizer
 
-The folder has the layout onnxruntime-genai's own model builder writes for stock architectures
-(``python -m onnxruntime_genai.models.builder``); the graph is exported from the model itself, so a model
-converted by ``attnresify`` keeps its AttnRes aggregations (in the two-phase schedule):
+Two ways to the graph; ``written_by.json`` in the folder records which one wrote it:
+
+- ``graph="builder"`` (the default where it applies: Llama, Qwen2, Qwen3, Mistral without a binding sliding
+  window; fp32 and int4 on the CPU, fp32, fp16 and int4 on CUDA): onnxruntime-genai's own model builder
+  writes the stock graph from the model's base weights, and :mod:`attnres_fx.export.builder_stream`
+  rewrites its residual stream into the converted model's Block AttnRes
+  (:mod:`attnres_fx.export.genai_builder`). The folder is then the builder's (its config, its
+  preallocated cache), and serves at nearly the stock model's speed.
+- ``graph="torch.onnx"`` (every other decoder LM, and fp16 on the CPU): the graph exported from the model
+  itself (its explicit graph when converted, in the two-phase schedule), in the builder's layout:
 
 - inputs ``input_ids`` ``[batch, sequence]`` and ``attention_mask`` ``[batch, past + sequence]`` (int64),
   ``past_key_values.%d.key`` / ``.value`` ``[batch, kv_heads, past, head_size]``; outputs ``logits``
@@ -45,7 +52,9 @@ from .position_masks import position_masks, positions_of
 
 CONFIG_NAME = "genai_config.json"
 MODEL_NAME = "model.onnx"
-PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16}
+WRITTEN_BY_NAME = "written_by.json"
+PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "int4": None}
+GRAPHS = ("auto", "builder", "torch.onnx")
 # execution provider -> its entry in the config's provider_options (the CPU needs none).
 PROVIDERS = {"cpu": None, "cuda": {"cuda": {}}}
 ATTENTION_LAYERS = {"full_attention", "sliding_attention"}
@@ -98,7 +107,7 @@ class ServedDecoder(nn.Module):
 
 def to_genai(model: nn.Module, out_dir: str | Path, *, tokenizer: Any = None, precision: str = "fp32",
              execution_provider: str = "cpu", context_length: int | None = None, chunk_size: int | None = None,
-             opset: int | None = None, two_phase: bool = True) -> Path:
+             opset: int | None = None, two_phase: bool = True, graph: str = "auto") -> Path:
     """Write the onnxruntime-genai model folder of ``model`` to ``out_dir``; return ``out_dir``.
 
     Args:
@@ -111,39 +120,86 @@ def to_genai(model: nn.Module, out_dir: str | Path, *, tokenizer: Any = None, pr
         tokenizer: a Hugging Face tokenizer (``save_pretrained`` writes ``tokenizer.json`` and
             ``tokenizer_config.json``, which ``onnxruntime_genai.Tokenizer`` reads); also a source of
             the special token ids the model's configs lack.
-        precision: ``"fp32"`` or ``"fp16"`` (weights, cache and logits; AttnRes softmax and sums stay in fp32).
+        precision: ``"fp32"``, ``"fp16"`` (weights, cache and logits) or ``"int4"`` (the builder's
+            ``MatMulNBits`` weights; builder graph only). AttnRes softmax and sums stay in fp32.
         execution_provider: ``"cpu"`` or ``"cuda"`` (the ``onnxruntime-genai-cuda`` package), recorded
             in the config's session options.
         context_length: the longest sequence, prompt and generated tokens (default: the model's
             ``max_position_embeddings``); also the default ``max_length`` of the search.
         chunk_size: process a batch-1 prompt longer than this in chunks of this many tokens (the search's
             ``chunk_size``; default: the whole prompt at once).
-        opset, two_phase: as for :func:`attnres_fx.export.to_onnx`.
+        opset, two_phase: as for :func:`attnres_fx.export.to_onnx` (the torch.onnx graph).
+        graph: ``"builder"``, ``"torch.onnx"`` (see the module's docstring) or ``"auto"``: the builder's
+            where it takes the architecture and precision, else torch.onnx.
 
     Raises :class:`attnres_fx.ServingLayoutError` before writing anything for a model the folder cannot
     describe (an encoder-decoder, a state-space or linear-attention cache), and
-    :class:`attnres_fx.ExportError` if the export or a write fails (the disk full included), and
+    :class:`attnres_fx.ExportError` if the export or a write fails (the disk full included), or the
+    builder graph's residual stream is not the converted model's plan (:class:`attnres_fx.StreamMismatchError`),
+    and
     :class:`attnres_fx.WriteError` if moving the folder in does (nothing is changed then either).
     """
     dtype = _option(precision, PRECISIONS, "precision")
     _option(execution_provider, PROVIDERS, "execution_provider")
+    _option(graph, dict.fromkeys(GRAPHS), "graph")
     for name, value in (("context_length", context_length), ("chunk_size", chunk_size)):
         if value is not None and (not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be a positive int or None, got {value!r}")
     shape = decoder_shape(model, context_length)
+    chosen = choose_graph(model, graph, precision, execution_provider, shape.context_length)
     config = genai_config(model, shape, tokenizer=tokenizer, execution_provider=execution_provider,
                           chunk_size=chunk_size)
     out_dir = Path(out_dir)
+    written = {"graph": chosen, "precision": precision, "execution_provider": execution_provider}
     # Everything is written into a folder beside out_dir and swapped in once complete (the old folder
     # renamed aside, the new one in): a failure leaves out_dir as it was.
-    with atomic.replaced_folder(out_dir, drop=lambda name: name in (MODEL_NAME, f"{MODEL_NAME}.data", CONFIG_NAME)) as staging:
-        export_decoder(model, shape, dtype, staging / MODEL_NAME, opset=opset, two_phase=two_phase,
-                       target=out_dir / MODEL_NAME)
+    drop = (MODEL_NAME, f"{MODEL_NAME}.data", CONFIG_NAME, WRITTEN_BY_NAME)
+    with atomic.replaced_folder(out_dir, drop=lambda name: name in drop) as staging:
+        if chosen == "builder":
+            from .genai_builder import write_builder_folder
+
+            written["attnres_sites"] = write_builder_folder(model, staging, precision, execution_provider, tokenizer)
+            config = builder_config(json.loads((staging / CONFIG_NAME).read_text()), config, context_length)
+        else:
+            export_decoder(model, shape, dtype, staging / MODEL_NAME, opset=opset, two_phase=two_phase,
+                           target=out_dir / MODEL_NAME)
         with reraise_as_export_error(f"writing {out_dir / CONFIG_NAME}"):
             (staging / CONFIG_NAME).write_text(json.dumps(config, indent=4) + "\n")
+            (staging / WRITTEN_BY_NAME).write_text(json.dumps(written, indent=4) + "\n")
         if tokenizer is not None:
             _save_tokenizer(tokenizer, shape.context_length, staging)
     return out_dir
+
+
+def choose_graph(model: nn.Module, graph: str, precision: str, execution_provider: str, context_length: int) -> str:
+    """``"builder"`` or ``"torch.onnx"``: ``graph`` itself, or for ``"auto"`` the builder's where it takes
+    the model; ValueError naming why where the asked-for graph cannot be written."""
+    from .genai_builder import builder_takes
+
+    why_not = builder_takes(model, precision, execution_provider, context_length)
+    if graph == "builder" and why_not is not None:
+        raise ValueError(f"graph='builder': {why_not}")
+    if graph == "auto":
+        graph = "builder" if why_not is None else "torch.onnx"
+    if graph == "torch.onnx" and precision == "int4":
+        raise ValueError("precision='int4' needs the model builder's graph (MatMulNBits), which this model does not "
+                         f"take: {why_not or 'graph=torch.onnx was asked for'}. Use fp32 or fp16")
+    return graph
+
+
+def builder_config(built: dict, ours: dict, context_length: int | None) -> dict:
+    """The builder's config (its model type and preallocated cache) with the special tokens, the search
+    defaults, the chunk size and the context length ``to_genai`` was given."""
+    model = {**built["model"], **{key: ours["model"][key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")
+                                  if key in ours["model"]}}
+    search = {**ours["search"], "past_present_share_buffer": built["search"].get("past_present_share_buffer", True)}
+    if context_length is not None:
+        if context_length > model["context_length"]:
+            raise ValueError(f"context_length={context_length} exceeds the {model['context_length']} positions the "
+                             "builder's graph holds rotary tables for (the config's max_position_embeddings)")
+        model["context_length"] = context_length
+    search["max_length"] = model["context_length"]
+    return {**built, "model": model, "search": search}
 
 
 def decoder_shape(model: nn.Module, context_length: int | None = None) -> DecoderShape:

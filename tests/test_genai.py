@@ -106,10 +106,33 @@ def test_cli_writes_the_folder_and_checks_it_generates_as_the_model(served):
     assert "genai_config.json, model.onnx, model.onnx.data, tokenizer.json, tokenizer_config.json" in served.output
 
 
+@pytest.fixture(scope="module")
+def torch_served(served, tmp_path_factory) -> Path:
+    """The converted Llama's folder written through torch.onnx (the path of architectures the builder does
+    not take)."""
+    return export.to_genai(served.model, tmp_path_factory.mktemp("genai") / "torch", tokenizer=served.tokenizer,
+                           graph="torch.onnx")
+
+
 @pytest.mark.slow
 @needs_hf
 @needs_genai
-def test_config_declares_the_graph_the_model_and_the_search(served):
+def test_builder_folder_is_recorded_and_keeps_the_builders_config(served):
+    config = json.loads((served.folder / "genai_config.json").read_text())
+    assert json.loads((served.folder / "written_by.json").read_text()) == {
+        "graph": "builder", "precision": "fp32", "execution_provider": "cpu", "attnres_sites": 4}
+    assert config["model"]["type"] == "llama" and config["search"]["past_present_share_buffer"] is True
+    assert {k: config["model"][k] for k in ("context_length", "bos_token_id", "eos_token_id", "pad_token_id")} == {
+        "context_length": 128, "bos_token_id": BOS, "eos_token_id": EOS, "pad_token_id": PAD}
+    assert "(builder graph)" in served.output
+
+
+@pytest.mark.slow
+@needs_hf
+@needs_genai
+def test_config_declares_the_graph_the_model_and_the_search(served, torch_served):
+    assert json.loads((torch_served / "written_by.json").read_text())["graph"] == "torch.onnx"
+    served = Served(served.model, served.tokenizer, torch_served, 0, "")
     config = json.loads((served.folder / "genai_config.json").read_text())
     model, decoder, search = config["model"], config["model"]["decoder"], config["search"]
     assert {k: model[k] for k in ("type", "context_length", "vocab_size", "bos_token_id", "eos_token_id",
@@ -229,7 +252,10 @@ def test_config_records_the_execution_provider_and_the_chunk_size():
 
 
 @needs_hf
-@pytest.mark.parametrize("options, match", [({"precision": "bf16"}, "precision must be one of 'fp32', 'fp16'"),
+@pytest.mark.parametrize("options, match", [({"precision": "bf16"}, "precision must be one of 'fp32', 'fp16', 'int4'"),
+                                            ({"graph": "tflite"}, "graph must be one of"),
+                                            ({"precision": "int4", "graph": "torch.onnx"}, "int4.*needs the model builder"),
+                                            ({"precision": "fp16", "graph": "builder"}, "builder writes fp16 for the cuda"),
                                             ({"execution_provider": "dml"}, "execution_provider must be one of"),
                                             ({"chunk_size": 0}, "chunk_size must be a positive int")])
 def test_bad_options_are_refused_before_anything_is_written(tmp_path, options, match):
@@ -271,10 +297,13 @@ def test_unservable_models_are_refused_before_anything_is_written(tmp_path, buil
 
 
 @needs_hf
-def test_a_failed_export_leaves_nothing(tmp_path, monkeypatch):
+@pytest.mark.parametrize("graph, stage", [("torch.onnx", "write_onnx"), ("builder", "run_builder")])
+def test_a_failed_export_leaves_nothing(tmp_path, monkeypatch, graph, stage):
+    from attnres_fx.export import genai_builder
+
     def fail(*args, **kwargs):
-        raise ExportError("torch.export failed: a stand-in")
-    monkeypatch.setattr(genai, "write_onnx", fail)
+        raise ExportError(f"{stage} failed: a stand-in")
+    monkeypatch.setattr(genai if stage == "write_onnx" else genai_builder, stage, fail)
     with pytest.raises(ExportError, match="a stand-in"):
-        export.to_genai(serving_model("llama"), tmp_path / "out", tokenizer=None)
+        export.to_genai(serving_model("llama"), tmp_path / "out", tokenizer=None, graph=graph)
     assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,253 @@
+"""The ONNX pass on onnxruntime-genai's model-builder graph (export/builder_stream.py) and the folder
+``export.to_genai`` writes with it (export/genai_builder.py).
+
+Fast: on small graphs shaped as the builder writes them, the stream is found by data flow and checked
+against a plan; every difference is refused naming the node. Slow: a converted Llama's builder folder
+computes the torch model's logits (prompt and 8 decoding steps, random pseudo-queries) and generates its
+tokens on a padded batch; a builder graph of another depth is refused before anything is written.
+Also slow (a second each): int4 agrees with the torch model as closely as the builder's int4 of the original agrees with
+the original; Qwen2 and Qwen3 logits.
+"""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+import attnres_fx
+from attnres_fx import StreamMismatchError, export
+from attnres_fx.export import builder_stream, genai_builder
+from attnres_fx.passes.plan import Plan, Site, StreamPlan
+from attnres_fx.testing import randomise_pseudo_queries
+from attnres_fx.testing.serving import VOCAB, greedy_reference, serving_model, tiny_tokenizer
+from genai_support import needs_genai
+from hf_models import needs_hf
+
+HIDDEN = 8
+SIZE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16)
+DECODE_STEPS = 8
+# fp32 onnxruntime against torch: another summation order's round-off (about 1e-6 here).
+FP32_LOGITS_RTOL = 1e-4
+
+
+# --- small graphs shaped as the builder writes them -------------------------------------------------
+
+def builder_like_graph(kinds: list[str]) -> onnx.GraphProto:
+    """Embedding, then per sublayer kind ("attn": a GroupQueryAttention between two MatMuls; "mlp": two
+    MatMuls) the norm it reads and the Skip*LayerNormalization adding it back, then the head."""
+    nodes = [helper.make_node("Gather", ["embed.weight", "input_ids"], ["h0"], name="/model/embed_tokens/Gather")]
+    stream, normed = "h0", "n0"
+    nodes.append(helper.make_node("SimplifiedLayerNormalization", [stream, "g"], [normed], name="/model/norm0"))
+    for i, kind in enumerate(kinds):
+        inner = [helper.make_node("MatMul", [normed, "w"], [f"a{i}"], name=f"/s{i}/in/MatMul")]
+        if kind == "attn":
+            inner.append(helper.make_node("GroupQueryAttention", [f"a{i}"], [f"b{i}"], name=f"/s{i}/GQA",
+                                          domain="com.microsoft"))
+        else:
+            inner.append(helper.make_node("Relu", [f"a{i}"], [f"b{i}"], name=f"/s{i}/act"))
+        inner.append(helper.make_node("MatMul", [f"b{i}", "w"], [f"f{i}"], name=f"/s{i}/out/MatMul"))
+        last = i == len(kinds) - 1
+        outputs = [f"n{i + 1}"] if last else [f"n{i + 1}", "", "", f"h{i + 1}"]
+        add = helper.make_node("SkipSimplifiedLayerNormalization", [stream, f"f{i}", "g"], outputs,
+                               name=f"/s{i}/SkipLayerNorm", domain="com.microsoft", epsilon=1e-5)
+        nodes += [*inner, add]
+        stream, normed = f"h{i + 1}", f"n{i + 1}"
+    nodes.append(helper.make_node("MatMul", [normed, "w"], ["logits"], name="/lm_head/MatMul"))
+    initializers = [helper.make_tensor(name, TensorProto.FLOAT, [HIDDEN] * dims, [0.0] * HIDDEN ** dims)
+                    for name, dims in (("embed.weight", 2), ("g", 1), ("w", 2))]
+    return helper.make_graph(nodes, "decoder", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["b", "s"])],
+                             [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", "s", HIDDEN])],
+                             initializers)
+
+
+def plan_of_kinds(kinds: list[str], block_size: int = 2, branch: int | None = None) -> Plan:
+    sites = []
+    for position, kind in enumerate(kinds):
+        sources = -(-position // block_size) + 1 if position else 1
+        sites.append(Site(position, f"layers.{position // 2}.{kind}_res", kind, position // block_size + 1, 0,
+                          f"layers.{position // 2}", sources, True, position, branch))
+    final = -(-len(kinds) // block_size) + 1
+    sites.append(Site(len(kinds), "final_res", "final", None, 0, "model", final, None))
+    signature = tuple((site.layer, 1) for site in sites[:-1])
+    return Plan((StreamPlan(0, "model", block_size, HIDDEN, signature, tuple(sites)),), False, 1e-6)
+
+
+def test_stream_is_found_by_data_flow_with_its_kinds_and_norms():
+    stream = builder_stream.find_stream(builder_like_graph(["attn", "mlp", "attn", "mlp"]))
+    assert stream.start == "h0"
+    assert [(s.node, s.kind, s.stream, s.branch, s.stream_out, s.norm_out) for s in stream.sites] == [
+        ("/s0/SkipLayerNorm", "attn", "h0", "f0", "h1", "n1"), ("/s1/SkipLayerNorm", "mlp", "h1", "f1", "h2", "n2"),
+        ("/s2/SkipLayerNorm", "attn", "h2", "f2", "h3", "n3"), ("/s3/SkipLayerNorm", "mlp", "h3", "f3", "", "n4")]
+    builder_stream.check_against_plan(stream, plan_of_kinds(["attn", "mlp", "attn", "mlp"]))
+
+
+@pytest.mark.parametrize("graph_kinds, plan_kinds, match", [
+    (["attn", "mlp", "attn", "mlp"], ["attn", "mlp"], "4 residual sites and the converted model's plan 2 .*/s2/SkipLayerNorm"),
+    (["attn", "mlp"], ["attn", "mlp", "attn", "mlp"], "2 residual sites and the converted model's plan 4 .*/s1/SkipLayerNorm"),
+    (["attn", "mlp", "mlp", "attn"], ["attn", "mlp", "attn", "mlp"], "node /s2/SkipLayerNorm adds an mlp branch .* layers.1.attn_res"),
+], ids=["deeper-graph", "shallower-graph", "other-kinds"])
+def test_a_stream_that_is_not_the_plan_is_refused_naming_the_node(graph_kinds, plan_kinds, match):
+    stream = builder_stream.find_stream(builder_like_graph(graph_kinds))
+    with pytest.raises(StreamMismatchError, match=match):
+        builder_stream.check_against_plan(stream, plan_of_kinds(plan_kinds))
+
+
+def test_parallel_branches_and_graphs_without_a_stream_are_refused():
+    kinds = ["attn", "mlp"]
+    with pytest.raises(StreamMismatchError, match="parallel branches"):
+        builder_stream.check_against_plan(builder_stream.find_stream(builder_like_graph(kinds)),
+                                          plan_of_kinds(kinds, branch=1))
+    graph = builder_like_graph(kinds)
+    # The second residual add's branch no longer comes from the stream: the stream ends at the first.
+    next(n for n in graph.node if n.name == "/s1/in/MatMul").input[0] = "input_ids"
+    with pytest.raises(StreamMismatchError, match="after node /s0/SkipLayerNorm reaches no final norm"):
+        builder_stream.find_stream(graph)
+    graph = builder_like_graph(kinds)
+    graph.node.remove(next(n for n in graph.node if n.name == "/model/norm0"))
+    for node in graph.node:
+        if node.op_type == "SkipSimplifiedLayerNormalization":
+            node.op_type = "Mul"
+    with pytest.raises(StreamMismatchError, match="no SimplifiedLayerNormalization or LayerNormalization"):
+        builder_stream.find_stream(graph)
+
+
+def test_rewrite_puts_one_aggregation_before_each_sublayer_and_the_head():
+    kinds = ["attn", "mlp", "attn", "mlp"]
+    plan = plan_of_kinds(kinds)
+    aggregations = [builder_stream.Aggregation(site, np.ones((1, HIDDEN), np.float32), np.ones(HIDDEN, np.float32),
+                                               1e-6, False) for site in plan.sites]
+    model = helper.make_model(builder_like_graph(kinds))
+    model, rewritten = builder_stream.rewrite(model, plan, aggregations)
+    assert rewritten == 4
+    ops = [n.op_type for n in model.graph.node]
+    assert "SkipSimplifiedLayerNormalization" not in ops
+    assert ops.count("Softmax") == 4 and ops.count("SimplifiedLayerNormalization") == 1 + 4 + 4
+    # Each former Skip node's normalised output is written by a plain norm of its site's aggregate.
+    writers = {out: n for n in model.graph.node for out in n.output}
+    assert [writers[f"n{i}"].input[0] for i in range(1, 5)] == [
+        f"/attnres/{site.name}/aggregate" for site in plan.sites[1:]]
+    # Sources stack up: 2, 2, 3 (the first block completed), 3.
+    concat_inputs = [len(n.input) for n in model.graph.node if n.op_type == "Concat"]
+    assert concat_inputs == [2] * 4
+    assert [s.num_sources for s in plan.sites[1:]] == [2, 2, 3, 3]
+
+
+# --- the builder's folders ----------------------------------------------------------------------------
+
+def converted(family: str = "llama") -> torch.nn.Module:
+    model = serving_model(family, **SIZE)
+    attnres_fx.attnresify(model, (torch.arange(3, 19).reshape(2, 8),), block_size=2)
+    return randomise_pseudo_queries(model)
+
+
+def served_logits(folder: Path, prompt: list[int], steps: int) -> tuple[np.ndarray, list[int]]:
+    """onnxruntime-genai's last-position logits after the prompt and after each of ``steps`` greedy tokens
+    (``[steps + 1, vocab]``), and the sequence."""
+    import onnxruntime_genai as og
+
+    model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    params.set_search_options(do_sample=False, max_length=len(prompt) + steps + 1, batch_size=1)
+    generator = og.Generator(model, params)
+    generator.append_tokens(np.array([prompt], dtype=np.int32))
+    rows = [np.asarray(generator.get_output("logits"))[0, -1]]
+    generator.generate_next_token()       # picks from the prompt's logits; the next call computes its own
+    for _ in range(steps):
+        generator.generate_next_token()
+        rows.append(np.asarray(generator.get_output("logits"))[0, -1])
+    return np.stack(rows), generator.get_sequence(0).tolist()
+
+
+def max_relative_error(model: torch.nn.Module, folder: Path, prompt: list[int], steps: int = DECODE_STEPS) -> float:
+    got, sequence = served_logits(folder, prompt, steps)
+    with torch.no_grad():
+        want = model(torch.tensor([sequence])).logits[0, len(prompt) - 1:len(prompt) + steps]
+    return float((torch.from_numpy(got) - want).abs().max() / want.abs().max())
+
+
+PROMPT = [5, 6, 7, 8, 9, 10, 11]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    model = converted()
+    folder = export.to_genai(model, tmp_path_factory.mktemp("builder") / "llama", tokenizer=tiny_tokenizer())
+    return model, folder
+
+
+@pytest.mark.slow
+@needs_hf
+@needs_genai
+def test_fp32_logits_are_the_converted_models_in_the_prompt_and_decoding(llama):
+    model, folder = llama
+    assert json.loads((folder / "written_by.json").read_text())["graph"] == "builder"
+    assert max_relative_error(model, folder, PROMPT) < FP32_LOGITS_RTOL
+
+
+@pytest.mark.slow
+@needs_hf
+@needs_genai
+def test_padded_batch_generates_what_generate_does(llama):
+    model, folder = llama
+    batch = [[40, 41, 42, 43, 44, 45, 46, 47, 48], [50, 51, 52], [60, 61, 62, 63, 64]]
+    expected = greedy_reference(model, batch, 12)
+    assert max(map(len, expected)) == 12, "the reference should not stop at once"
+    assert export.generate_genai(folder, batch, 12) == expected
+
+
+@pytest.mark.slow
+@needs_hf
+@needs_genai
+def test_a_builder_graph_of_another_depth_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    deeper = serving_model("llama", **{**SIZE, "num_hidden_layers": 3})
+    save = genai_builder.save_base_weights
+    monkeypatch.setattr(genai_builder, "save_base_weights", lambda model, directory: save(deeper, directory))
+    with pytest.raises(StreamMismatchError, match=r"6 residual sites and the converted model's plan 4 .*"
+                                                  r"/model/layers.2/post_attention_layernorm/SkipLayerNorm"):
+        export.to_genai(converted(), tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+def int4_error(model: torch.nn.Module, root: Path) -> float:
+    folder = export.to_genai(model, root, precision="int4")
+    graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
+    assert any(node.op_type == "MatMulNBits" for node in graph.node)
+    return max_relative_error(model, folder, PROMPT)
+
+
+@pytest.mark.slow
+@needs_hf
+@needs_genai
+def test_int4_agrees_with_the_model_as_the_builders_int4_of_the_original_does(tmp_path):
+    model = converted()
+    original = serving_model("llama", **SIZE)
+    ours, builders = int4_error(model, tmp_path / "converted"), int4_error(original, tmp_path / "original")
+    print(f"int4 logits, max relative error against torch: converted {ours:.4f}, builder's original {builders:.4f}")
+    assert builders > FP32_LOGITS_RTOL, "int4 should round the logits"
+    assert ours <= 1.5 * builders
+
+
+@pytest.mark.slow
+@needs_hf
+@needs_genai
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_family_fp32_logits_are_the_converted_models(family, tmp_path):
+    model = converted(family)
+    folder = export.to_genai(model, tmp_path / family, tokenizer=tiny_tokenizer())
+    assert json.loads((folder / "written_by.json").read_text())["graph"] == "builder"
+    assert max_relative_error(model, folder, PROMPT) < FP32_LOGITS_RTOL
+
+
+@needs_hf
+def test_the_builder_path_is_chosen_where_it_applies():
+    llama = serving_model("llama")
+    assert genai_builder.builder_takes(llama, "fp32", "cpu", 128) is None
+    assert genai_builder.builder_takes(llama, "int4", "cpu", 128) is None
+    assert "fp16 for the cuda provider" in genai_builder.builder_takes(llama, "fp16", "cpu", 128)
+    assert "sliding window (8) is shorter" in genai_builder.builder_takes(serving_model("mistral"), "fp32", "cpu", 128)
+    assert "not Phi3ForCausalLM" in genai_builder.builder_takes(serving_model("phi3"), "fp32", "cpu", 128)
