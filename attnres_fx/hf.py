@@ -449,14 +449,17 @@ def _outermost(model: nn.Module) -> bool:
 
 
 def _wrap_from_pretrained(pretrained_model: type) -> None:
-    """Make ``PreTrainedModel.from_pretrained`` (a public classmethod) check the AttnRes weights its loader
-    gave a converted model (:func:`check_loaded`) before returning it, once."""
+    """Make ``PreTrainedModel.from_pretrained`` (a public classmethod) finish a save of its folder that was
+    killed part-way (:func:`attnres_fx.atomic.recover`) and check the AttnRes weights its loader gave a
+    converted model (:func:`check_loaded`) before returning it, once."""
     original = pretrained_model.__dict__["from_pretrained"].__func__
     if getattr(original, "_attnres_wrapped", False):
         return
 
     @functools.wraps(original)
     def from_pretrained(cls, *args, **kwargs):
+        if args and isinstance(args[0], (str, Path)):
+            atomic.recover(args[0])
         result = original(cls, *args, **kwargs)
         model = result[0] if isinstance(result, tuple) else result
         check = _LOAD_CHECKS.pop(model, None)
@@ -492,6 +495,7 @@ def from_pretrained(model_or_cls, directory, **from_pretrained_kwargs) -> nn.Mod
     a model that converts to others raises :class:`~attnres_fx.CheckpointMismatchError` naming them, and
     an instance is left unconverted.
     """
+    atomic.recover(directory)
     saved, stored = check_unit(directory)
     if isinstance(model_or_cls, type):
         model = model_or_cls.from_pretrained(directory, **from_pretrained_kwargs)

@@ -774,3 +774,197 @@ def test_to_genai_over_an_earlier_folder_failing_part_way_leaves_it_whole(tmp_pa
     with pytest.raises(attnres_fx.WriteError, match=r"served failed while moving the new folder in: the disk is full"):
         export.to_genai(model, out)
     assert _files(out) == before and not _leftovers(tmp_path)
+
+
+# -- on disk, at the edges: folders in the way, links, killed writers, targets that cannot be renamed -------
+
+def _tree(directory: Path) -> dict[str, bytes]:
+    return {**_files(directory), **{str(p.relative_to(directory)) + "/": b"" for p in directory.rglob("*") if p.is_dir()}}
+
+
+@pytest.mark.parametrize("where", ["model.onnx", "model.onnx.data", "a link at model.onnx"])
+def test_an_onnx_export_onto_a_folder_is_refused_and_the_folder_kept(tmp_path, where):
+    """Formerly the folder at the path (or at its ``.data``) was renamed aside and deleted with its files."""
+    from attnres_fx import export
+
+    folder = tmp_path / ("elsewhere" if where.startswith("a link") else where)
+    (folder / "inner").mkdir(parents=True)
+    (folder / "inner" / "weights.bin").write_bytes(b"kept")
+    if where.startswith("a link"):
+        (tmp_path / "model.onnx").symlink_to(folder)
+    before = _tree(tmp_path)
+    with pytest.raises(attnres_fx.WriteError, match=r"is a folder: nothing was written .*move the folder away"):
+        export.to_onnx(torch.nn.Linear(4, 4), (torch.randn(2, 4),), tmp_path / "model.onnx", check=False)
+    assert _tree(tmp_path) == before and not _leftovers(tmp_path)
+
+
+def test_a_linked_folder_and_a_linked_file_are_written_through_the_link(tmp_path):
+    """Formerly the link was replaced by a real folder (file), the folder it pointed to left with the old."""
+    from attnres_fx import atomic
+    from attnres_fx.export.onnx import onnx_files
+
+    real = tmp_path / "real" / "model"
+    real.mkdir(parents=True)
+    (real / "weights.bin").write_bytes(b"old")
+    (real / "tokenizer.json").write_bytes(b"kept")
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    with atomic.replaced_folder(link, drop=lambda name: name == "weights.bin") as staging:
+        (staging / "weights.bin").write_bytes(b"new")
+    assert link.is_symlink() and link.resolve() == real
+    assert _files(real) == {"weights.bin": b"new", "tokenizer.json": b"kept"} and not _leftovers(real.parent)
+    (real / "model.onnx").write_bytes(b"old graph")
+    (real / "model.onnx.data").write_bytes(b"old data")
+    (tmp_path / "graph.onnx").symlink_to(real / "model.onnx")
+    with atomic.replaced_files(tmp_path / "graph.onnx", onnx_files) as staged:
+        # Written under the name of the file the link points to: the graph refers to its data by that name.
+        assert staged.name == "model.onnx"
+        staged.write_bytes(b"new graph")
+        Path(f"{staged}.data").write_bytes(b"new data")
+    assert (tmp_path / "graph.onnx").is_symlink() and (tmp_path / "graph.onnx").read_bytes() == b"new graph"
+    assert (real / "model.onnx.data").read_bytes() == b"new data" and not _leftovers(real)
+
+
+def _killed_at_rename(number: int, write) -> None:
+    """Run ``write`` in a forked child that dies (``os._exit``, as at a SIGKILL: no cleanup runs) at its
+    ``number``-th ``os.replace``, before that rename."""
+    import os
+
+    child = os.fork()
+    if child == 0:
+        calls = []
+
+        def replace(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == number:
+                os._exit(9)
+            return real(*args, **kwargs)
+        real, os.replace = os.replace, replace
+        try:
+            write()
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 9, "the write did not reach that rename"
+
+
+def _write_folder(target, files):
+    from attnres_fx import atomic
+
+    def write():
+        with atomic.replaced_folder(target, drop=lambda name: name.startswith("weights")) as staging:
+            for name, data in files.items():
+                (staging / name).write_bytes(data)
+    return write
+
+
+def test_a_folder_swap_killed_between_its_renames_is_finished_by_the_next_write_or_load(tmp_path):
+    """Formerly a kill between renaming the old folder aside and the new one in left nothing at the path,
+    the old checkpoint only in a hidden sibling that nothing recovered or removed."""
+    from attnres_fx import atomic
+
+    target = tmp_path / "model"
+    target.mkdir()
+    (target / "weights.bin").write_bytes(b"old")
+    (target / "tokenizer.json").write_bytes(b"kept")
+    _killed_at_rename(2, _write_folder(target, {"weights.bin": b"new", "weights-extra.bin": b"new too"}))
+    assert not target.exists() and _leftovers(tmp_path)
+    atomic.recover(target)
+    assert _files(target) == {"weights.bin": b"new", "weights-extra.bin": b"new too", "tokenizer.json": b"kept"}
+    assert not _leftovers(tmp_path)
+    # Killed while writing (before any rename): the old folder stays, the next write removes the attempt.
+    _killed_at_rename(1, _write_folder(target, {"weights.bin": b"newer"}))
+    assert _files(target)["weights.bin"] == b"new" and _leftovers(tmp_path)
+    _write_folder(target, {"weights.bin": b"newest"})()
+    assert _files(target) == {"weights.bin": b"newest", "tokenizer.json": b"kept"} and not _leftovers(tmp_path)
+
+
+def test_a_file_swap_killed_between_its_renames_is_finished_by_the_next_export(tmp_path):
+    from attnres_fx import atomic
+    from attnres_fx.export.onnx import onnx_files
+
+    target = tmp_path / "model.onnx"
+    target.write_bytes(b"old graph")
+    Path(f"{target}.data").write_bytes(b"old data")
+
+    def write(graph, data=None):
+        def run():
+            with atomic.replaced_files(target, onnx_files) as staged:
+                staged.write_bytes(graph)
+                if data is not None:
+                    Path(f"{staged}.data").write_bytes(data)
+        return run
+    # The old graph and data renamed aside, the new graph moved in, killed before the new data.
+    _killed_at_rename(4, write(b"new graph", b"new data"))
+    assert target.read_bytes() == b"new graph" and not Path(f"{target}.data").exists()
+    atomic.recover(target)
+    assert _files(tmp_path) == {"model.onnx": b"new graph", "model.onnx.data": b"new data"}
+    # A new graph without data, killed after the old ones were renamed aside: no old data beside it after.
+    _killed_at_rename(3, write(b"newer graph"))
+    assert not target.exists()
+    write(b"newest graph")()
+    assert _files(tmp_path) == {"model.onnx": b"newest graph"}
+
+
+def test_the_temporary_folder_of_a_write_at_work_is_left_alone(tmp_path):
+    from attnres_fx import atomic
+
+    target = tmp_path / "model"
+    with atomic.replaced_folder(target) as staging:
+        (staging / "weights.bin").write_bytes(b"new")
+        atomic.recover(target)
+        assert (staging / "weights.bin").exists()
+    assert _files(target) == {"weights.bin": b"new"} and not _leftovers(tmp_path)
+
+
+@pytest.mark.parametrize("why", ["a mount point (EBUSY)", "a read-only parent"])
+def test_a_folder_that_cannot_be_swapped_whole_is_written_in_place_with_a_warning(tmp_path, monkeypatch, why):
+    """Formerly refused with a WriteError where transformers' own save writes the files."""
+    import errno
+    import os
+    import tempfile
+
+    from attnres_fx import atomic
+
+    target = tmp_path / "model"
+    target.mkdir()
+    for name, data in {"weights.bin": b"old", "weights-2.bin": b"old shard", "tokenizer.json": b"kept"}.items():
+        (target / name).write_bytes(data)
+    if why.startswith("a mount"):
+        real = os.replace
+
+        def replace(source, destination):
+            if Path(source) == target or Path(destination) == target:
+                raise OSError(errno.EBUSY, "Device or resource busy")
+            return real(source, destination)
+        monkeypatch.setattr(os, "replace", replace)
+    else:
+        real = tempfile.mkdtemp
+
+        def mkdtemp(*args, dir=None, **kwargs):
+            if Path(dir) == tmp_path:
+                raise PermissionError(errno.EACCES, "Permission denied", str(dir))
+            return real(*args, dir=dir, **kwargs)
+        monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp)
+    with pytest.warns(attnres_fx.AttnResWarning, match=r"model cannot be replaced whole .*written in place"):
+        _write_folder(target, {"weights.bin": b"new", "config.json": b"new config"})()
+    assert _files(target) == {"weights.bin": b"new", "config.json": b"new config", "tokenizer.json": b"kept"}
+    assert not _leftovers(tmp_path) and not _leftovers(target)
+
+
+@pytest.mark.slow
+@needs_hf
+def test_save_pretrained_writes_through_a_link_and_a_killed_save_is_finished_by_the_next_load(saved_llama, tmp_path):
+    import transformers
+
+    real = _copy(saved_llama["directory"], tmp_path / "real")
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    saved_llama["other"].save_pretrained(link)
+    assert link.is_symlink() and _same_attnres_weights(attnres_fx.from_pretrained(build_hf("llama"), real),
+                                                     saved_llama["other"])
+    target = _copy(saved_llama["directory"], tmp_path / "killed")
+    _killed_at_rename(2, lambda: saved_llama["other"].save_pretrained(target))
+    assert not target.exists()
+    loaded = attnres_fx.from_pretrained(transformers.LlamaForCausalLM, target)
+    assert _same_attnres_weights(loaded, saved_llama["other"]) and not _leftovers(tmp_path)
