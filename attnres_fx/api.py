@@ -28,7 +28,7 @@ from .config import AttnResConfig
 from .capture import as_args, capture_dynamo, capture_for_plan, plan_inputs, ready_to_capture, trace
 from .recording import MODULE_CALLS
 from .routing import trial
-from .compat import unwrapped
+from .compat import unwrapped, wrappers
 from .conversion import conversion_of, require
 from .conversion import conversion_options, is_converted, plan_of, sites  # noqa: F401 - the public face
 from .errors import AttnResWarning, NoResidualStreamError, RoutingError, UnsupportedArchitectureError
@@ -91,6 +91,7 @@ def attnresify(model: nn.Module, example_inputs: Any = None, *, example_kwargs: 
     if conversion_of(model) is not None:
         raise RoutingError(f"{type(model).__name__} is already converted (attnres_fx.sites(model) lists its "
                            "sites); call attnres_fx.remove(model) first to convert it again")
+    _refuse_synchronised_wrapper(wrapper, model)
     start = time.perf_counter()
     example_inputs = as_args(example_inputs)
     with ready_to_capture(model):
@@ -107,6 +108,16 @@ def attnresify(model: nn.Module, example_inputs: Any = None, *, example_kwargs: 
              type(model).__name__, time.perf_counter() - start, traced.frontend, len(plan.sites),
              len(plan.streams), ", ".join(map(str, plan.block_sizes)), ", ".join(plan.routes))
     return wrapper
+
+
+def _refuse_synchronised_wrapper(wrapper: nn.Module, model: nn.Module) -> None:
+    """DistributedDataParallel fixes the parameters whose gradients it averages across ranks when it is
+    built: AttnRes parameters added inside it would train apart on every rank."""
+    if any(isinstance(module, nn.parallel.DistributedDataParallel) for module in wrappers(wrapper)):
+        raise RoutingError(f"{type(model).__name__} is inside a DistributedDataParallel, which synchronises only "
+                           "the parameters it had when it was built: the AttnRes parameters would not be averaged "
+                           "across ranks. Convert the model first, then wrap it: "
+                           "DistributedDataParallel(attnres_fx.attnresify(model, ...))")
 
 
 def remove(model: nn.Module) -> nn.Module:

@@ -169,6 +169,60 @@ def test_a_torch_compile_wrapper_converts_the_model_it_wraps(tmp_path, untouched
     check()
 
 
+def test_data_parallel_is_looked_through_like_torch_compile():
+    """Formerly the wrapper itself was converted: sites named ``module....``, ``is_converted(model)`` False
+    while the model ran AttnRes, and the model's save a plain checkpoint."""
+    model, alone = tiny(), tiny()
+    alone.load_state_dict(model.state_dict())
+    wrapper = torch.nn.DataParallel(model)
+    assert attnres_fx.attnresify(wrapper, (IDS,), num_blocks=2) is wrapper
+    attnres_fx.attnresify(alone, (IDS,), num_blocks=2)
+    assert attnres_fx.is_converted(model) and attnres_fx.is_converted(wrapper)
+    assert [s.name for s in attnres_fx.sites(wrapper)] == [s.name for s in attnres_fx.sites(model)] == [
+        s.name for s in attnres_fx.sites(alone)]
+    attnres_fx.remove(wrapper)
+    assert not attnres_fx.is_converted(model) and not attnres_fx.sites(model)
+
+
+@pytest.fixture
+def process_group(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_model_inside_distributed_data_parallel_is_refused_and_one_converted_before_is_looked_through(
+        process_group):
+    """DistributedDataParallel averages the gradients of the parameters it had when built: a conversion
+    inside it would add parameters that every rank trains apart."""
+    model = tiny()
+    before = snapshot(model)
+    with pytest.raises(attnres_fx.RoutingError, match=r"inside a DistributedDataParallel.*Convert the model "
+                       r"first, then wrap it: DistributedDataParallel\(attnres_fx\.attnresify\(model"):
+        attnres_fx.attnresify(torch.nn.parallel.DistributedDataParallel(model), (IDS,))
+    assert_untouched(model, before)
+    wrapper = torch.nn.parallel.DistributedDataParallel(attnres_fx.attnresify(model, (IDS,), num_blocks=2))
+    assert attnres_fx.is_converted(wrapper)
+    assert [s.name for s in attnres_fx.sites(wrapper)] == [s.name for s in attnres_fx.sites(model)]
+    assert attnres_fx.sites(wrapper)[0].name.startswith("blocks.0")
+
+
+@pytest.mark.slow
+@needs_hf
+def test_a_data_parallel_hf_model_saves_a_converted_checkpoint(tmp_path):
+    model = build_hf("llama")
+    attnres_fx.attnresify(torch.nn.DataParallel(model), num_blocks=2)
+    assert attnres_fx.sites(model)[0].name == "model.layers.0.attn_res"
+    model.save_pretrained(tmp_path / "converted")
+    saved = json.loads((tmp_path / "converted" / "config.json").read_text())["attnres"]
+    assert saved["block_sizes"] == list(attnres_fx.plan_of(model).block_sizes)
+    assert (tmp_path / "converted" / "attnres.safetensors").is_file()
+
+
 # -- transformers' output recorders, pickling -----------------------------------------------------------
 
 def _collected(model):

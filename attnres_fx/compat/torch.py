@@ -218,18 +218,29 @@ def is_dynamo_frame_compile(args) -> bool:
     return args.callback_trigger == CallbackTrigger.DYNAMO
 
 
-def unwrapped(module: nn.Module) -> nn.Module:
-    """The model inside the wrappers users put around one: ``torch.compile``'s ``OptimizedModule`` (which
-    keeps it as the private ``_orig_mod``) and PEFT's ``PeftModel`` (``get_base_model()``), in any
-    nesting; ``module`` itself when it is no wrapper."""
+def wrappers(module: nn.Module) -> list[nn.Module]:
+    """``module`` and the modules inside the wrappers users put around one, outermost first, the model
+    last: ``torch.compile``'s ``OptimizedModule`` (which keeps it as the private ``_orig_mod``), PEFT's
+    ``PeftModel`` (``get_base_model()``), ``nn.DataParallel`` and ``DistributedDataParallel``
+    (``.module``), in any nesting."""
+    chain = [module]
     while True:
         inner = module.__dict__.get("_modules", {}).get("_orig_mod")
         if inner is None and type(module).__module__.startswith("peft.") and callable(
                 getattr(module, "get_base_model", None)):
             inner = module.get_base_model()
+        if inner is None and isinstance(module, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            inner = module.module
         if inner is None or inner is module:
-            return module
+            return chain
+        chain.append(inner)
         module = inner
+
+
+def unwrapped(module: nn.Module) -> nn.Module:
+    """The model inside the wrappers around ``module`` (:func:`wrappers`); ``module`` itself when it is no
+    wrapper."""
+    return wrappers(module)[-1]
 
 
 def tracing_for_one_graph() -> bool:
@@ -361,5 +372,6 @@ __all__ = [
     "on_dynamo_compile",
     "is_dynamo_frame_compile",
     "unwrapped",
+    "wrappers",
     "tracing_for_one_graph",
 ]
