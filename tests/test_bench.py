@@ -49,7 +49,8 @@ def test_quick_eager_sections(tmp_path):
         assert heading in report
 
 
-@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(600)
 def test_quick_memory_and_compiled_op(tmp_path):
     """The compiled forward and training step run the eager sections' code with Inductor as the backend
     (``make bench-quick`` runs them); the op section runs the aggregation eagerly and compiled, the choices
@@ -71,7 +72,8 @@ def test_quick_memory_and_compiled_op(tmp_path):
         assert heading in report
 
 
-@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(600)
 @needs_genai
 def test_quick_genai_section(tmp_path):
     """onnxruntime-genai on the model builder's folder of the original Llama and on export.to_genai's folders

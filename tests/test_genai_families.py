@@ -14,7 +14,9 @@ from attnres_fx.testing.serving import VOCAB, greedy_reference, serving_model
 from genai_support import needs_genai
 from hf_models import needs_hf
 
-pytestmark = [pytest.mark.slow, needs_hf, needs_genai]
+# One served folder per family, each an export and an onnxruntime-genai session of its own: integration
+# (make test keeps Llama's in tests/test_genai.py).
+pytestmark = [pytest.mark.integration, needs_hf, needs_genai]
 
 NEW_TOKENS = 12
 
