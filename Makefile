@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast test-integration test-compat fuzz bench bench-quick gpu-check gpu-check-dry gpu-wheels compare compare-quick clean
+.PHONY: venv demo test test-fast test-integration test-compat coverage fuzz bench bench-quick gpu-check gpu-check-dry gpu-wheels compare compare-quick clean
 
 venv: $(STAMP)
 
@@ -33,6 +33,11 @@ test-fast: venv
 
 test-integration: venv test-compat
 	$(PYTEST) -m integration
+
+# Line coverage of make test's selection, per package (attnres_fx, passes, export), in coverage.json too.
+coverage: venv
+	$(PYTEST) -m "not integration" --cov=attnres_fx --cov=passes --cov=export --cov-report=term \
+		--cov-report=json:coverage.json
 
 # The ends of the supported range (pyproject.toml), torch:transformers: the GPU machines' pair and the newest
 # releases that install (make's .venv runs torch 2.13 with the newest transformers too). Each
