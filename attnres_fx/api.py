@@ -123,7 +123,8 @@ def _refuse_synchronised_wrapper(wrapper: nn.Module, model: nn.Module) -> None:
 def remove(model: nn.Module) -> nn.Module:
     """Undo :func:`attnresify` in place: the AttnRes modules and the routing go; forward, ``state_dict``
     keys and outputs are the original's again. Returns ``model``."""
-    routing.uninstall(unwrapped(model), require(model, "remove"))
+    conversion = require(model, "remove")
+    routing.uninstall(unwrapped(model), conversion)
     return model
 
 
@@ -223,6 +224,10 @@ def _config(config: AttnResConfig | None, options: dict[str, Any]) -> AttnResCon
 def _check_arguments(model, example_inputs, example_kwargs) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(model, torch.jit.ScriptModule):
+        raise UnsupportedArchitectureError(f"model is a TorchScript module ({type(model).__name__}, made by torch.jit.script or "
+                        "torch.jit.trace): it has no Python forward for attnres_fx to capture and rewrite. Convert "
+                        "the original nn.Module, then script or export the converted one (attnres_fx.export).")
     if any(isinstance(m, BlockAttnRes) for m in model.modules()) and conversion_of(model) is None:
         raise ValueError("model: it already contains BlockAttnRes modules (is it an attnres_fx.rewrite "
                          "graph?); pass the original model")

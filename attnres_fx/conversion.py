@@ -41,12 +41,17 @@ class Conversion:
 def conversion_of(model: nn.Module) -> Conversion | None:
     """The conversion of a converted model (``None`` for any other module, a submodule of a converted
     model included)."""
+    if not isinstance(model, nn.Module):
+        return None
     conversion = unwrapped(model).__dict__.get(ATTRIBUTE)
     return conversion if isinstance(conversion, Conversion) else None
 
 
 def require(model: nn.Module, caller: str) -> Conversion:
     """The conversion of ``model``, or the error ``attnres_fx.<caller>`` raises for a model not converted."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: attnres_fx.{caller} takes a model converted by attnres_fx.attnresify (a "
+                        f"torch.nn.Module), got {type(model).__name__}")
     conversion = conversion_of(model)
     if conversion is None:
         raise ValueError(f"model: attnres_fx.{caller} needs a model converted by attnres_fx.attnresify "

@@ -428,6 +428,42 @@ def test_a_layer_pruned_or_added_after_conversion_raises_stream_mismatch(change,
         model(IDS)
 
 
+@pytest.mark.parametrize("route", ["layer", "model"])
+@pytest.mark.parametrize("layers, what", [
+    (lambda b: [b[0], b[2]], r"1 of the 3 layers converted are gone \(pruned\)"),
+    (lambda b: [b[1], b[0], b[2]], r"its layers were reordered"),
+], ids=["a new list without a layer", "a new list reordered"])
+def test_a_layer_container_replaced_after_conversion_raises_stream_mismatch(route, layers, what):
+    """Formerly ``AttributeError: ModuleList has no attribute `2` `` (a raw BackendCompilerFailed on the
+    model route), or a silent run of the reordered layers on the model route; a new list of the same
+    layers runs as converted."""
+    model = attnres_fx.attnresify(tiny(num_layers=3), (IDS,), preserve_scale=True, route=route)
+    with torch.no_grad():
+        want = model(IDS)
+    converted = model.blocks
+    model.blocks = torch.nn.ModuleList(layers(converted))
+    with pytest.raises(attnres_fx.StreamMismatchError, match=rf"^blocks holds other layers .*{what}.*attnres_fx\.remove"):
+        with torch.no_grad():
+            model(IDS)
+    model.blocks = torch.nn.ModuleList(list(converted))
+    with torch.no_grad():
+        torch.testing.assert_close(model(IDS), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("make", [torch.jit.script, lambda m: torch.jit.trace(m, (IDS,))], ids=["scripted", "traced"])
+def test_a_torchscript_model_is_refused_naming_what_to_convert(make):
+    with pytest.raises(attnres_fx.UnsupportedArchitectureError, match=r"a TorchScript module .*Convert the original "
+                       r"nn\.Module, then script or export the converted one"):
+        attnres_fx.attnresify(make(tiny()), (IDS,))
+
+
+def test_remove_and_is_converted_of_something_not_a_module():
+    assert not attnres_fx.is_converted(None) and not attnres_fx.is_converted(torch.zeros(1))
+    with pytest.raises(TypeError, match=r"attnres_fx\.remove takes a model converted by attnres_fx\.attnresify "
+                       r"\(a torch\.nn\.Module\), got NoneType"):
+        attnres_fx.remove(None)
+
+
 def test_layers_wrapped_after_conversion_run_as_converted_and_wrapped_out_of_order_raise():
     """``checkpoint_wrapper`` per block (torchtitan's order) holds each converted layer as a submodule: the
     same layers, so the call runs, exactly as before (checkpointing recomputes the same ops); the same

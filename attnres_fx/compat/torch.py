@@ -225,7 +225,9 @@ def wrappers(module: nn.Module) -> list[nn.Module]:
     (``.module``), in any nesting."""
     chain = [module]
     while True:
-        inner = module.__dict__.get("_modules", {}).get("_orig_mod")
+        children = module.__dict__.get("_modules")
+        # A TorchScript module keeps its children in a mapping of its own kind: no wrapper.
+        inner = children.get("_orig_mod") if isinstance(children, dict) else None
         if inner is None and type(module).__module__.startswith("peft.") and callable(
                 getattr(module, "get_base_model", None)):
             inner = module.get_base_model()

@@ -69,9 +69,12 @@ def install(model: nn.Module, plan: Plan, modules: dict[str, BlockAttnRes], conf
                 module.forward = LayerRouter(model, module, path, conversion, stream, span, span.opened)
             else:
                 module.forward = ModelRouter(model, module, path, conversion)
+        model_routers = [module.forward for _, module in targets if isinstance(module.forward, ModelRouter)]
         for stream in plan.streams:
+            watch = StreamWatch(conversion, stream.index, _layer_containers(model, stream), model)
+            for router in model_routers:
+                router.layer_checks = (*router.layer_checks, watch.check_layers)
             if stream.route == "layer":
-                watch = StreamWatch(conversion, stream.index, _layer_containers(model, stream))
                 owner = model.get_submodule(stream.owner)
                 handles.append(owner.register_forward_pre_hook(watch.enter))
                 handles.append(owner.register_forward_hook(watch.leave, always_call=True))
@@ -93,8 +96,10 @@ def _layer_containers(model: nn.Module, stream) -> dict[str, tuple[nn.Module, tu
     """The containers (``ModuleList``, ``ModuleDict``, ``Sequential``) that hold ``stream``'s layers, by
     path, with their children as converted: what :class:`StreamWatch` checks at every call."""
     found = {}
-    for span in stream.layers:
-        parent = span.owner.rpartition(".")[0]
+    # The model route has no layer spans: the layers are the modules that hold its sites.
+    layers = [span.owner for span in stream.layers] or [site.name.rpartition(".")[0] for site in stream.sites]
+    for layer in layers:
+        parent = layer.rpartition(".")[0]
         container = model.get_submodule(parent)
         if isinstance(container, (nn.ModuleList, nn.ModuleDict, nn.Sequential)) and parent not in found:
             found[parent] = (container, tuple(container._modules.values()))

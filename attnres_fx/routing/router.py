@@ -136,12 +136,15 @@ class ModelRouter(Router):
 
     route_name = "model"
     carriers = False          # whether the graph keeps the layer route's carriers for its layer-routed streams
+    layer_checks: tuple = ()  # each raises StreamMismatchError where a stream's layers changed since conversion
 
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_dynamo_compiling():
             return self._while_compiling(type(self.module).forward, args, kwargs)
         if in_own_call():
             return type(self.module).forward(self.module, *args, **kwargs)
+        for check in self.layer_checks:
+            check()
         if torch.compiler.is_exporting():
             self._refuse_export()
         compat.install_output_recorders_for_call(self.module, kwargs)

@@ -30,16 +30,19 @@ class _Record:
 
 class StreamWatch:
     """The hooks on the owner of stream ``stream`` of ``conversion``. ``layers``: the containers that hold
-    the stream's routed layers (a ``ModuleList``, by path) and their children as converted; a call that
-    finds one changed (a layer pruned, added or replaced after conversion) raises
-    :class:`~attnres_fx.StreamMismatchError` naming it, before anything runs. A child that wraps its
-    converted layer (``checkpoint_wrapper``, which holds the layer as a submodule) is that layer."""
+    the stream's routed layers (a ``ModuleList``, by path in ``root``) and their children as converted; a
+    call that finds one changed (a layer pruned, added or replaced after conversion, or the container
+    replaced by one of other layers) raises :class:`~attnres_fx.StreamMismatchError` naming it, before
+    anything runs. A child that wraps its converted layer (``checkpoint_wrapper``, which holds the layer
+    as a submodule) is that layer."""
 
-    def __init__(self, conversion, stream: int, layers: dict[str, tuple[nn.Module, tuple]] | None = None):
+    def __init__(self, conversion, stream: int, layers: dict[str, tuple[nn.Module, tuple]] | None = None,
+                 root: nn.Module | None = None):
         self.conversion = conversion
         self.stream = stream
         self.layers = layers or {}
-        self._accepted = {path: children for path, (_, children) in self.layers.items()}
+        self.root = root
+        self._accepted = {path: (container, children) for path, (container, children) in self.layers.items()}
 
     def enter(self, module, args):
         if torch.compiler.is_dynamo_compiling():
@@ -53,13 +56,20 @@ class StreamWatch:
 
     @torch.compiler.disable
     def _enter(self):
-        for path, (container, children) in self.layers.items():
-            now = tuple(container._modules.values())
-            if now != self._accepted[path]:
-                if tuple(_converted_layer(child, children) for child in now) != children:
-                    raise layers_changed(self.conversion, path, container, children)
-                self._accepted[path] = now
+        self.check_layers()
         _WATCHED.__dict__.setdefault("stack", []).append(_Record(self.conversion, self.stream))
+
+    def check_layers(self) -> None:
+        """Raise :class:`~attnres_fx.StreamMismatchError` where a container holds other layers than when
+        the model was converted (the model route checks this before each call, which it runs as one
+        graph, hooks inlined)."""
+        for path, (converted, children) in self.layers.items():
+            container = _present(self.root, path) if self.root is not None else converted
+            now = tuple(container._modules.values()) if container is not None else ()
+            if (container, now) != self._accepted[path]:
+                if tuple(_converted_layer(child, children) for child in now) != children:
+                    raise layers_changed(self.conversion, path, container or nn.ModuleList(), children)
+                self._accepted[path] = (container, now)
 
     def leave(self, module, args, output):
         if torch.compiler.is_dynamo_compiling():
@@ -74,6 +84,14 @@ class StreamWatch:
         _WATCHED.stack.remove(record)
         if record.started and not record.finished and sys.exc_info()[0] is None:
             raise stream_ended_early(self.conversion, self.stream, module)
+        return None
+
+
+def _present(root: nn.Module, path: str) -> nn.Module | None:
+    """The module at ``path`` in ``root`` now, or None where something on the way was deleted."""
+    try:
+        return root.get_submodule(path)
+    except AttributeError:
         return None
 
 
