@@ -450,6 +450,28 @@ def test_a_layer_container_replaced_after_conversion_raises_stream_mismatch(rout
         torch.testing.assert_close(model(IDS), want, rtol=0, atol=0)
 
 
+class Scaled(TinyTransformer):
+    def forward(self, ids, scale=1.0):
+        return super().forward(ids) * scale
+
+
+def test_a_new_graph_past_the_recompile_limit_raises_naming_the_module_and_the_way_out(monkeypatch):
+    """Formerly Dynamo's own FailOnRecompileLimitHit ("Hard failure due to fullgraph=True") at the 65th
+    distinct float of a model-route call, and at every new value after it; the limit is lowered to 2 here."""
+    from attnres_fx.routing import dynamo
+
+    monkeypatch.setattr(dynamo, "RECOMPILE_LIMIT", 2)
+    torch.manual_seed(0)
+    model = attnres_fx.attnresify(Scaled(dim=16, num_layers=2, num_heads=2).eval(), (IDS,), route="model")
+    with torch.no_grad():
+        model(IDS, 0.5)
+        model(IDS, 0.75)
+        with pytest.raises(attnres_fx.RoutingError, match=r"^Scaled needs a new graph for this call and has 2 already.*"
+                           r"Pass such a value as a tensor"):
+            model(IDS, 0.9)
+        model(IDS, 0.5)
+
+
 @pytest.mark.parametrize("make", [torch.jit.script, lambda m: torch.jit.trace(m, (IDS,))], ids=["scripted", "traced"])
 def test_a_torchscript_model_is_refused_naming_what_to_convert(make):
     with pytest.raises(attnres_fx.UnsupportedArchitectureError, match=r"a TorchScript module .*Convert the original "

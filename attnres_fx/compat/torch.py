@@ -48,6 +48,8 @@ check_version("torch", torch.__version__, SUPPORTED_TORCH)
 # of aten graphs, Inductor's graph compiler, fake-mode discovery. Each is at the same place in 2.11-2.14.
 from torch._dynamo.exc import BackendCompilerFailed, TorchDynamoException, TorchRuntimeError  # noqa: E402, F401
 from torch._dynamo.exc import ObservedException  # noqa: E402, F401
+# What a fullgraph compilation raises at its code object's recompile limit.
+from torch._dynamo.exc import FailOnRecompileLimitHit  # noqa: E402, F401
 from torch._dynamo.exc import Unsupported as DynamoUnsupported  # noqa: E402, F401
 from torch._guards import detect_fake_mode  # noqa: E402, F401
 from torch._ops import OpOverload, OpOverloadPacket  # noqa: E402, F401
@@ -349,6 +351,7 @@ __all__ = [
     "TorchDynamoException",
     "TorchRuntimeError",
     "ObservedException",
+    "FailOnRecompileLimitHit",
     "DynamoUnsupported",
     "detect_fake_mode",
     "OpOverload",

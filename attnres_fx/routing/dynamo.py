@@ -28,7 +28,7 @@ import torch
 
 from .. import compat
 from ..capture import capture_settings, entry_function, in_own_call, own_call
-from ..errors import AttnResError
+from ..errors import AttnResError, RoutingError
 
 # Dynamo's default is 8 graphs per code object; one converted module can legitimately need more (train
 # and eval, two dtypes, prefill and decode, static and dynamic shapes).
@@ -94,6 +94,12 @@ def run(entry: Callable, forward: Callable, module, args: tuple, kwargs: dict,
             if isinstance(err.inner_exception, AttnResError):
                 raise err.inner_exception.with_traceback(None) from err
             raise
+        except compat.FailOnRecompileLimitHit as err:
+            raise RoutingError(
+                f"{type(module).__name__} needs a new graph for this call and has {RECOMPILE_LIMIT} already, the most "
+                "attnres_fx captures per module: an argument that is no tensor (a Python float or int) is part of "
+                "the graph, so each new value of one makes a new graph. Pass such a value as a tensor "
+                "(torch.tensor(value)), or keep to fewer values; calls like the earlier ones run as before.") from err
         except compat.DynamoUnsupported as err:
             if _raised_by_traced_code(err):
                 forward(module, *args, **kwargs)
