@@ -31,7 +31,7 @@ test: venv
 test-fast: venv
 	$(PYTEST) -m "not slow and not integration"
 
-test-integration: venv test-compat
+test-integration: venv test-compat test-vllm
 	$(PYTEST) -m integration
 
 # Line coverage of make test's selection, per package (attnres_fx, passes, export), in coverage.json too.
@@ -54,6 +54,15 @@ test-compat:
 		$$venv/bin/python -m pytest -q -n 2 --dist loadfile -p no:cacheprovider -m "not slow and not integration"; \
 		$$venv/bin/python -m pytest -q -n 2 --dist loadfile -p no:cacheprovider -m slow $(COMPAT_SLOW); \
 	done
+
+# Serving converted folders with vLLM (tests/test_vllm.py): its CPU build in a venv of its own under ~/.cache
+# (.ci/vllm-venv), built on a machine's first run and reused after.
+.PHONY: venv-vllm test-vllm
+venv-vllm:
+	bash .ci/vllm-venv
+
+test-vllm:
+	venv=$$(bash .ci/vllm-venv) && $$venv/bin/python -m pytest -q -p no:cacheprovider -m integration tests/test_vllm.py
 
 # The property tests with many random examples (make test runs a small derandomised set).
 fuzz: venv
