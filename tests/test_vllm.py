@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = [pytest.mark.integration,
+ENGINE_TIMEOUT = 400
+# One engine start, 30 to 100 s on a quiet machine, more on a shared one.
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(ENGINE_TIMEOUT + 60),
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                  reason="vLLM is installed in its own venv: make test-vllm runs this file there")]
 
@@ -24,7 +26,6 @@ SERVE = Path(__file__).with_name("vllm_serve.py")
 # vLLM's CPU attention takes heads of 32 and more.
 SIZE = dict(hidden_size=64, intermediate_size=128, head_dim=32, num_attention_heads=2, num_key_value_heads=1,
             max_position_embeddings=512)
-ENGINE_TIMEOUT = 400
 
 
 def tiny_model(family: str) -> torch.nn.Module:
