@@ -69,6 +69,10 @@ def _served():
     return {"model": randomise_pseudo_queries(model), "tokenizer": tiny_tokenizer()}
 
 
+def _run_in_the_vllm_venv():
+    pytest.skip("the vLLM block runs in vLLM's venv, as written: tests/test_vllm.py (make test-vllm)")
+
+
 # first line -> (setup, replacements, what must hold afterwards)
 SNIPPETS = {
     "import attnres_fx": (_nanogpt, {}, lambda ns: not attnres_fx.is_converted(ns["model"])),
@@ -88,6 +92,7 @@ SNIPPETS = {
     "import onnxruntime_genai as og": (
         _served, {}, lambda ns: ns["generator"].is_done() and Path("served/genai_config.json").is_file()),
     "from attnres_fx import export": (_converted_tiny, {}, lambda ns: ns["path"].is_file()),
+    "from vllm import LLM, SamplingParams": (_run_in_the_vllm_venv, {}, lambda ns: False),
 }
 
 

@@ -9,6 +9,7 @@ caching; the other families run with ``enforce_eager=True``. Run by ``make test-
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -93,7 +94,7 @@ def llama(tmp_path_factory):
     batch = prompts(LLAMA_LENGTHS)
     served = serve(tmp, tmp / "folder", batch, LLAMA_TOKENS, alone=4, max_model_len=256,
                    enable_prefix_caching=True)
-    return {"model": model, "batch": batch, "expected": references(model, batch, LLAMA_TOKENS), "served": served}
+    return {"folder": tmp / "folder", "model": model, "batch": batch, "expected": references(model, batch, LLAMA_TOKENS), "served": served}
 
 
 def test_llama_batch_of_16_lengths_1_to_200_generates_what_generate_does(llama):
@@ -115,6 +116,23 @@ def test_llama_prompts_again_alone_hit_the_prefix_cache_with_the_same_tokens(lla
 def test_llama_default_path_runs_eager_and_says_so(llama):
     assert "Resolved architecture: AttnResForCausalLM" in llama["served"]["log"]
     assert "the converted model runs eager" in llama["served"]["log"]
+
+
+def test_readme_block_serves_the_folder_as_written(llama, tmp_path):
+    readme = Path(__file__).resolve().parent.parent / "README.md"
+    section = readme.read_text().split("## Serving with vLLM", 1)[1]
+    block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert "attnres_fx" not in block.replace("# no import of attnres_fx", "")
+    # The CPU build's memory share, a short context, and fp32 like the reference.
+    sized = block.replace('LLM(model="converted")', 'LLM(model="converted", dtype="float32", '
+                          'gpu_memory_utilization=0.1, max_model_len=256)')
+    assert sized != block, "the README block changed: LLM(model=\"converted\") is gone"
+    (tmp_path / "converted").symlink_to(llama["folder"])
+    (tmp_path / "snippet.py").write_text(sized)
+    run = subprocess.run([sys.executable, "snippet.py"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=ENGINE_TIMEOUT)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.stdout.strip(), "the block printed no text"
 
 
 # -- other families, enforce_eager (one engine each) -----------------------------------------------------------
