@@ -30,6 +30,7 @@ import hashlib
 import json
 import re
 import sys
+import threading
 import warnings
 import weakref
 from collections.abc import Callable
@@ -326,16 +327,45 @@ def convert_on_construction(model: nn.Module) -> None:
     after = options.pop("after", None)
     with _eval_mode(model):
         api.attnresify(model, **options)
-    if entry is not None and list(plan_of(model).block_sizes) != list(entry["block_sizes"]):
-        sizes = plan_of(model).block_sizes
+    try:
+        if entry is not None and list(plan_of(model).block_sizes) != list(entry["block_sizes"]):
+            raise CheckpointMismatchError(f"{type(model).__name__}: its config was saved with AttnRes block sizes "
+                                          f"{entry.get('block_sizes')}, the model built from it converts to "
+                                          f"{list(plan_of(model).block_sizes)}")
+        if entry is not None and saved[2] is not None and (saved[2] / CONFIG_NAME).is_file():
+            # As attnres_fx.from_pretrained checks: a config.json edited since (num_hidden_layers) is refused.
+            _check_sites(*_without_base_prefix(model, read_config(saved[2]), {
+                "sites": _site_list(model), "block_sizes": list(plan_of(model).block_sizes)}), saved[2])
+    except CheckpointMismatchError:
         api.remove(model)
-        raise CheckpointMismatchError(f"{type(model).__name__}: its config was saved with AttnRes block sizes "
-                                      f"{entry.get('block_sizes')}, the model built from it converts to {list(sizes)}")
+        raise
     if entry is not None and saved[2] is not None:
         _LOAD_CHECKS[model] = functools.partial(check_loaded, directory=saved[2], entry=entry)
     if after is not None:
         after(model)
 
+
+def _without_base_prefix(model: nn.Module, saved: dict, now: dict) -> tuple[dict, dict]:
+    """The saved and the current site lists without the base model's prefix that one of them has and the
+    other lacks (an ``AutoModel`` loaded from a ``...ForCausalLM`` folder, or the reverse)."""
+    def names(sites):
+        return {site["name"] for site in sites["sites"]}
+
+    def stripped(sites, prefix):
+        def path(value):   # a module path: the base model's own ("model") becomes the root's ("")
+            if value == prefix[:-1]:
+                return ""
+            return value[len(prefix):] if isinstance(value, str) and value.startswith(prefix) else value
+        return {**sites, "sites": [{key: path(value) for key, value in site.items()} for site in sites["sites"]]}
+    prefix = _saved_prefix(model, dict.fromkeys(names(now)), names(saved))
+    if prefix:
+        return stripped(saved, prefix), now
+    prefix = _saved_prefix(model, dict.fromkeys(names(saved)), names(now))
+    return saved, stripped(now, prefix) if prefix else now
+
+
+# How many of transformers' from_pretrained calls this thread is in.
+_LOADING = threading.local()
 
 # Models built by transformers' from_pretrained from a converted folder -> the check of the weights its
 # loader gave them, run once from_pretrained returns (:func:`check_loaded`).
@@ -354,7 +384,8 @@ def _saved_entry(model: nn.Module) -> tuple[dict, AttnResConfig, Path | None] | 
     directory = Path(getattr(config, "name_or_path", "") or "")
     from_folder = directory.is_dir() and (directory / "config.json").is_file()
     if CONFIG_ATTRIBUTE not in vars(config):
-        if from_folder and (directory / CONFIG_NAME).is_file() and _outermost(model):
+        # Only a load reads the folder: a model built from a config whose conversion was removed is plain.
+        if getattr(_LOADING, "depth", 0) and from_folder and (directory / CONFIG_NAME).is_file() and _outermost(model):
             raise CheckpointMismatchError(_no_entry(directory))
         return None
     where = str(directory / "config.json") if from_folder else f"{type(model).__name__}.config"
@@ -460,7 +491,11 @@ def _wrap_from_pretrained(pretrained_model: type) -> None:
     def from_pretrained(cls, *args, **kwargs):
         if args and isinstance(args[0], (str, Path)):
             atomic.recover(args[0])
-        result = original(cls, *args, **kwargs)
+        _LOADING.depth = getattr(_LOADING, "depth", 0) + 1
+        try:
+            result = original(cls, *args, **kwargs)
+        finally:
+            _LOADING.depth -= 1
         model = result[0] if isinstance(result, tuple) else result
         check = _LOAD_CHECKS.pop(model, None)
         if check is not None:

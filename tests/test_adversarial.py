@@ -654,6 +654,33 @@ def test_a_folder_whose_config_lost_its_entry_is_refused(saved_llama, tmp_path, 
 
 @pytest.mark.slow
 @needs_hf
+def test_a_config_edited_to_other_layers_is_refused_by_transformers_loaders_too(tmp_path):
+    """``num_hidden_layers`` edited in config.json: formerly loaded silently by AutoModel where the block
+    sizes stay alike (a fixed ``block_size``), refused by attnres_fx.from_pretrained only."""
+    directory = tmp_path / "copy"
+    attnres_fx.attnresify(build_hf("llama"), block_size=2).save_pretrained(directory)
+    config = json.loads((directory / "config.json").read_text())
+    config["num_hidden_layers"] += 2
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(attnres_fx.CheckpointMismatchError, match=r"(?s)does not convert to the sites saved in "
+                       r".*copy/attnres_config\.json.*found now but not saved: model\.layers\.2\.attn_res"):
+        _auto(directory)
+
+
+@pytest.mark.slow
+@needs_hf
+def test_a_model_built_from_the_config_of_a_removed_conversion_is_the_plain_model(saved_llama):
+    """Formerly ``LlamaForCausalLM(r.config)`` after ``remove(r)`` of a loaded model raised "config.json has
+    no 'attnres' entry": the folder it was loaded from was read for a model built from a config."""
+    import transformers
+
+    loaded = attnres_fx.remove(_auto(saved_llama["directory"]))
+    built = transformers.LlamaForCausalLM(loaded.config)
+    assert not attnres_fx.is_converted(built) and not attnres_fx.is_converted(loaded)
+
+
+@pytest.mark.slow
+@needs_hf
 def test_transformers_alone_loads_the_converted_model_with_trust_remote_code(saved_llama, tmp_path):
     """A process that never imported attnres_fx: ``trust_remote_code=True`` runs the folder's
     ``modeling_attnres.py``, which imports attnres_fx: the converted model, the saved logits."""
@@ -875,8 +902,11 @@ def test_to_genai_over_an_earlier_folder_failing_part_way_leaves_it_whole(tmp_pa
 
     def second_fails(real):
         def move(source, destination, *args):
-            moves.append(destination)
-            if len(moves) == 2:
+            # The renames of the folder swap: the old folder aside, the new one in (the export's own moves
+            # inside the temporary folder do not count).
+            if out in (Path(source), Path(destination)):
+                moves.append(destination)
+            if len(moves) == 2 and Path(destination) == out:
                 raise OSError(28, "No space left on device")
             return real(source, destination, *args)
         return move
