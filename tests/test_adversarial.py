@@ -1110,3 +1110,15 @@ def test_save_pretrained_writes_through_a_link_and_a_killed_save_is_finished_by_
     assert not target.exists()
     loaded = attnres_fx.from_pretrained(transformers.LlamaForCausalLM, target)
     assert _same_attnres_weights(loaded, saved_llama["other"]) and not _leftovers(tmp_path)
+
+
+@pytest.mark.slow
+def test_a_save_onto_a_real_mount_point_is_written_in_place(small_disk):
+    """The folder is a tmpfs mounted for the test: renaming it fails with EBUSY, its files are written in."""
+    mount, _ = small_disk
+    (mount / "weights.bin").write_bytes(b"old")
+    (mount / "tokenizer.json").write_bytes(b"kept")
+    with pytest.warns(attnres_fx.AttnResWarning, match=r"cannot be replaced whole .*Device or resource busy"):
+        _write_folder(mount, {"weights.bin": b"new", "config.json": b"new config"})()
+    assert _files(mount) == {"weights.bin": b"new", "config.json": b"new config", "tokenizer.json": b"kept"}
+    assert not _leftovers(mount) and not _leftovers(mount.parent)
