@@ -28,7 +28,7 @@ import attnres_fx
 from attnres_fx.checks import relative_error
 from attnres_fx.models import TinyTransformer, example_ids
 from attnres_fx.testing import randomise_pseudo_queries
-from conftest import assert_untouched, saves, snapshot
+from conftest import assert_untouched, cold_compile, saves, snapshot
 from hf_models import build_hf, needs_hf
 
 EXACT = 1e-5
@@ -320,6 +320,7 @@ class TransposedEmbedding(TinyTransformer):
         return x.transpose(1, 2).contiguous().transpose(1, 2)
 
 
+@cold_compile
 @pytest.mark.slow
 def test_a_non_contiguous_embedding_compiles_on_the_layer_route():
     torch.manual_seed(0)

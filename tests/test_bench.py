@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from attnres_fx.timing import interleaved, median_ms
-from conftest import load_script
+from conftest import cold_compile, load_script
 from genai_support import needs_genai
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench.py"
@@ -26,6 +26,7 @@ def _run(out: Path, *flags: str) -> tuple[dict, str]:
     return json.loads((out / "bench.json").read_text()), (out / "bench.md").read_text()
 
 
+@cold_compile
 @pytest.mark.slow
 def test_quick_eager_sections(tmp_path):
     results, report = _run(tmp_path, "--backends", "eager", "--sections", "forward,train,first_call,decode,stages")

@@ -14,6 +14,7 @@ import torch
 
 import attnres_fx
 from hf_models import needs_hf
+from conftest import cold_compile
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
@@ -111,6 +112,7 @@ def process_group():
     dist.destroy_process_group()
 
 
+@cold_compile
 @pytest.mark.slow
 @needs_hf
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.splitlines()[0][:50] for b in BLOCKS])
