@@ -24,11 +24,13 @@ Sections:
 4. ``decode``: tokens/s of ``generate`` with the KV cache (greedy), batch 1 and 8, eager and compiled, on
    each route.
 4b. ``genai``: tokens/s of onnxruntime-genai generating from model folders (greedy, batch 1 and 8), per
-   family onnxruntime-genai serves: ``builder``, onnxruntime-genai's own model builder on the original
-   model (the baseline users have; ``export.to_genai`` of the original where the builder does not take the
-   family), ``exported`` (``export.to_genai`` of the original: what the exporter alone costs) and
-   ``converted`` (``export.to_genai`` of the converted model); each folder's peak resident memory while
-   loading and generating, in a fresh process.
+   family onnxruntime-genai serves and per precision (fp32; int4 where the builder takes the family):
+   ``builder``, onnxruntime-genai's own model builder on the original model (the baseline users have;
+   ``export.to_genai(graph="torch.onnx")`` of the original where the builder fails on the family),
+   ``converted`` (``export.to_genai`` of the converted model: the builder's graph with the AttnRes pass
+   where it applies) and, at fp32, ``torch_onnx`` (``export.to_genai(graph="torch.onnx")`` of the converted
+   model); each folder's node count and peak resident memory while loading and generating, in a fresh
+   process.
 5. ``stages``: bytes a microbatch sends across pipeline stage boundaries (``attnres_fx.pipeline_stages``,
    four stages of the ``deep`` shape), with and without cross-stage caching over two ranks, and the state
    held between two blocks of a forward against the N + 1 stream tensors it should be.
@@ -167,10 +169,16 @@ TARGETS = {   # (section path, entry, bound, sense): the targets the README's pe
     "decode tokens/s, eager, batch 8": ("decode/eager/batch8", "converted", 0.95, ">="),
     "decode tokens/s, compiled, batch 1": ("decode/compiled/batch1", "converted", 0.95, ">="),
     "decode tokens/s, compiled, batch 8": ("decode/compiled/batch8", "converted", 0.95, ">="),
-    "decode tokens/s, onnxruntime-genai, converted folder / builder's original, Llama batch 1": (
-        "genai/llama/batch1", "converted", 0.95, ">="),
-    "decode tokens/s, onnxruntime-genai, converted folder / builder's original, Llama batch 8": (
-        "genai/llama/batch8", "converted", 0.95, ">="),
+    "decode tokens/s, onnxruntime-genai, converted folder / builder's original, Llama fp32 batch 1": (
+        "genai/llama/fp32/batch1", "converted", 0.95, ">="),
+    "decode tokens/s, onnxruntime-genai, converted folder / builder's original, Llama fp32 batch 8": (
+        "genai/llama/fp32/batch8", "converted", 0.95, ">="),
+    "decode tokens/s, onnxruntime-genai, converted folder / builder's original, Llama int4 batch 1": (
+        "genai/llama/int4/batch1", "converted", 0.95, ">="),
+    "decode tokens/s, onnxruntime-genai, converted folder / builder's original, Llama int4 batch 8": (
+        "genai/llama/int4/batch8", "converted", 0.95, ">="),
+    "onnxruntime-genai peak memory, converted folder / builder's original, Llama fp32": (
+        "genai/llama/fp32/memory", "converted", 1.05, "<="),
     "op / streaming bound, C++ kernel (fewest of its source counts)": ("op", "kernel_worst", 0.8, ">="),
     "op / streaming bound, compiled (fewest of its source counts)": ("op", "compiled_worst", 0.8, ">="),
     "training peak memory, bench": ("memory/train", "converted", 1.08, "<="),
@@ -369,7 +377,8 @@ GENAI = {"full": dict(families=("llama", "qwen2", "qwen3", "mistral", "phi3", "g
 
 def genai_section(settings: Settings, config_name: str) -> dict:
     """onnxruntime-genai generating from the builder's folder of each family's original model and from
-    export.to_genai's folders of the original and of the converted model (random pseudo-queries, N=4)."""
+    export.to_genai's folders of the converted model (random pseudo-queries, N=4), per precision."""
+    from attnres_fx.testing import randomise_pseudo_queries
     from attnres_fx.testing.serving import tiny_tokenizer
 
     plan = GENAI[config_name]
@@ -377,21 +386,30 @@ def genai_section(settings: Settings, config_name: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for family in plan["families"]:
             model = genai_model(family, plan["model"], plan["prompt"] + settings.decode_tokens)
-            progress(f"genai {family}: the builder's folder and export.to_genai's")
-            folders, baseline = genai_folders(model, tiny_tokenizer(model.config.vocab_size), Path(tmp) / family)
             config = model.config
             rows: dict = {"model": f"{type(model).__name__} ({config.num_hidden_layers} layers, hidden "
-                                   f"{config.hidden_size})", "baseline": baseline}
-            for batch in (1, 8):
-                progress(f"genai {family} batch {batch}")
-                runners = genai_runners(folders, batch, plan["prompt"], settings.decode_tokens)
-                rows[f"batch{batch}"] = summarise(interleaved(runners, max(3, settings.runs // 3), settings.warmup),
-                                                  "builder", per_call=batch * settings.decode_tokens)
-            progress(f"genai {family} memory")
-            rows["memory"] = {variant: genai_child_memory(folder, plan["prompt"], settings.decode_tokens)
-                              for variant, folder in folders.items()}
-            for entry in rows["memory"].values():
-                entry["ratio"] = entry["peak_delta_mb"] / rows["memory"]["builder"]["peak_delta_mb"]
+                                   f"{config.hidden_size})"}
+            converted = randomise_pseudo_queries(attnres_fx.attnresify(copy.deepcopy(model), num_blocks=4))
+            for precision in ("fp32", "int4"):
+                progress(f"genai {family} {precision}: the builder's folder and export.to_genai's")
+                built = genai_folders(model, converted, tiny_tokenizer(config.vocab_size),
+                                      Path(tmp) / family / precision, precision)
+                if built is None:
+                    continue
+                folders, baseline = built
+                entry: dict = {"baseline": baseline, "nodes": {v: node_count(f) for v, f in folders.items()},
+                               "graph": {v: written_graph(f) for v, f in folders.items()}}
+                for batch in (1, 8):
+                    progress(f"genai {family} {precision} batch {batch}")
+                    runners = genai_runners(folders, batch, plan["prompt"], settings.decode_tokens)
+                    entry[f"batch{batch}"] = summarise(interleaved(runners, max(3, settings.runs // 3), settings.warmup),
+                                                       "builder", per_call=batch * settings.decode_tokens)
+                progress(f"genai {family} {precision} memory")
+                entry["memory"] = {variant: genai_child_memory(folder, plan["prompt"], settings.decode_tokens)
+                                   for variant, folder in folders.items()}
+                for memory in entry["memory"].values():
+                    memory["ratio"] = memory["peak_delta_mb"] / entry["memory"]["builder"]["peak_delta_mb"]
+                rows[precision] = entry
             result[family] = rows
     return result
 
@@ -405,26 +423,44 @@ def genai_model(family: str, size: dict, window: int) -> nn.Module:
     return serving_model(family, use_cache=True, **size, **(fields.get(family, {}) if size else {}))
 
 
-def genai_folders(model: nn.Module, tokenizer, root: Path) -> tuple[dict[str, Path], str]:
-    """The three folders (:data:`GENAI`'s variants) and what the baseline is: the builder's folder, or
-    export.to_genai's of the original where the builder fails on the family."""
+def genai_folders(model: nn.Module, converted: nn.Module, tokenizer, root: Path,
+                  precision: str) -> tuple[dict[str, Path], str] | None:
+    """The folders of one precision and what the baseline is: the builder's folder of the original, or
+    at fp32 export.to_genai's (torch.onnx) of the original where the builder fails on the family; None
+    for int4 where the builder does not take the family."""
     from attnres_fx import export
-    from attnres_fx.testing import randomise_pseudo_queries
+    from attnres_fx.export.genai_builder import builder_takes
 
+    if precision == "int4" and builder_takes(converted, "int4", "cpu", model.config.max_position_embeddings):
+        return None
     source = root / "original"
     model.save_pretrained(source)
     tokenizer.save_pretrained(source)
-    folders = {"builder": root / "builder", "exported": root / "exported", "converted": root / "converted"}
+    folders = {"builder": root / "builder", "converted": root / "converted"}
     built = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(source), "-o",
-                            str(folders["builder"]), "-p", "fp32", "-e", "cpu", "-c", str(root / "cache")],
+                            str(folders["builder"]), "-p", precision, "-e", "cpu", "-c", str(root / "cache")],
                            capture_output=True, text=True)
-    export.to_genai(model, folders["exported"], tokenizer=tokenizer)
-    converted = randomise_pseudo_queries(attnres_fx.attnresify(copy.deepcopy(model), num_blocks=4))
-    export.to_genai(converted, folders["converted"], tokenizer=tokenizer)
+    export.to_genai(converted, folders["converted"], tokenizer=tokenizer, precision=precision)
+    if precision == "fp32":
+        folders["torch_onnx"] = export.to_genai(converted, root / "torch_onnx", tokenizer=tokenizer, graph="torch.onnx")
     if built.returncode == 0:
         return folders, "onnxruntime-genai's model builder"
-    progress(f"the builder failed ({built.stderr.strip().splitlines()[-1:]}): the exporter's original is the baseline")
-    return {**folders, "builder": folders["exported"]}, "export.to_genai (the builder failed)"
+    if precision == "int4":
+        return None
+    progress(f"the builder failed ({built.stderr.strip().splitlines()[-1:]}): export.to_genai's original is the baseline")
+    folders["builder"] = export.to_genai(model, root / "exported", tokenizer=tokenizer, graph="torch.onnx")
+    return folders, "export.to_genai, torch.onnx (the builder failed)"
+
+
+def node_count(folder: Path) -> int:
+    import onnx
+
+    return len(onnx.load(str(folder / "model.onnx"), load_external_data=False).graph.node)
+
+
+def written_graph(folder: Path) -> str:
+    written = folder / "written_by.json"
+    return json.loads(written.read_text())["graph"] if written.is_file() else "builder (original)"
 
 
 def genai_runners(folders: dict[str, Path], batch: int, prompt: int, new_tokens: int) -> dict[str, Callable[[], None]]:
@@ -877,23 +913,34 @@ def markdown(settings: Settings, results: dict) -> str:
         lines += [f"## onnxruntime-genai generation ({genai['prompt']}-token prompts, {genai['new_tokens']} new tokens, "
                   "greedy, CPU)", "",
                   "Tokens/s of onnxruntime-genai on each folder (ratio to the baseline, median / max): the baseline is "
-                  "onnxruntime-genai's model builder on the original model; *exported* is export.to_genai of the "
-                  "original, *converted* of the converted model (N=4, random pseudo-queries). Peak memory: resident "
-                  "set added by loading the folder and generating a batch of 8, fresh process each.", "",
-                  "| family | batch | baseline tokens/s | exported tokens/s (ratio) | converted tokens/s (ratio) |",
-                  "|---|---|---|---|---|"]
+                  "onnxruntime-genai's model builder on the original model at the same precision; *converted* is "
+                  "export.to_genai of the converted model (N=4, random pseudo-queries; the builder's graph with the "
+                  "AttnRes pass where it applies), *torch.onnx* the same model through export.to_genai's torch.onnx "
+                  "graph. Nodes: the graph's node count. Peak memory: resident set added by loading the folder and "
+                  "generating a batch of 8, fresh process each.", "",
+                  "| family | precision | batch | baseline tokens/s | converted tokens/s (ratio) | torch.onnx tokens/s "
+                  "(ratio) |", "|---|---|---|---|---|---|"]
         memory_rows = []
         for family, rows in ((f, r) for f, r in genai.items() if isinstance(r, dict)):
-            for batch in ("batch1", "batch8"):
-                b, e, c = (rows[batch][v] for v in ("builder", "exported", "converted"))
-                lines.append(f"| {family} | {batch[5:]} | {b['rate']:.1f} | {e['rate']:.1f} ({e['ratio']:.3f} / "
-                             f"{e['ratio_min']:.3f}) | {c['rate']:.1f} ({c['ratio']:.3f} / {c['ratio_min']:.3f}) |")
-            m = rows["memory"]
-            memory_rows.append(f"| {family} | {rows['model']} | {rows['baseline']} | {m['builder']['peak_delta_mb']:.1f} | "
-                               f"{m['exported']['peak_delta_mb']:.1f} ({m['exported']['ratio']:.2f}) | "
-                               f"{m['converted']['peak_delta_mb']:.1f} ({m['converted']['ratio']:.2f}) |")
-        lines += ["", "| family | model | baseline | baseline peak MB | exported peak MB (ratio) | converted peak MB "
-                  "(ratio) |", "|---|---|---|---|---|---|", *memory_rows, ""]
+            for precision in ("fp32", "int4"):
+                entry = rows.get(precision)
+                if not entry:
+                    continue
+                for batch in ("batch1", "batch8"):
+                    b, c, t = (entry[batch].get(v) for v in ("builder", "converted", "torch_onnx"))
+                    torch_cell = f"{t['rate']:.1f} ({t['ratio']:.3f} / {t['ratio_min']:.3f})" if t else "-"
+                    lines.append(f"| {family} | {precision} | {batch[5:]} | {b['rate']:.1f} | {c['rate']:.1f} "
+                                 f"({c['ratio']:.3f} / {c['ratio_min']:.3f}) | {torch_cell} |")
+                m, n = entry["memory"], entry["nodes"]
+                torch_memory = (f"{m['torch_onnx']['peak_delta_mb']:.1f} ({m['torch_onnx']['ratio']:.2f})"
+                                if "torch_onnx" in m else "-")
+                memory_rows.append(f"| {family} | {precision} | {rows['model']} | {entry['baseline']} | "
+                                   f"{m['builder']['peak_delta_mb']:.1f} | {m['converted']['peak_delta_mb']:.1f} "
+                                   f"({m['converted']['ratio']:.2f}) | {torch_memory} | {n['builder']} / "
+                                   f"{n['converted']} / {n.get('torch_onnx', '-')} |")
+        lines += ["", "| family | precision | model | baseline | baseline peak MB | converted peak MB (ratio) | "
+                  "torch.onnx peak MB (ratio) | nodes: baseline / converted / torch.onnx |",
+                  "|---|---|---|---|---|---|---|---|", *memory_rows, ""]
     stages = results.get("stages")
     if stages:
         lines += [f"## Pipeline stages and the state between blocks ({stages['shape']})", "",

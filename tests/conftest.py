@@ -32,6 +32,11 @@ settings.register_profile("fuzz", max_examples=400, deadline=None, print_blob=Tr
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+# Inductor's first compile of a model on a cold cache (a new machine, another torch release) takes minutes on
+# two busy cores, seconds once its kernels are cached: such tests get longer than the 120 s default.
+cold_compile = pytest.mark.timeout(360)
+
+
 class TierError(AssertionError):
     """A test of the fast tier (unmarked) did what only the slow or integration tiers may."""
 

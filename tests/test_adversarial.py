@@ -28,7 +28,7 @@ import attnres_fx
 from attnres_fx.checks import relative_error
 from attnres_fx.models import TinyTransformer, example_ids
 from attnres_fx.testing import randomise_pseudo_queries
-from conftest import assert_untouched, saves, snapshot
+from conftest import assert_untouched, cold_compile, saves, snapshot
 from hf_models import build_hf, needs_hf
 
 EXACT = 1e-5
@@ -320,6 +320,7 @@ class TransposedEmbedding(TinyTransformer):
         return x.transpose(1, 2).contiguous().transpose(1, 2)
 
 
+@cold_compile
 @pytest.mark.slow
 def test_a_non_contiguous_embedding_compiles_on_the_layer_route():
     torch.manual_seed(0)
@@ -1110,3 +1111,15 @@ def test_save_pretrained_writes_through_a_link_and_a_killed_save_is_finished_by_
     assert not target.exists()
     loaded = attnres_fx.from_pretrained(transformers.LlamaForCausalLM, target)
     assert _same_attnres_weights(loaded, saved_llama["other"]) and not _leftovers(tmp_path)
+
+
+@pytest.mark.slow
+def test_a_save_onto_a_real_mount_point_is_written_in_place(small_disk):
+    """The folder is a tmpfs mounted for the test: renaming it fails with EBUSY, its files are written in."""
+    mount, _ = small_disk
+    (mount / "weights.bin").write_bytes(b"old")
+    (mount / "tokenizer.json").write_bytes(b"kept")
+    with pytest.warns(attnres_fx.AttnResWarning, match=r"cannot be replaced whole .*Device or resource busy"):
+        _write_folder(mount, {"weights.bin": b"new", "config.json": b"new config"})()
+    assert _files(mount) == {"weights.bin": b"new", "config.json": b"new config", "tokenizer.json": b"kept"}
+    assert not _leftovers(mount) and not _leftovers(mount.parent)

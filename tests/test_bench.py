@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from attnres_fx.timing import interleaved, median_ms
-from conftest import load_script
+from conftest import cold_compile, load_script
 from genai_support import needs_genai
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench.py"
@@ -26,6 +26,7 @@ def _run(out: Path, *flags: str) -> tuple[dict, str]:
     return json.loads((out / "bench.json").read_text()), (out / "bench.md").read_text()
 
 
+@cold_compile
 @pytest.mark.slow
 def test_quick_eager_sections(tmp_path):
     results, report = _run(tmp_path, "--backends", "eager", "--sections", "forward,train,first_call,decode,stages")
@@ -77,16 +78,22 @@ def test_quick_memory_and_compiled_op(tmp_path):
 @needs_genai
 def test_quick_genai_section(tmp_path):
     """onnxruntime-genai on the model builder's folder of the original Llama and on export.to_genai's folders
-    of the original and of the converted model: rates, their ratios to the builder's, peak memory."""
+    of the converted model (the builder's graph with the pass, and torch.onnx's at fp32), fp32 and int4:
+    rates, their ratios to the builder's, node counts, peak memory."""
     results, report = _run(tmp_path, "--sections", "genai")
     llama = results["genai"]["llama"]
-    assert llama["baseline"] == "onnxruntime-genai's model builder"
-    for batch in ("batch1", "batch8"):
-        assert set(llama[batch]) == {"builder", "exported", "converted"} and llama[batch]["builder"]["ratio"] == 1.0
-        assert all(entry["rate"] > 0 for entry in llama[batch].values())
-    assert all(entry["peak_delta_mb"] > 0 for entry in llama["memory"].values())
-    assert "decode tokens/s, onnxruntime-genai, converted folder / builder's original, Llama batch 1" in results["targets"]
-    assert "## onnxruntime-genai generation" in report
+    for precision, variants in (("fp32", {"builder", "converted", "torch_onnx"}), ("int4", {"builder", "converted"})):
+        entry = llama[precision]
+        assert entry["baseline"] == "onnxruntime-genai's model builder"
+        assert entry["graph"]["converted"] == "builder"
+        for batch in ("batch1", "batch8"):
+            assert set(entry[batch]) == variants and entry[batch]["builder"]["ratio"] == 1.0
+            assert all(row["rate"] > 0 for row in entry[batch].values())
+        assert all(row["peak_delta_mb"] > 0 for row in entry["memory"].values())
+        assert entry["nodes"]["converted"] > entry["nodes"]["builder"]
+    assert llama["fp32"]["graph"]["torch_onnx"] == "torch.onnx"
+    assert "decode tokens/s, onnxruntime-genai, converted folder / builder's original, Llama int4 batch 8" in results["targets"]
+    assert "## onnxruntime-genai generation" in report and "| llama | int4 | 1 |" in report
 
 
 def test_interleaved_alternates_order_and_summarise_takes_ratios():

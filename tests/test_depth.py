@@ -15,7 +15,7 @@ from attnres_fx import routing
 from attnres_fx.conversion import conversion_of
 from attnres_fx.models import TinyTransformer, example_ids
 from attnres_fx.testing import randomise_pseudo_queries
-from conftest import hooks_of
+from conftest import cold_compile, hooks_of
 from toy_models import EncoderDecoder, make_inputs
 
 BLOCK_SIZE = 2
@@ -142,6 +142,7 @@ def test_a_rewrite_graph_gives_the_live_models_weights(model, ids):
     assert from_graph.block_sizes == (BLOCK_SIZE,)
 
 
+@cold_compile
 @pytest.mark.slow
 def test_an_inductor_routed_model_is_measured_on_the_eager_route_and_stays_compiled(model, ids):
     from torch._dynamo.utils import counters

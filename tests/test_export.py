@@ -22,6 +22,7 @@ from attnres_fx.models import (TinyConfig, TinyTransformer, build_hf, example_id
                                transformers_available)
 from attnres_fx.testing import randomise_pseudo_queries
 from attnres_fx.testing.reference import block_attn_res
+from conftest import cold_compile
 
 EXPORT_SHAPE = (2, 16)
 OTHER_SHAPES = [(3, 11), (1, 40)]
@@ -116,6 +117,7 @@ def test_verify_reports_disagreement(tiny_fp32, exported):
         report.raise_if_failed()
 
 
+@cold_compile
 @pytest.mark.slow
 def test_bf16_compiled_matches_eager_bf16():
     model = tiny(dtype=torch.bfloat16)
@@ -233,6 +235,7 @@ def test_non_tensor_outputs_are_reported_before_export(tmp_path):
         export.to_onnx(ReturnsInt(), (torch.randn(2, 3),), tmp_path / "int.onnx")
 
 
+@cold_compile
 @pytest.mark.slow
 def test_hf_llama_compiles_and_exports(tmp_path):
     transformers = pytest.importorskip("transformers")
@@ -266,6 +269,7 @@ def test_cli_export(tmp_path, capsys):
     assert "providers used: CPUExecutionProvider" in out and "max |onnxruntime - torch|" in out
 
 
+@cold_compile
 @pytest.mark.slow
 def test_cli_demo_reports_eager_compiled_and_onnxruntime(tmp_path, capsys):
     assert cli_main(["demo", "--layers", "2", "--dim", "32", "--out", str(tmp_path)]) == 0
@@ -306,6 +310,7 @@ def hf_converted(request):
     return types.SimpleNamespace(name=name, model=new, args=args, kwargs=kwargs)
 
 
+@cold_compile
 @pytest.mark.slow
 def test_hf_explicit_graphs_compile_without_graph_breaks_and_match_eager(hf_converted):
     m = hf_converted

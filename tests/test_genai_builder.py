@@ -5,8 +5,9 @@ Fast: on small graphs shaped as the builder writes them, the stream is found by 
 against a plan; every difference is refused naming the node. Slow: a converted Llama's builder folder
 computes the torch model's logits (prompt and 8 decoding steps, random pseudo-queries) and generates its
 tokens on a padded batch; a builder graph of another depth is refused before anything is written.
-Also slow (a second each): int4 agrees with the torch model as closely as the builder's int4 of the original agrees with
-the original; Qwen2 and Qwen3 logits.
+Also slow (a second each): the fp16 graph written for CUDA keeps the aggregation in fp32 and computes
+the prompt's logits (on the CPU provider); int4 agrees with the torch model as closely as the builder's
+int4 of the original agrees with the original; Qwen2 and Qwen3 logits.
 """
 
 import json
@@ -33,6 +34,8 @@ SIZE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 DECODE_STEPS = 8
 # fp32 onnxruntime against torch: another summation order's round-off (about 1e-6 here).
 FP32_LOGITS_RTOL = 1e-4
+# fp16 weights and activations around fp32 aggregations: 5e-4 relative rounding per op (9e-4 measured).
+FP16_LOGITS_RTOL = 1e-2
 
 
 # --- small graphs shaped as the builder writes them -------------------------------------------------
@@ -251,3 +254,28 @@ def test_the_builder_path_is_chosen_where_it_applies():
     assert "fp16 for the cuda provider" in genai_builder.builder_takes(llama, "fp16", "cpu", 128)
     assert "sliding window (8) is shorter" in genai_builder.builder_takes(serving_model("mistral"), "fp32", "cpu", 128)
     assert "not Phi3ForCausalLM" in genai_builder.builder_takes(serving_model("phi3"), "fp32", "cpu", 128)
+
+
+@pytest.mark.slow
+@needs_hf
+@needs_genai
+def test_fp16_graph_for_cuda_keeps_the_aggregation_in_fp32_and_computes_the_prompts_logits(tmp_path):
+    """The builder writes fp16 for CUDA only; its graph (with the pass) runs on onnxruntime's CPU provider
+    too, which checks the prompt's logits here without a GPU."""
+    import onnxruntime as ort
+
+    model = converted()
+    assert genai_builder.write_builder_folder(model, tmp_path, "fp16", "cuda") == 4
+    graph = onnx.load(str(tmp_path / "model.onnx"), load_external_data=False).graph
+    site = [n for n in graph.node if n.name.startswith("/attnres/model.layers.0.mlp_res/")]
+    assert [site[0].op_type, site[-1].op_type] == ["Cast", "Cast"]
+    assert {a.i for n in site if n.op_type == "Cast" for a in n.attribute} == {TensorProto.FLOAT, TensorProto.FLOAT16}
+    session = ort.InferenceSession(str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"])
+    ids = np.array([PROMPT], dtype=np.int64)
+    feed = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    feed.update({i.name: np.zeros((1, SIZE["num_key_value_heads"], 0, SIZE["head_dim"]), np.float16)
+                 for i in session.get_inputs() if i.name.startswith("past_key_values")})
+    got = session.run(["logits"], feed)[0][0].astype(np.float32)
+    with torch.no_grad():
+        want = model(torch.tensor(ids)).logits[0].numpy()
+    assert np.abs(got - want).max() / np.abs(want).max() < FP16_LOGITS_RTOL

@@ -21,6 +21,7 @@ import attnres_fx
 from attnres_fx import compat
 from attnres_fx.checks import relative_error
 from hf_models import needs_hf
+from conftest import cold_compile
 
 pytestmark = needs_hf
 transformers = pytest.importorskip("transformers")
@@ -344,6 +345,7 @@ def test_a_force_eager_stance_still_runs_the_attnres_route(pairs):
         assert torch.equal(_generate(converted), _generate(original))
 
 
+@cold_compile
 @pytest.mark.slow
 def test_generate_compiles_its_decoding_steps_on_the_attnres_route(pairs):
     """With a static cache and a ``compile_config``, generate compiles the forward of its decoding steps

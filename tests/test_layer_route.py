@@ -23,6 +23,7 @@ from attnres_fx.conversion import conversion_of
 from attnres_fx.routing.state import state_of
 from attnres_fx.testing import randomise_pseudo_queries
 from toy_models import DecoderLayer, EncoderDecoder, make_inputs
+from conftest import cold_compile
 
 TIGHT = 1e-6
 
@@ -304,6 +305,7 @@ def test_a_block_graph_calls_its_sublayers_and_traces_through_the_ones_that_hold
     assert len(seen) == 1, "the hook on an opened child fired"
 
 
+@cold_compile
 @pytest.mark.slow
 def test_compile_takes_the_whole_call_where_it_can_and_block_by_block_where_it_cannot():
     """attnres_fx.compile: one Inductor graph of the whole call, the blocks' results still the plain

@@ -17,6 +17,7 @@ from torch import nn
 import attnres_fx
 from attnres_fx.testing import randomise_pseudo_queries
 from toy_models import NanoGPT, make_inputs
+from conftest import cold_compile
 
 EXACT = 1e-5        # preserve_scale=True: the original function up to fp32 reassociation of the sums
 
@@ -286,6 +287,7 @@ def test_an_optimizer_built_after_conversion_trains_every_multi_source_query():
         assert moved[site.name] == (site.num_sources > 1), site.name
 
 
+@cold_compile
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "inductor"])
 def test_a_new_sequence_length_recompiles_at_most_once_more(compiled):
     from torch._dynamo.utils import counters
@@ -313,6 +315,7 @@ def test_a_new_sequence_length_recompiles_at_most_once_more(compiled):
         assert [len(router.rewritten) for router in routers] == [1] * len(model.h)
 
 
+@cold_compile
 @pytest.mark.slow
 @both_routes
 def test_eager_and_inductor_routes_agree(route):

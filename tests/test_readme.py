@@ -14,6 +14,7 @@ import torch
 
 import attnres_fx
 from hf_models import needs_hf
+from conftest import cold_compile
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
@@ -90,7 +91,8 @@ SNIPPETS = {
         _pipeline, {'["model.layers.4", "model.layers.8", "model.layers.12"]': '["model.layers.2"]',
                     "n_microbatches=4": "n_microbatches=4"}, lambda ns: len(ns["stages"]) == 2),
     "import onnxruntime_genai as og": (
-        _served, {}, lambda ns: ns["generator"].is_done() and Path("served/genai_config.json").is_file()),
+        _served, {}, lambda ns: ns["generator"].is_done() and Path("served/genai_config.json").is_file()
+        and '"precision": "int4"' in Path("served-int4/written_by.json").read_text()),
     "from attnres_fx import export": (_converted_tiny, {}, lambda ns: ns["path"].is_file()),
     "from vllm import LLM, SamplingParams": (_run_in_the_vllm_venv, {}, lambda ns: False),
 }
@@ -115,6 +117,7 @@ def process_group():
     dist.destroy_process_group()
 
 
+@cold_compile
 @pytest.mark.slow
 @needs_hf
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.splitlines()[0][:50] for b in BLOCKS])

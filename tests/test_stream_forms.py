@@ -14,7 +14,7 @@ import torch
 import attnres_fx
 import toy_models as T
 from attnres_fx.testing import randomise_pseudo_queries
-from conftest import converted
+from conftest import cold_compile, converted
 
 # preserve_scale=True multiplies each zero-init aggregate (the mean of its sources) back to their sum,
 # the original stream: exact in real arithmetic; fp32 reassociation of the sums costs ~1e-7.
@@ -235,6 +235,7 @@ def test_torch_transformer_encoder_is_traced_through():
     assert torch.backends.mha.get_fastpath_enabled(), "tracing restores torch's fast-path setting"
 
 
+@cold_compile
 @pytest.mark.slow
 def test_inductor_route_on_a_reshaped_stream():
     """attnres_fx.compile emits the aggregations with their weights as graph inputs (the other emitter);

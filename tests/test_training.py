@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import attnres_fx
 from attnres_fx.models import TinyTransformer, example_ids
-from conftest import hooks_of
+from conftest import cold_compile, hooks_of
 
 LR = 1e-2
 
@@ -120,6 +120,7 @@ def test_freeze_holds_the_attnres_parameters_while_the_rest_trains_and_unfreeze_
     assert changed(before, model) & queries == queries - single_source
 
 
+@cold_compile
 @pytest.mark.slow
 def test_unfreeze_on_an_inductor_routed_model_trains_the_queries_again():
     # The compiled graphs were built while the queries did not require gradients; without a recompile

@@ -13,6 +13,7 @@ from attnres_fx.block_attnres import BlockAttnRes
 from attnres_fx.models import TinyConfig, TinyTransformer, example_ids
 from attnres_fx.testing import randomise_pseudo_queries
 from attnres_fx.passes.two_phase import TwoPhaseSchedule, apply_two_phase, can_apply_two_phase
+from conftest import cold_compile
 
 ALL_SITES = 100          # a block size larger than any model here: one block covers every site
 
@@ -129,6 +130,7 @@ def test_rejects_a_second_application():
     assert gm.code == code
 
 
+@cold_compile
 @pytest.mark.slow
 def test_compiles_with_inductor_fullgraph():
     gm, ids = _rewritten(block_size=2)
