@@ -33,6 +33,36 @@ import torch.nn.functional as F
 STACKED_MAX_ELEMENTS = 16_384
 
 
+# Note [negligible weights]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# Inside every softmax over sources, an exponential exp(z_i - max_j z_j) below NEGLIGIBLE_WEIGHT (the
+# weight relative to the largest of that softmax) is exactly zero, in every implementation (C++, Triton,
+# these ops, ONNX). Why: with pseudo-queries of std 1 and more the softmax saturates, weights such as
+# e^-100 are subnormal floats, and so are the gradients they scale (p_i * g); CPUs compute on subnormals
+# some 6x slower, and the backward matmuls of a whole model slow down with them. Flushing the global
+# floating-point mode (torch.set_flush_denormal) would change every other computation of the process.
+# Why 2^-32 is exact: a dropped term p_i v_i is below 2^-32 |v_i| / |v_max| of the largest-weighted term,
+# so under half an ulp (2^-24 relative) of it unless source i is over 2^8 = 256x larger than that source,
+# and fp32 already rounds the sum at one ulp of its largest term; its share of the normalising sum is
+# at most 8 * 2^-32 < 2^-28 for 9 sources. A kept weight is at least 2^-32 / K of the total, so its
+# products (s p_i g, p_i v_i) stay normal floats for any factor above 2^-126 * 2^32 * K ~ 1e-27.
+NEGLIGIBLE_WEIGHT = 2.0 ** -32
+
+
+def negligible_to_zero(exps: torch.Tensor) -> torch.Tensor:
+    """``exps`` (``exp(logit - max)``, at most 1) with those below :data:`NEGLIGIBLE_WEIGHT` exactly zero
+    (Note [negligible weights]); the gradient through a zeroed one is zero too."""
+    return torch.where(exps < NEGLIGIBLE_WEIGHT, 0.0, exps)
+
+
+def flushed_softmax(logits: torch.Tensor, dim: int) -> torch.Tensor:
+    """``softmax(logits, dim)`` with negligible weights exactly zero (Note [negligible weights]), their
+    gradients too: taken as ``exp(logit - max) / sum``, since zeroing the output of ``torch.softmax``
+    would leave its backward to scale the gradient by the unflushed (subnormal) weights."""
+    exps = negligible_to_zero(torch.exp(logits - logits.amax(dim=dim, keepdim=True)))
+    return exps / exps.sum(dim=dim, keepdim=True)
+
+
 # Device types torch.autocast knows (asking about another, such as "meta", is an error).
 AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "xla")
 
@@ -83,11 +113,12 @@ def depth_logit(value: torch.Tensor, query: torch.Tensor, eps: float) -> torch.T
 
 
 def softmax_parts(logits: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
-    """Softmax over a few per-token logits without stacking them: ``(max, exp(logit - max), sum)``."""
+    """Softmax over a few per-token logits without stacking them: ``(max, exp(logit - max), sum)``, the
+    negligible exponentials zero (Note [negligible weights])."""
     top = logits[0]
     for logit in logits[1:]:
         top = torch.maximum(top, logit)
-    exps = [torch.exp(logit - top) for logit in logits]
+    exps = [negligible_to_zero(torch.exp(logit - top)) for logit in logits]
     total = exps[0]
     for e in exps[1:]:
         total = total + e
@@ -130,7 +161,7 @@ def stacked(proj_weight, norm_weight, sources, *, eps: float, preserve_scale: bo
     """The aggregation in a few ops on the stacked sources: for small sources (module docstring)."""
     values = torch.stack([source.float() for source in sources])
     logits = F.rms_norm(values, (values.shape[-1],), eps=eps) @ folded_query(proj_weight, norm_weight)
-    weights = torch.softmax(logits, dim=0).unsqueeze(-1)
+    weights = flushed_softmax(logits, dim=0).unsqueeze(-1)
     if preserve_scale:
         weights = weights * len(sources)
     return (weights * values).sum(0).to(stream_dtype(sources))
@@ -144,7 +175,7 @@ def batched(proj_weight, norm_weight, sources, *, eps: float, preserve_scale: bo
     ``benchmarks/bench.py``'s ``onnx_forms``)."""
     values = torch.stack([source.float() for source in sources], dim=-2)
     scales = key_scale(values, eps).squeeze(-1)
-    weights = torch.softmax(torch.matmul(values, folded_query(proj_weight, norm_weight)) * scales, dim=-1)
+    weights = flushed_softmax(torch.matmul(values, folded_query(proj_weight, norm_weight)) * scales, dim=-1)
     if preserve_scale:
         weights = weights * len(sources)
     return torch.matmul(weights.unsqueeze(-2), values).squeeze(-2).to(stream_dtype(sources))

@@ -77,7 +77,7 @@ import routes  # noqa: E402 - the routes' own sections, beside this script
 import traffic  # noqa: E402 - the memory-traffic model beside this script
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
-SECTIONS = ("llama", "startup", "overhead", "threads", "demo", "forward", "train", "first_call", "decode", "genai",
+SECTIONS = ("llama", "query_sizes", "startup", "overhead", "threads", "demo", "forward", "train", "first_call", "decode", "genai",
             "stages", "memory", "op", "choices")
 BACKENDS = ("eager", "compiled", "onnx")
 
@@ -153,6 +153,8 @@ TARGETS = {   # (section path, entry, bound, sense): the targets the README's pe
     "Llama training step, default / model route": ("llama/train", "versus_model_route", 1.02, "<="),
     "Llama compiled forward, default / model route": ("llama/compiled", "versus_model_route", 1.02, "<="),
     "Llama decode tokens/s, default / model route": ("llama/decode", "versus_model_route", 0.98, ">="),
+    "Llama training step, pseudo-queries of std 1": ("query_sizes/train", "std1", 1.05, "<="),
+    "Llama training step, pseudo-queries of std 3": ("query_sizes/train", "std3", 1.05, "<="),
     "32-layer Llama: attnresify + first call, s": ("startup", "deepest", 5.0, "<="),
     "32-layer Llama: attnresify + first call / 8-layer": ("startup", "depth_growth", 1.5, "<="),
     "8B-shaped Llama on meta: attnresify, s": ("startup", "meta_8b", 20.0, "<=", "convert_s"),
@@ -1013,6 +1015,14 @@ def routes_markdown(results: dict) -> list[str]:
             cells = [_cell(entries[v]) for v in ("original", "converted", "model_route")]
             lines.append(f"| {title} | {' | '.join(cells)} | {entries['versus_model_route']['ratio']:.3f} |")
         lines.append("")
+    sizes = results.get("query_sizes")
+    if sizes:
+        names = [name for name in sizes["train"] if name != "original"]
+        lines += [f"## Training step against the pseudo-queries' size ({sizes['model']}, batch {sizes['batch']}, "
+                  "eager)", "", "Cells: median ms (ratio to the original, median / minimum).", "",
+                  f"| original | {' | '.join(name.replace('std', 'std ') for name in names)} |",
+                  "|---" * (len(names) + 1) + "|",
+                  f"| {' | '.join(_cell(sizes['train'][name]) for name in ['original', *names])} |", ""]
     startup = results.get("startup")
     if startup:
         lines += [f"## Conversion and first call against depth (Llama, hidden {startup['hidden']}, batch "
@@ -1088,6 +1098,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     results: dict = {"quick": args.quick, "settings": asdict(settings), "environment": environment(args.threads)}
     quick = config_name == "quick"
     runners = {"llama": lambda: routes.llama_section(quick, settings.runs, settings.warmup, summarise, progress),
+               "query_sizes": lambda: routes.query_sizes_section(quick, settings.runs, settings.warmup, summarise,
+                                                                 progress),
                "startup": lambda: routes.startup_section(quick, progress),
                "overhead": lambda: routes.overhead_section(quick),
                "threads": lambda: routes.threads_section(quick, progress),

@@ -3,6 +3,10 @@
 - ``llama``: transformers' ``LlamaForCausalLM`` built from a config (:data:`LLAMA`), batch 2 x 128: eager
   forward, training step (AdamW), ``attnres_fx.compile`` forward, greedy decoding at batch 1; the original,
   the default route (``converted``) and ``route="model"``, interleaved in one process.
+- ``query_sizes``: the eager training step of the same Llama (batch 2 x 128) converted with pseudo-queries
+  of std 0, 0.1, 1 and 3 (large ones saturate the depth softmax: the weights it flushes to zero would
+  otherwise make subnormal gradients, which CPUs compute on many times slower), against the original,
+  interleaved in one process.
 - ``startup``: ``attnresify`` and the first call (the default one: ``model(ids)``, which builds a KV
   cache) of Llamas of hidden 256 at depths 8, 16 and 32, on both routes; and an 8B-shaped Llama
   (hidden 4096, 32 layers) built on the meta device, converted in a fresh process (seconds, peak
@@ -91,6 +95,23 @@ def llama_section(quick: bool, runs: int, warmup: int, summarise, progress) -> d
         entries["versus_model_route"] = {"ratio": entries["converted"]["ratio"] / entries["model_route"]["ratio"],
                                          "ratio_min": entries["converted"]["ratio_min"] / entries["model_route"]["ratio_min"]}
     return result
+
+
+QUERY_STDS = (0.0, 0.1, 1.0, 3.0)
+
+
+def query_sizes_section(quick: bool, runs: int, warmup: int, summarise, progress) -> dict:
+    config = LLAMA_QUICK if quick else LLAMA
+    batch, length = (2, 16) if quick else (2, 128)
+    ids = torch.randint(1, config["vocab_size"], (batch, length), generator=torch.Generator().manual_seed(0))
+    base = llama(config)
+    converted = attnres_fx.attnresify(copy.deepcopy(base))
+    models = {"original": base, **{f"std{std:g}": randomise_pseudo_queries(copy.deepcopy(converted), std=std)
+                                   for std in QUERY_STDS}}
+    progress("llama training step against the pseudo-queries' std, eager")
+    steps = {v: _train_step(copy.deepcopy(m).train(), ids) for v, m in models.items()}
+    return {"model": f"LlamaForCausalLM {config}", "batch": f"{batch} x {length}",
+            "train": summarise(interleaved(steps, runs, warmup), "original")}
 
 
 def _train_step(model, ids):

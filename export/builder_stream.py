@@ -23,7 +23,8 @@ at a block start, the completed block joining the stacked ones), then the aggreg
 sublayer (or by the final norm) over the completed blocks and the partial, then that norm without the
 skip. The sources are kept stacked ``[batch, sequence, sources, hidden]`` (a block is stacked once, when
 its last partial is): each aggregation is one ``Concat``, the key RMSNorm, a ``MatMul`` with the
-pseudo-query, a ``Softmax`` over sources and the weighted sum (``Mul``, ``ReduceSum``). The sources are
+pseudo-query, a ``Softmax`` over sources (weights below ``NEGLIGIBLE_WEIGHT`` of the largest zeroed, as
+in every implementation: Note [negligible weights] in :mod:`attnres_fx.aggregation`) and the weighted sum (``Mul``, ``ReduceSum``). The sources are
 scored afresh at every site rather than in the two-phase schedule: a decoding step's few sources cost
 onnxruntime less in arithmetic than the extra nodes the schedule's merge would add (each node costs a
 kernel launch). Softmax and sums run in fp32; an fp16 graph casts each branch output up and each
@@ -38,6 +39,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from attnres_fx.aggregation import NEGLIGIBLE_WEIGHT
 from attnres_fx.errors import StreamMismatchError
 from attnres_fx.passes.plan import Plan, Site
 
@@ -204,7 +206,8 @@ def rewrite(model: onnx.ModelProto, plan: Plan, aggregations: list[Aggregation])
     block_size = plan.streams[0].block_size
     by_name = {node.name: node for node in graph.node}
     stream_type = _stream_type(graph, stream)
-    builder = _Builder(stream_type)
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
+    builder = _Builder(stream_type, opset)
     builder.begin("/attnres")
     partial = builder.to_fp32(stream.start, "embedding")
     committed = stacked = None
@@ -229,7 +232,7 @@ def rewrite(model: onnx.ModelProto, plan: Plan, aggregations: list[Aggregation])
         keys = builder.node("SimplifiedLayerNormalization", [stacked, builder.constant(aggregation.key_norm, "key_norm")],
                             "keys", axis=-1, epsilon=aggregation.eps)
         logits = builder.node("MatMul", [keys, builder.constant(aggregation.query.reshape(-1, 1), "query")], "logits")
-        weights = builder.node("Softmax", [logits], "weights", axis=2)
+        weights = builder.negligible_to_zero(builder.node("Softmax", [logits], "softmax", axis=2))
         weighted = builder.node("Mul", [stacked, weights], "weighted")
         total = builder.node("ReduceSum", [weighted, builder.axes()], "aggregate", keepdims=0)
         if aggregation.preserve_scale:
@@ -281,8 +284,9 @@ def _stream_type(graph: onnx.GraphProto, stream: GraphStream) -> int:
 class _Builder:
     """New nodes and initializers, named under a prefix."""
 
-    def __init__(self, stream_type: int):
+    def __init__(self, stream_type: int, opset: int):
         self.stream_type = stream_type
+        self.opset = opset
         self.initializers: list[onnx.TensorProto] = []
         self.prefix = ""
         self.pending: list[onnx.NodeProto] = []
@@ -310,6 +314,18 @@ class _Builder:
             self._axes = "/attnres/source_axis"
             self.initializers.append(numpy_helper.from_array(np.array([2], np.int64), self._axes))
         return self._axes
+
+    def negligible_to_zero(self, weights: str) -> str:
+        """``weights`` (a softmax over the source axis) with those below ``NEGLIGIBLE_WEIGHT`` of their largest
+        exactly zero: ``exp(z - max)`` below it, as the other implementations flush."""
+        if self.opset >= 18:
+            top = self.node("ReduceMax", [weights, self.axes()], "top_weight", keepdims=1)
+        else:
+            top = self.node("ReduceMax", [weights], "top_weight", axes=[2], keepdims=1)
+        threshold = self.node("Mul", [top, self.constant(np.array(NEGLIGIBLE_WEIGHT), "negligible_weight")],
+                              "negligible_threshold")
+        negligible = self.node("Less", [weights, threshold], "negligible")
+        return self.node("Where", [negligible, self.constant(np.array(0.0), "zero"), weights], "weights")
 
     def to_fp32(self, value: str, name: str) -> str:
         if self.stream_type == TensorProto.FLOAT:

@@ -69,8 +69,8 @@ from torch import fx
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from attnres_fx import ops
-from attnres_fx.aggregation import (autocast_on, depth_logit, folded_query, in_fp32, key_scale, softmax_parts,
-                                    weighted_sum)
+from attnres_fx.aggregation import (autocast_on, depth_logit, folded_query, in_fp32, key_scale,
+                                    negligible_to_zero, softmax_parts, weighted_sum)
 from attnres_fx.block_attnres import BlockAttnRes, captured
 from attnres_fx.errors import PassContractError
 from attnres_fx.kernels import cpu
@@ -124,7 +124,7 @@ def _phase1_batched(queries: list[torch.Tensor], blocks, eps: float):
     scales = key_scale(values, eps)                                                   # [..., N, 1]
     logits = torch.matmul(values, torch.stack(queries, dim=-1)) * scales             # [..., N, S]
     top = logits.amax(dim=-2, keepdim=True)
-    exps = torch.exp(logits - top)
+    exps = negligible_to_zero(torch.exp(logits - top))
     total = exps.sum(dim=-2, keepdim=True)
     acc = torch.matmul(exps.transpose(-1, -2), values)                               # [..., S, D]
     return tuple((top[..., 0, s:s + 1], total[..., 0, s:s + 1], acc[..., s, :]) for s in range(len(queries)))
@@ -149,8 +149,9 @@ def phase2(state: tuple[torch.Tensor, torch.Tensor, torch.Tensor], proj_weight: 
     value = partial.float()
     logit = depth_logit(value, folded_query(proj_weight, norm_weight), eps)
     top = torch.maximum(running_max, logit)
-    old = torch.exp(running_max - top)
-    new = torch.exp(logit - top)
+    # Negligible weights zero (Note [negligible weights] in attnres_fx/aggregation.py), as in phase 1.
+    old = negligible_to_zero(torch.exp(running_max - top))
+    new = negligible_to_zero(torch.exp(logit - top))
     inverse = scale / (old * sum_exp + new)
     # Normalised last: onnxruntime fuses an Add followed by a LayerNormalization into its
     # SkipLayerNormalization, which ran some 15x slower than the two apart (3.3 ms vs 0.2 ms per site).

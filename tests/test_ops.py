@@ -4,6 +4,7 @@ captures see), forward and gradients, over source counts, widths, decoding and p
 opcheck; saved tensors; failures and the fallback warning."""
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -94,6 +95,79 @@ def test_matches_the_reference_fp32(name, k, shape):
     if name == "operator" and not cpu.available():
         pytest.skip(f"the C++ kernel: {cpu.unavailable_reason()}")
     _check(IMPLEMENTATIONS[name], k, shape, preserve_scale=k % 2 == 0)
+
+
+# Saturated softmaxes (pseudo-queries of std 1 and 3, logits of order 20-70 at width 512, sources of
+# magnitudes 1-3 and 1e4): weights such as e^-100 are subnormal floats unless flushed, and so are the
+# gradients they scale. (query std, source magnitude)
+SATURATING = [(1.0, 1.0), (3.0, 1.0), (3.0, 1e4)]
+SATURATING_IDS = [f"std{std:g}-magnitude{magnitude:g}" for std, magnitude in SATURATING]
+
+
+def _subnormals(tensor: torch.Tensor) -> int:
+    tensor = tensor.detach()
+    return int(((tensor != 0) & (tensor.abs() < torch.finfo(tensor.dtype).tiny)).sum())
+
+
+def _reference_float64(sources, proj, norm, preserve_scale, grad):
+    """The aggregation, its gradients (sources, proj.weight, norm.weight) and its softmax weights in
+    float64, where nothing is subnormal: what the flushed fp32 results must stay within round-off of."""
+    values = [s.detach().double().requires_grad_() for s in sources]
+    query = proj.weight.detach().double().requires_grad_()
+    gain = norm.weight.detach().double().requires_grad_()
+    stacked = torch.stack(values)
+    keys = stacked * torch.rsqrt(stacked.square().mean(-1, keepdim=True) + EPS) * gain
+    weights = torch.softmax(keys @ query[0], dim=0).unsqueeze(-1)
+    out = (weights * stacked).sum(0) * (len(values) if preserve_scale else 1)
+    return out, torch.autograd.grad(out, [*values, query, gain], grad.double()), weights.detach()
+
+
+def check_no_subnormals(implementation, query_std, magnitude, k=9, shape=(2, 32, 512)):
+    """The aggregation's output and the gradients of its sources, pseudo-query and key-norm weight hold no
+    subnormal float, and match the float64 reference as every implementation does (``_check``)."""
+    proj, norm = _weights(shape[-1])
+    with torch.no_grad():
+        proj.weight.normal_(0.0, query_std)
+    sources = [(s.detach() * magnitude).requires_grad_() for s in _sources(shape, k)]
+    grad = torch.randn(shape, generator=torch.Generator().manual_seed(2))
+    want, want_grads, weights = _reference_float64(sources, proj, norm, True, grad)
+    assert (weights < torch.finfo(torch.float32).tiny).any(), "the case does not saturate the softmax"
+    got, got_grads = implementation(sources, proj, norm, True, grad)
+    names = [*(f"source {i}" for i in range(k)), "proj.weight", "norm.weight"]
+    counts = {name: _subnormals(g) for name, g in zip(["output", *names], [got, *got_grads])}
+    assert not any(counts.values()), f"subnormal values: {counts}"
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    # A source's gradient within round-off of the largest source gradient: a flushed weight drops a term
+    # under 2^-32 of its token's largest, and a source negligible at every token has a gradient of zero
+    # where float64 gives one of order 1e-20.
+    source_scale = max(w.abs().max().item() for w in want_grads[:k])
+    for index, (name, g, w) in enumerate(zip(names, got_grads, want_grads)):
+        scale = source_scale if index < k else w.abs().max().item()
+        torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5 * scale,
+                                   msg=lambda m, name=name: f"gradient of {name}: {m}")
+
+
+SATURATED_IMPLEMENTATIONS = {
+    **IMPLEMENTATIONS,
+    "stacked": _autograd_call(lambda s, p, n, ps: aggregation.stacked(p.weight, n.weight, s, eps=EPS,
+                                                                        preserve_scale=ps)),
+    "batched": _autograd_call(lambda s, p, n, ps: aggregation.batched(p.weight, n.weight, s, eps=EPS,
+                                                                        preserve_scale=ps)),
+}
+
+
+@pytest.mark.parametrize("name", SATURATED_IMPLEMENTATIONS)
+@pytest.mark.parametrize("query_std, magnitude", SATURATING, ids=SATURATING_IDS)
+def test_saturated_softmax_leaves_no_subnormal_value(name, query_std, magnitude):
+    if name == "operator" and not cpu.available():
+        pytest.skip(f"the C++ kernel: {cpu.unavailable_reason()}")
+    check_no_subnormals(SATURATED_IMPLEMENTATIONS[name], query_std, magnitude)
+
+
+@needs_cpu_kernel
+def test_the_cpu_kernel_flushes_at_the_threshold_of_the_formulation():
+    literal = re.search(r"kNegligibleWeight = (0x[0-9a-fp.+-]+)f;", cpu.SOURCE.read_text()).group(1)
+    assert float.fromhex(literal) == aggregation.NEGLIGIBLE_WEIGHT
 
 
 # bf16 / fp16 sources, fp32 inside: the output is one rounding to the storage type away from the fp32

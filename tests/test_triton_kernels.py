@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from test_ops import CASES, _check, _kernel_call
+from test_ops import CASES, SATURATING, SATURATING_IDS, _check, _kernel_call, check_no_subnormals
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 ON_GPU = torch.cuda.is_available()
@@ -28,9 +28,9 @@ def test_the_kernels_in_the_interpreter():
                           capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=300,
                           cwd=os.path.dirname(__file__))
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
-    # Every kernel test ran there: the reference cases and the width check (this test skips itself, and
+    # Every kernel test ran there: the reference cases, the saturated ones and the width check (this test skips itself, and
     # the operator's CUDA dispatch needs a GPU).
-    assert f"{len(CASES) + 1} passed, 3 skipped" in done.stdout, done.stdout[-2000:]
+    assert f"{len(CASES) + len(SATURATING) + 1} passed, 3 skipped" in done.stdout, done.stdout[-2000:]
 
 
 def _on_device(implementation):
@@ -47,6 +47,16 @@ def test_matches_the_reference_fp32(k, shape):
     from attnres_fx.kernels import gpu
 
     _check(_on_device(_kernel_call(gpu.aggregate, gpu.aggregate_backward)), k, shape, preserve_scale=k % 2 == 1)
+
+
+@here
+@pytest.mark.parametrize("query_std, magnitude", SATURATING, ids=SATURATING_IDS)
+def test_saturated_softmax_leaves_no_subnormal_value(query_std, magnitude):
+    from attnres_fx.kernels import gpu
+
+    # Few rows: the interpreter runs each program in Python.
+    check_no_subnormals(_on_device(_kernel_call(gpu.aggregate, gpu.aggregate_backward)), query_std, magnitude,
+                        shape=(1, 16, 512))
 
 
 @here

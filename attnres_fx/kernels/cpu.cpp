@@ -156,6 +156,16 @@ inline void weighted_rows(const T* const* __restrict rows, const float* __restri
   }
 }
 
+// exp(logit - max) below this is exactly zero: Note [negligible weights] in attnres_fx/aggregation.py
+// (NEGLIGIBLE_WEIGHT there; the tests hold the two equal). Saturated softmax weights would otherwise be
+// subnormal floats, and so would the gradients they scale, which CPUs compute on many times slower.
+constexpr float kNegligibleWeight = 0x1p-32f;
+
+inline float exp_or_zero(float gap) {
+  const float e = std::exp(gap);
+  return e < kNegligibleWeight ? 0.f : e;
+}
+
 inline float key_scale(float square, int64_t D, float eps) {
   return 1.f / std::sqrt(square / static_cast<float>(D) + eps);
 }
@@ -178,7 +188,7 @@ void aggregate_rows(const T* const* __restrict sources, int64_t K, const float* 
     }
     float total = 0.f;
     for (int64_t k = 0; k < K; ++k) {
-      weights[k] = std::exp(weights[k] - top);
+      weights[k] = exp_or_zero(weights[k] - top);
       total += weights[k];
     }
     const float inverse = scale / total;
@@ -212,7 +222,7 @@ void backward_rows(const T* __restrict grad, const T* const* __restrict sources,
     }
     float total = 0.f;
     for (int64_t k = 0; k < K; ++k) {
-      prob[k] = std::exp(prob[k] - top);
+      prob[k] = exp_or_zero(prob[k] - top);
       total += prob[k];
     }
     float mean_along = 0.f;
@@ -265,7 +275,7 @@ void phase1_rows(const T* const* __restrict blocks, int64_t K, const float* __re
       float m = -std::numeric_limits<float>::infinity(), l = 0.f;
       for (int64_t k = 0; k < K; ++k) m = std::max(m, w[k]);
       for (int64_t k = 0; k < K; ++k) {
-        w[k] = std::exp(w[k] - m);
+        w[k] = exp_or_zero(w[k] - m);
         l += w[k];
       }
       top[s * T_total + t] = m;
@@ -286,7 +296,7 @@ void phase2_rows(const float* __restrict acc, const float* __restrict top, const
     dot_and_square(v, q, D, dot, square);
     const float z = dot * key_scale(square, D, eps);
     const float m = std::max(top[t], z);
-    const float a = std::exp(top[t] - m), c = std::exp(z - m);
+    const float a = exp_or_zero(top[t] - m), c = exp_or_zero(z - m);
     const float inverse = scale / (a * sum[t] + c);
     const Vec va(a * inverse), vc(c * inverse);
     const float* row = acc + t * D;

@@ -1,13 +1,15 @@
 """Triton kernels of the aggregation, forward and backward (:mod:`attnres_fx.ops` registers them for CUDA).
 
-One program per token row for the forward: the row of each source is loaded once, its logit taken and
-folded into an online softmax (running max, sum of exponentials, weighted sum held in registers),
-so each source is read once and the output written once. Arithmetic is fp32 after the load, whatever
+One program per token row for the forward: a first look at the row of each source gives its logit and
+the maximum; a second (from cache) the weights and the weighted sum, held in registers, so the output is
+written once. Two looks rather than an online softmax because a weight below
+:data:`~attnres_fx.aggregation.NEGLIGIBLE_WEIGHT` of the largest is exactly zero (Note [negligible
+weights] in :mod:`attnres_fx.aggregation`), and which are is known only once the maximum is. Arithmetic is fp32 after the load, whatever
 the storage type (Triton's CPU interpreter computes bf16 wrongly, so nothing is computed in it).
 
 The backward takes a chunk of rows per program: a first look at each source per row gives the online
 softmax with the weighted sum of ``g . v_i``; a second recomputes each source's logit from the row it
-loads anyway for ``dL/dv_i`` (Note [backward] in :mod:`attnres_fx.aggregation`), and accumulates
+loads anyway for ``dL/dv_i`` and its weight, exactly zero where negligible (Note [backward] in :mod:`attnres_fx.aggregation`), and accumulates
 ``dL/dq`` in registers; one partial ``dL/dq`` per program is summed afterwards (deterministic, no
 atomics). Sources are a tuple argument: the kernels specialise on their number.
 
@@ -20,6 +22,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from attnres_fx.aggregation import NEGLIGIBLE_WEIGHT
 
 MAX_DIM = 16_384
 MAX_BACKWARD_PROGRAMS = 1024
@@ -40,6 +44,13 @@ def _source_logit(value, query, dim, eps):
 
 
 @triton.jit
+def _weight_or_zero(gap, negligible):
+    """``exp(gap)`` (``gap = logit - max <= 0``), exactly zero below ``negligible``."""
+    e = tl.exp(gap)
+    return tl.where(e < negligible, 0.0, e)
+
+
+@triton.jit
 def _online_softmax_step(top, logit):
     """One step of an online softmax: the new running maximum, and the factors that rescale what was
     accumulated (``old``) and weigh the new term (``new``)."""
@@ -48,26 +59,29 @@ def _online_softmax_step(top, logit):
 
 
 @triton.jit
-def _aggregate_kernel(sources, query_ptr, out_ptr, dim, eps, scale, BLOCK: tl.constexpr):
+def _aggregate_kernel(sources, query_ptr, out_ptr, dim, eps, scale, negligible, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < dim
     query = tl.load(query_ptr + cols, mask=mask, other=0.0)
     top = tl.full([], float("-inf"), tl.float32)
+    for k in tl.static_range(len(sources)):
+        value = tl.load(sources[k] + row * dim + cols, mask=mask, other=0.0).to(tl.float32)
+        top = tl.maximum(top, _source_logit(value, query, dim, eps))
     total = tl.zeros([], tl.float32)
     acc = tl.zeros([BLOCK], tl.float32)
     for k in tl.static_range(len(sources)):
         value = tl.load(sources[k] + row * dim + cols, mask=mask, other=0.0).to(tl.float32)
-        top, old, new = _online_softmax_step(top, _source_logit(value, query, dim, eps))
-        acc = acc * old + value * new
-        total = total * old + new
+        weight = _weight_or_zero(_source_logit(value, query, dim, eps) - top, negligible)
+        acc += value * weight
+        total += weight
     out = acc * (scale / total)
     tl.store(out_ptr + row * dim + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _aggregate_backward_kernel(grad_ptr, sources, grads, query_ptr, partial_query_ptr, rows, dim, eps, scale,
-                               ROWS_PER_PROGRAM, BLOCK: tl.constexpr):
+                               negligible, ROWS_PER_PROGRAM, BLOCK: tl.constexpr):
     program = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     in_row = cols < dim
@@ -77,7 +91,8 @@ def _aggregate_backward_kernel(grad_ptr, sources, grads, query_ptr, partial_quer
         row = program * ROWS_PER_PROGRAM + r
         mask = in_row & ((cols * 0 + row) < rows)
         grad = tl.load(grad_ptr + row * dim + cols, mask=mask, other=0.0).to(tl.float32)
-        # First look: online softmax of the logits, with sum_i exp(z_i - max) g . v_i beside it.
+        # First look: online softmax of the logits, with sum_i exp(z_i - max) g . v_i beside it (the
+        # negligible terms included: they change these sums by under 2^-28 of their largest term).
         top = tl.full([], float("-inf"), tl.float32)
         total = tl.zeros([], tl.float32)
         weighted_along = tl.zeros([], tl.float32)
@@ -92,7 +107,7 @@ def _aggregate_backward_kernel(grad_ptr, sources, grads, query_ptr, partial_quer
             value = tl.load(sources[k] + row * dim + cols, mask=mask, other=0.0).to(tl.float32)
             dot = tl.sum(value * query)
             key_scale = 1.0 / tl.sqrt(tl.sum(value * value) / dim + eps)
-            weight = scale * tl.exp(dot * key_scale - top) / total
+            weight = scale * _weight_or_zero(dot * key_scale - top, negligible) / total
             grad_logit = weight * (tl.sum(value * grad) - mean_along)
             grad_dot = grad_logit * key_scale
             coefficient = -grad_logit * dot * key_scale * key_scale * key_scale / dim
@@ -115,7 +130,7 @@ def aggregate(sources, proj_weight, norm_weight, eps: float, preserve_scale: boo
     block = triton.next_power_of_2(dim)
     scale = float(len(sources)) if preserve_scale else 1.0
     _aggregate_kernel[(rows,)](sources, _folded_query(proj_weight, norm_weight), out, dim, eps, scale,
-                               BLOCK=block, num_warps=_warps(block))
+                               NEGLIGIBLE_WEIGHT, BLOCK=block, num_warps=_warps(block))
     return out
 
 
@@ -132,6 +147,7 @@ def aggregate_backward(grad, sources, proj_weight, norm_weight, eps: float, pres
     block = triton.next_power_of_2(dim)
     scale = float(len(sources)) if preserve_scale else 1.0
     _aggregate_backward_kernel[(programs,)](grad, sources, grads, _folded_query(proj_weight, norm_weight),
-                                            partial_query, rows, dim, eps, scale, rows_per_program,
+                                            partial_query, rows, dim, eps, scale, NEGLIGIBLE_WEIGHT,
+                                            rows_per_program,
                                             BLOCK=block, num_warps=_warps(block))
     return list(grads), partial_query.sum(0)
