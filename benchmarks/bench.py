@@ -1018,11 +1018,14 @@ def routes_markdown(results: dict) -> list[str]:
     sizes = results.get("query_sizes")
     if sizes:
         names = [name for name in sizes["train"] if name != "original"]
+        paired = sizes["paired_ratio"]
         lines += [f"## Training step against the pseudo-queries' size ({sizes['model']}, batch {sizes['batch']}, "
-                  "eager)", "", "Cells: median ms (ratio to the original, median / minimum).", "",
-                  f"| original | {' | '.join(name.replace('std', 'std ') for name in names)} |",
-                  "|---" * (len(names) + 1) + "|",
-                  f"| {' | '.join(_cell(sizes['train'][name]) for name in ['original', *names])} |", ""]
+                  "eager)", "", "Cells: median ms (ratio to the original, median / minimum); last row: the median "
+                  "of each round's ratio to the original's step in the same round.", "",
+                  f"| | original | {' | '.join(name.replace('std', 'std ') for name in names)} |",
+                  "|---" * (len(names) + 2) + "|",
+                  f"| step | {' | '.join(_cell(sizes['train'][name]) for name in ['original', *names])} |",
+                  f"| median of round ratios | {' | '.join(f'{paired[name]:.3f}' for name in ['original', *names])} |", ""]
     startup = results.get("startup")
     if startup:
         lines += [f"## Conversion and first call against depth (Llama, hidden {startup['hidden']}, batch "

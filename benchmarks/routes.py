@@ -110,8 +110,12 @@ def query_sizes_section(quick: bool, runs: int, warmup: int, summarise, progress
                                    for std in QUERY_STDS}}
     progress("llama training step against the pseudo-queries' std, eager")
     steps = {v: _train_step(copy.deepcopy(m).train(), ids) for v, m in models.items()}
+    times = interleaved(steps, runs, warmup)
+    # Each round's ratio to the original's step of the same round, then their median: on a shared
+    # machine the load drifts between rounds more than between neighbouring calls.
+    paired = {v: statistics.median(t / o for t, o in zip(times[v], times["original"])) for v in times}
     return {"model": f"LlamaForCausalLM {config}", "batch": f"{batch} x {length}",
-            "train": summarise(interleaved(steps, runs, warmup), "original")}
+            "train": summarise(times, "original"), "paired_ratio": paired}
 
 
 def _train_step(model, ids):
