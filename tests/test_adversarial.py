@@ -462,8 +462,12 @@ def test_a_new_graph_past_the_recompile_limit_raises_naming_the_module_and_the_w
     from attnres_fx.routing import dynamo
 
     monkeypatch.setattr(dynamo, "RECOMPILE_LIMIT", 2)
-    # torch 2.11 and 2.12 have only the process-wide limit, which attnres_fx raises to at least its own.
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    # torch 2.11 and 2.12 have only the process-wide limit, which attnres_fx raises to at least its own
+    # (later releases take it per compilation; their process-wide setting is left alone).
+    from attnres_fx.compat import torch as compat_torch
+
+    if not compat_torch._compile_takes_recompile_limit():
+        monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
     torch.manual_seed(0)
     model = attnres_fx.attnresify(Scaled(dim=16, num_layers=2, num_heads=2).eval(), (IDS,), route="model")
     with torch.no_grad():
