@@ -177,8 +177,9 @@ def replaced_files(target: str | os.PathLike, companions: Callable[[Path], list[
         old = [target.parent / path.name for path in companions(target)]
         _refuse_folders(target, old)
         olds = [path for path in old if path.exists() or path.is_symlink()]
+        new_names = {path.name for path in new}
         _note_moves(staging, [(path.name, target.parent / path.name) for path in new],
-                    [path for path in olds if path.name not in {n.name for n in new}])
+                    [path for path in olds if path.name not in new_names])
         _swap(target, [(path, target.parent / path.name) for path in new], olds, staging)
 
 

@@ -71,7 +71,7 @@ def install(model: nn.Module, plan: Plan, modules: dict[str, BlockAttnRes], conf
                 module.forward = ModelRouter(model, module, path, conversion)
         model_routers = [module.forward for _, module in targets if isinstance(module.forward, ModelRouter)]
         for stream in plan.streams:
-            watch = StreamWatch(conversion, stream.index, _layer_containers(model, stream), model)
+            watch = StreamWatch(conversion, stream.index, model, _layer_containers(model, stream))
             for router in model_routers:
                 router.layer_checks = (*router.layer_checks, watch.check_layers)
             if stream.route == "layer":
@@ -92,9 +92,9 @@ def install(model: nn.Module, plan: Plan, modules: dict[str, BlockAttnRes], conf
     return conversion
 
 
-def _layer_containers(model: nn.Module, stream) -> dict[str, tuple[nn.Module, tuple]]:
+def _layer_containers(model: nn.Module, stream) -> dict[str, tuple]:
     """The containers (``ModuleList``, ``ModuleDict``, ``Sequential``) that hold ``stream``'s layers, by
-    path, with their children as converted: what :class:`StreamWatch` checks at every call."""
+    path -> their children as converted: what :class:`StreamWatch` checks at every call."""
     found = {}
     # The model route has no layer spans: the layers are the modules that hold its sites.
     layers = [span.owner for span in stream.layers] or [site.name.rpartition(".")[0] for site in stream.sites]
@@ -102,7 +102,7 @@ def _layer_containers(model: nn.Module, stream) -> dict[str, tuple[nn.Module, tu
         parent = layer.rpartition(".")[0]
         container = model.get_submodule(parent)
         if isinstance(container, (nn.ModuleList, nn.ModuleDict, nn.Sequential)) and parent not in found:
-            found[parent] = (container, tuple(container._modules.values()))
+            found[parent] = tuple(container._modules.values())
     return found
 
 

@@ -30,19 +30,19 @@ class _Record:
 
 class StreamWatch:
     """The hooks on the owner of stream ``stream`` of ``conversion``. ``layers``: the containers that hold
-    the stream's routed layers (a ``ModuleList``, by path in ``root``) and their children as converted; a
+    the stream's routed layers (a ``ModuleList``, by path in ``root``) -> their children as converted; a
     call that finds one changed (a layer pruned, added or replaced after conversion, or the container
     replaced by one of other layers) raises :class:`~attnres_fx.StreamMismatchError` naming it, before
     anything runs. A child that wraps its converted layer (``checkpoint_wrapper``, which holds the layer
     as a submodule) is that layer."""
 
-    def __init__(self, conversion, stream: int, layers: dict[str, tuple[nn.Module, tuple]] | None = None,
-                 root: nn.Module | None = None):
+    def __init__(self, conversion, stream: int, root: nn.Module, layers: dict[str, tuple]):
         self.conversion = conversion
         self.stream = stream
-        self.layers = layers or {}
         self.root = root
-        self._accepted = {path: (container, children) for path, (container, children) in self.layers.items()}
+        self.layers = layers
+        # Per path, the container and children last seen and found to be the converted layers.
+        self._accepted = {path: (root.get_submodule(path), children) for path, children in layers.items()}
 
     def enter(self, module, args):
         if torch.compiler.is_dynamo_compiling():
@@ -63,8 +63,8 @@ class StreamWatch:
         """Raise :class:`~attnres_fx.StreamMismatchError` where a container holds other layers than when
         the model was converted (the model route checks this before each call, which it runs as one
         graph, hooks inlined)."""
-        for path, (converted, children) in self.layers.items():
-            container = _present(self.root, path) if self.root is not None else converted
+        for path, children in self.layers.items():
+            container = _present(self.root, path)
             now = tuple(container._modules.values()) if container is not None else ()
             if (container, now) != self._accepted[path]:
                 if tuple(_converted_layer(child, children) for child in now) != children:
