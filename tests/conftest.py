@@ -37,6 +37,11 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 cold_compile = pytest.mark.timeout(360)
 
 
+# Modules that may start a process in the fast tier: each builds a cache once per machine.
+ONE_TIME_CACHE_BUILDERS = (os.path.join("torch", "utils", "cpp_extension.py"),
+                           os.path.join("matplotlib", "font_manager.py"))
+
+
 class TierError(AssertionError):
     """A test of the fast tier (unmarked) did what only the slow or integration tiers may."""
 
@@ -45,8 +50,9 @@ class TierError(AssertionError):
 def _fast_tier_contract(request, monkeypatch):
     """The fast tier (``make test-fast``: unmarked tests) runs no Inductor compile and starts no process, so
     it stays the loop a developer runs after each edit; a test that needs either is marked ``slow`` (or
-    ``integration``). The C++ kernel's one-time build (``torch.utils.cpp_extension``, cached under
-    ``~/.cache``) is the exception: the op's tests are fast ones."""
+    ``integration``). One-time caches built on a machine's first run are the exception: the C++ kernel's
+    build (``torch.utils.cpp_extension``, cached under ``~/.cache``) and matplotlib's font list (its
+    ``font_manager`` asks ``fc-list`` once)."""
     if request.node.get_closest_marker("slow") or request.node.get_closest_marker("integration"):
         yield
         return
@@ -55,7 +61,7 @@ def _fast_tier_contract(request, monkeypatch):
 
     class FastTierPopen(real_popen):
         def __init__(self, *args, **kwargs):
-            if not any("cpp_extension" in frame.filename for frame in traceback.extract_stack()):
+            if not any(frame.filename.endswith(ONE_TIME_CACHE_BUILDERS) for frame in traceback.extract_stack()):
                 raise TierError(f"{name} starts a process: mark it @pytest.mark.slow")
             super().__init__(*args, **kwargs)
 

@@ -14,6 +14,7 @@ fp32 round-off of the reassociated sums.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import json
@@ -466,11 +467,13 @@ def test_a_new_graph_past_the_recompile_limit_raises_naming_the_module_and_the_w
     # (later releases take it per compilation; their process-wide setting is left alone).
     from attnres_fx.compat import torch as compat_torch
 
-    if not compat_torch._compile_takes_recompile_limit():
-        monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    # Dynamo's own config patch, not monkeypatch: monkeypatch's undo deletes the entry from torch 2.11's config
+    # module, and every later compile in the process fails.
+    process_limit = (contextlib.nullcontext() if compat_torch._compile_takes_recompile_limit()
+                     else torch._dynamo.config.patch(recompile_limit=2))
     torch.manual_seed(0)
     model = attnres_fx.attnresify(Scaled(dim=16, num_layers=2, num_heads=2).eval(), (IDS,), route="model")
-    with torch.no_grad():
+    with process_limit, torch.no_grad():
         model(IDS, 0.5)
         model(IDS, 0.75)
         with pytest.raises(attnres_fx.RoutingError, match=r"^Scaled needs a new graph for this call and has 2 already.*"
