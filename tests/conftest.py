@@ -145,7 +145,7 @@ def untouched():
 
 
 def _probe_input(model):
-    from attnres_fx.capture import dummy_inputs
+    from attnres_fx.capture.tracers import dummy_inputs
 
     found = dummy_inputs(model)
     if found is not None:

@@ -371,7 +371,7 @@ def test_mixed_dtype_sources_aggregate_in_fp32_into_the_streams_dtype(mode):
 def test_two_phase_and_export_forms_keep_fp32_under_autocast():
     """The forms graph captures and exports use (per-source, stacked, batched) agree with the fp64 formula
     under autocast as eagerly."""
-    from attnres_fx import aggregation
+    from attnres_fx.op import aggregation
 
     module, sources = _mixed_sources()
     want = _fp64_aggregate(module, sources)
@@ -773,7 +773,7 @@ def test_a_failed_save_over_a_converted_one_leaves_it_as_it_was(saved_llama, tmp
     """A save failing after the main weights are written (the AttnRes files not yet), formerly left them
     beside the old AttnRes files, which ``from_pretrained`` preferred (1.35 off): now the folder is as
     before, and loads as the earlier save."""
-    from attnres_fx import hf
+    from attnres_fx.integrations import hf
 
     target = _copy(saved_llama["directory"], tmp_path / "llama")
     before = _files(target)

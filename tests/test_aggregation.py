@@ -5,8 +5,9 @@ import pytest
 import torch
 from torch import nn
 
-from attnres_fx import BlockAttnRes, aggregation, ops
-from attnres_fx.kernels import cpu
+from attnres_fx import BlockAttnRes
+from attnres_fx.op import aggregation, ops
+from attnres_fx.op.kernels import cpu
 from attnres_fx.testing.reference import block_attn_res
 
 SMALL = (2, 1, 32)             # decoding: one token per sequence

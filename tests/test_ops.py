@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from attnres_fx import aggregation, ops
-from attnres_fx.kernels import cpu
+from attnres_fx.op import aggregation, ops
+from attnres_fx.op.kernels import cpu
 from attnres_fx.testing.reference import block_attn_res
 
 EPS = 1e-6
@@ -276,7 +276,7 @@ def test_without_a_compiler_one_warning_and_the_same_result(tmp_path):
         import warnings
         import torch
         from attnres_fx import BlockAttnRes, aggregation
-        from attnres_fx.kernels import cpu
+        from attnres_fx.op.kernels import cpu
         module = BlockAttnRes(16)
         torch.nn.init.normal_(module.proj.weight)
         sources = [torch.randn(2, 40, 16) for _ in range(3)]

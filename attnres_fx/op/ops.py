@@ -4,24 +4,24 @@
 
 ``sources`` is a list of tensors of one shape ``[..., D]`` and one dtype (fp32, bf16 or fp16);
 ``proj_weight`` ``[1, D]`` and ``norm_weight`` ``[D]`` are the pseudo-query and the key norm's weight.
-The function is :mod:`attnres_fx.aggregation`'s (its docstring gives the formula); fp32 inside, the
+The function is :mod:`attnres_fx.op.aggregation`'s (its docstring gives the formula); fp32 inside, the
 result in the sources' dtype.
 
 Implementations, by the device of the sources:
 
-- CPU: the C++ kernel (:mod:`attnres_fx.kernels.cpu`): per token, the logits from one read of the
+- CPU: the C++ kernel (:mod:`attnres_fx.op.kernels.cpu`): per token, the logits from one read of the
   sources' rows, then the weighted sum from cache; where it cannot be built, the PyTorch formulation
   (one warning says why);
-- CUDA: the Triton kernel (:mod:`attnres_fx.kernels.gpu`) where Triton is installed;
+- CUDA: the Triton kernel (:mod:`attnres_fx.op.kernels.gpu`) where Triton is installed;
 - anything else, and CUDA without Triton: the PyTorch formulation.
 
 Autograd: the backward is one more operator, ``attnres::aggregate_backward``, returning the gradients
-of all sources and of the folded query (Note [backward] in :mod:`attnres_fx.aggregation`); the
+of all sources and of the folded query (Note [backward] in :mod:`attnres_fx.op.aggregation`); the
 forward saves only its inputs, through ``ctx.save_for_backward`` (so ``saved_tensors_hooks``,
 activation offloading and checkpointing manage them), and the backward recomputes the per-token
 logits in the same look at each source that gives ``g . v``. Fake (meta) implementations let
 torch.export and AOTAutograd trace the operator. Graph captures of :class:`attnres_fx.BlockAttnRes`
-nevertheless see plain ops (:func:`attnres_fx.block_attnres.aggregate`): Inductor treats a custom
+nevertheless see plain ops (:func:`attnres_fx.op.module.aggregate`): Inductor treats a custom
 operator as an opaque call and fuses plain ops with their neighbours; exporters get the form
 onnxruntime runs fastest, into which :data:`EXPORT_DECOMPOSITIONS` also turns the operator where a
 model calls it itself.
@@ -143,7 +143,7 @@ def _aggregate_backward_any(grad, sources, proj_weight, norm_weight, eps, preser
 
 
 def _gpu_kernels():
-    """:mod:`attnres_fx.kernels.gpu`, or ``None`` without Triton."""
+    """:mod:`attnres_fx.op.kernels.gpu`, or ``None`` without Triton."""
     try:
         from .kernels import gpu
     except ImportError:
@@ -185,10 +185,10 @@ def eager(proj_weight: torch.Tensor, norm_weight: torch.Tensor, sources, *, eps:
     - the kernel where there is one: on the CPU without a gradient the C++ function is called directly
       (skipping the autograd layer's few microseconds, which are a decoding step's whole budget); with a
       gradient the operator, for its fused backward;
-    - sources of mixed shapes or dtypes: :func:`~attnres_fx.aggregation.fusable` (broadcasting, promotion);
-    - no kernel (no compiler): :func:`~attnres_fx.aggregation.stacked` for small sources, where the op
+    - sources of mixed shapes or dtypes: :func:`~attnres_fx.op.aggregation.fusable` (broadcasting, promotion);
+    - no kernel (no compiler): :func:`~attnres_fx.op.aggregation.stacked` for small sources, where the op
       count dominates, else the operator's PyTorch formulation with its fused backward, or
-      :func:`~attnres_fx.aggregation.fusable` without a gradient.
+      :func:`~attnres_fx.op.aggregation.fusable` without a gradient.
     """
     sources = list(sources)
     if proj_weight.device != sources[0].device:
@@ -218,5 +218,5 @@ def _aggregate_for_export(sources, proj_weight, norm_weight, eps, preserve_scale
 
 
 # What exporters turn the operator into: the plain-op form onnxruntime runs fastest
-# (:func:`attnres_fx.aggregation.batched`); ``ExportedProgram.run_decompositions(EXPORT_DECOMPOSITIONS)``.
+# (:func:`attnres_fx.op.aggregation.batched`); ``ExportedProgram.run_decompositions(EXPORT_DECOMPOSITIONS)``.
 EXPORT_DECOMPOSITIONS = {torch.ops.attnres.aggregate.default: _aggregate_for_export}

@@ -41,11 +41,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import api, atomic, compat, conversion, routing
-from .config import AttnResConfig
-from .conversion import is_converted, plan_of, sites
-from .errors import AttnResWarning, CheckpointMismatchError
-from .version import __version__
+from .. import api, atomic, compat, conversion, routing
+from ..config import AttnResConfig
+from ..conversion import is_converted, plan_of, sites
+from ..errors import AttnResWarning, CheckpointMismatchError
+from ..version import __version__
 
 CONFIG_NAME = "attnres_config.json"
 WEIGHTS_NAME = "attnres.safetensors"

@@ -9,9 +9,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from . import aggregation, compat, ops
+from . import aggregation, ops
+from .. import compat
 from .kernels.cpu import loaded as cpu_kernel
-from .compat import is_fake
+from ..compat import is_fake
 
 if TYPE_CHECKING:
     from attnres_fx.passes.plan import Site
