@@ -11,7 +11,10 @@ Implementations, by the device of the sources:
 
 - CPU: the C++ kernel (:mod:`attnres_fx.op.kernels.cpu`): per token, the logits from one read of the
   sources' rows, then the weighted sum from cache; where it cannot be built, the PyTorch formulation
-  (one warning says why);
+  (one warning says why). The library also defines ``attnres_cpu::aggregate`` with its autograd
+  registered in C++ (and meta kernels for fake tensors): what eager calls on the CPU run
+  (:func:`eager`, :func:`attnres_fx.op.module.run_site`), with no Python in a training step's forward
+  or backward;
 - CUDA: the Triton kernel (:mod:`attnres_fx.op.kernels.gpu`) where Triton is installed;
 - anything else, and CUDA without Triton: the PyTorch formulation.
 
@@ -182,10 +185,11 @@ def eager(proj_weight: torch.Tensor, norm_weight: torch.Tensor, sources, *, eps:
     """The aggregation as eager PyTorch runs it fastest (``benchmarks/bench.py``'s ``kernels`` section
     measures the choices):
 
-    - the kernel where there is one: on the CPU without a gradient the C++ function is called directly
-      (skipping the autograd layer's few microseconds, which are a decoding step's whole budget); with a
-      gradient the operator, for its fused backward;
-    - sources of mixed shapes or dtypes: :func:`~attnres_fx.op.aggregation.fusable` (broadcasting, promotion);
+    - on the CPU, the C++ operator ``attnres_cpu::aggregate`` straight away, with a gradient too: its
+      autograd is registered in C++, and it checks its inputs itself (sources of mixed shapes or dtypes,
+      which it refuses, take :func:`~attnres_fx.op.aggregation.fusable`: broadcasting, promotion);
+    - on other devices, the operator ``attnres::aggregate`` (the Triton kernel on CUDA) for sources of one
+      shape and dtype, :func:`~attnres_fx.op.aggregation.fusable` for the others;
     - no kernel (no compiler): :func:`~attnres_fx.op.aggregation.stacked` for small sources, where the op
       count dominates, else the operator's PyTorch formulation with its fused backward, or
       :func:`~attnres_fx.op.aggregation.fusable` without a gradient.
@@ -197,18 +201,22 @@ def eager(proj_weight: torch.Tensor, norm_weight: torch.Tensor, sources, *, eps:
             "something moved the weights of a BlockAttnRes's submodules away without calling them (accelerate's "
             "cpu_offload / disk offload: pass preload_module_classes=['BlockAttnRes'], which loads a module's "
             "submodules' weights when it is called)")
+    on_cpu = sources[0].device.type == "cpu"
+    if on_cpu and cpu.available():
+        try:
+            return torch.ops.attnres_cpu.aggregate(sources, proj_weight, norm_weight, eps, preserve_scale)
+        except RuntimeError:
+            if uniform(sources):
+                raise
+            return aggregation.fusable(proj_weight, norm_weight, sources, eps=eps, preserve_scale=preserve_scale)
     if not uniform(sources):
         return aggregation.fusable(proj_weight, norm_weight, sources, eps=eps, preserve_scale=preserve_scale)
-    needs_grad = torch.is_grad_enabled() and (proj_weight.requires_grad or norm_weight.requires_grad
-                                              or any(s.requires_grad for s in sources))
-    if sources[0].device.type == "cpu":
-        if cpu.available():
-            if not needs_grad:
-                # Checked above (uniform) and by the kernel itself: the C++ function straight away.
-                return torch.ops.attnres_cpu.aggregate(sources, proj_weight, norm_weight, eps, preserve_scale)
-        elif len(sources) > 1 and sources[0].numel() <= aggregation.STACKED_MAX_ELEMENTS:
+    if on_cpu:
+        if len(sources) > 1 and sources[0].numel() <= aggregation.STACKED_MAX_ELEMENTS:
             return aggregation.stacked(proj_weight, norm_weight, sources, eps=eps, preserve_scale=preserve_scale)
-        elif not needs_grad:
+        needs_grad = torch.is_grad_enabled() and (proj_weight.requires_grad or norm_weight.requires_grad
+                                                  or any(s.requires_grad for s in sources))
+        if not needs_grad:
             return aggregation.fusable(proj_weight, norm_weight, sources, eps=eps, preserve_scale=preserve_scale)
     return torch.ops.attnres.aggregate(sources, proj_weight, norm_weight, eps, preserve_scale)
 
