@@ -185,10 +185,10 @@ def _records_outputs(module: nn.Module, capturing) -> bool:
 
 def _recordable_outputs(capturing, module: nn.Module) -> dict:
     """The outputs transformers can record for ``module`` (``hidden_states``, ``attentions``, ...): its
-    private ``_CAN_RECORD_REGISTRY``, a dict keyed by ``str`` of the class up to 5.17, a registry looked up by
-    the module itself in 5.24."""
+    private ``_CAN_RECORD_REGISTRY``, a plain dict keyed by ``str`` of the class up to 5.17, a registry
+    looked up by the module itself from 5.24 (in 5.25 a ``dict`` subclass whose ``get`` takes the module)."""
     registry = capturing._CAN_RECORD_REGISTRY
-    if isinstance(registry, dict):
+    if type(registry) is dict:
         return registry.get(str(type(module))) or {}
     return registry.get(module) or {}
 
