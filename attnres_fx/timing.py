@@ -11,10 +11,12 @@ import torch
 
 
 def interleaved(fns: dict[str, Callable[[], object]], runs: int, warmup: int = 1,
-                device: torch.device | None = None) -> dict[str, list[float]]:
+                device: torch.device | None = None, clock: Callable[[], float] = time.perf_counter
+                ) -> dict[str, list[float]]:
     """Seconds per call of each function, after ``warmup`` calls each, timed round-robin with the order
-    reversed every other round. On a CUDA ``device`` each call is synchronised (kernels run
-    asynchronously: the timer would stop before they finish)."""
+    reversed every other round; ``clock``: wall time, or ``time.process_time`` for the CPU time of every
+    thread of the process. On a CUDA ``device`` each call is synchronised (kernels run asynchronously:
+    the timer would stop before they finish)."""
     if device is not None and device.type == "cuda":
         fns = {name: _synchronised(fn, device) for name, fn in fns.items()}
     for fn in fns.values():
@@ -24,9 +26,9 @@ def interleaved(fns: dict[str, Callable[[], object]], runs: int, warmup: int = 1
     times: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(runs):
         for name in names if round_ % 2 == 0 else names[::-1]:
-            start = time.perf_counter()
+            start = clock()
             fns[name]()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(clock() - start)
     return times
 
 
