@@ -18,7 +18,8 @@ def interleaved(fns: dict[str, Callable[[], object]], runs: int, warmup: int = 1
     reversed every other round. On a CUDA ``device`` each call is synchronised (kernels run
     asynchronously: the timer would stop before they finish). ``clock``: wall time by default;
     ``time.thread_time`` counts only the CPU time of the calling thread, which other work on a shared
-    machine does not inflate (meaningful when torch runs on that one thread)."""
+    machine does not inflate (meaningful when torch runs on that one thread); ``time.process_time``
+    the CPU time of every thread of the process."""
     if device is not None and device.type == "cuda":
         fns = {name: _synchronised(fn, device) for name, fn in fns.items()}
     for fn in fns.values():

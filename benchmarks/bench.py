@@ -89,7 +89,7 @@ import routes  # noqa: E402 - the routes' own sections, beside this script
 import traffic  # noqa: E402 - the memory-traffic model beside this script
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
-SECTIONS = ("llama", "query_sizes", "deep_train", "startup", "overhead", "threads", "demo", "forward", "train", "first_call",
+SECTIONS = ("llama", "query_sizes", "deep_train", "startup", "load", "overhead", "threads", "demo", "forward", "train", "first_call",
             "decode", "genai", "stages", "memory", "op", "op_train", "choices")
 BACKENDS = ("eager", "compiled", "onnx")
 
@@ -182,6 +182,9 @@ TARGETS = {   # (section path, entry, bound, sense): the targets the README's pe
     "32-layer Llama: attnresify + first call / 8-layer": ("startup", "depth_growth", 1.5, "<="),
     "8B-shaped Llama on meta: attnresify, s": ("startup", "meta_8b", 20.0, "<=", "convert_s"),
     "8B-shaped Llama on meta: peak memory, MB": ("startup", "meta_8b", 2048.0, "<=", "peak_mb"),
+    "16-layer Llama from_pretrained: converted folder - original's, CPU s": ("load/depths", "16", 1.0, "<=",
+                                                                              "difference_s"),
+    "32-layer Llama from_pretrained: converted folder / original's, CPU time": ("load/depths", "32", 1.5, "<="),
     "demo model forward": ("demo/forward", "converted", 1.25, "<="),
     "eager forward, bench": ("forward/bench/eager", "converted", 1.03, "<="),
     "eager forward, mid": ("forward/mid/eager", "converted", 1.05, "<="),
@@ -1155,6 +1158,16 @@ def routes_markdown(results: dict) -> list[str]:
         meta = startup["meta_8b"]
         lines += ["", f"8B-shaped Llama built on the meta device ({meta['sites']} sites): attnresify in "
                   f"{meta['convert_s']:.1f} s, peak resident memory {meta['peak_mb']:.0f} MB (fresh process).", ""]
+    load = results.get("load")
+    if load:
+        lines += [f"## Loading a saved folder (Llama, hidden {load['hidden']}; AutoModelForCausalLM.from_pretrained, "
+                  f"{load['clock']}, medians of {load['runs']} interleaved loads)", "",
+                  "| layers | original's folder, s | converted folder, s | converted / original | difference, s |",
+                  "|---|---|---|---|---|"]
+        for depth, e in load["depths"].items():
+            lines.append(f"| {depth} | {e['original_s']:.3f} | {e['converted_s']:.3f} | {e['ratio']:.2f} | "
+                         f"{e['difference_s']:.3f} |")
+        lines.append("")
     overhead = results.get("overhead")
     if overhead:
         lines += [f"## Per-block call overhead ({overhead['layers']}-layer Llama, {overhead['call']}; one thread, "
@@ -1220,6 +1233,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                "query_sizes": lambda: routes.query_sizes_section(quick, settings.runs, settings.warmup, summarise,
                                                                  progress),
                "startup": lambda: routes.startup_section(quick, progress),
+               "load": lambda: routes.load_section(quick, progress),
                "overhead": lambda: routes.overhead_section(quick),
                "threads": lambda: routes.threads_section(quick, progress),
                "demo": lambda: routes.demo_section(settings.runs, settings.warmup, summarise),

@@ -12,6 +12,10 @@
   cache) of Llamas of hidden 256 at depths 8, 16 and 32, on both routes; and an 8B-shaped Llama
   (hidden 4096, 32 layers) built on the meta device, converted in a fresh process (seconds, peak
   resident memory).
+- ``load``: CPU time of ``AutoModelForCausalLM.from_pretrained`` of a converted folder against the original
+  model's folder (Llamas of hidden 256 at depths 8, 16 and 32; the converted one with random
+  pseudo-queries), interleaved medians in one process: what a load costs beyond the original's (the
+  saved plan rebuilt, the checkpoint read and hashed once, the layer route prepared on one call).
 - ``overhead``: microseconds a block call costs beyond the original's, where it shows most: a narrow
   Llama decoding one token without a cache, one thread, CPU time of this thread, interleaved medians.
 - ``threads``: calls per second of one model from 1 and 4 threads (``inference_mode``), original and
@@ -164,6 +168,35 @@ def startup_section(quick: bool, progress) -> dict:
     command = [sys.executable, os.path.abspath(__file__), "--child-meta", json.dumps(LLAMA_QUICK if quick else META_8B)]
     done = subprocess.run(command, capture_output=True, text=True, check=True)
     result["meta_8b"] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def load_section(quick: bool, progress) -> dict:
+    """CPU seconds of from_pretrained of the converted folder and of the original's, per depth."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    depths, runs = ((2, 4), 3) if quick else ((8, 16, 32), 9)
+    hidden = 64 if quick else 256
+    result: dict = {"hidden": hidden, "runs": runs, "clock": "CPU time of the process", "depths": {}}
+    hf_logging.disable_progress_bar()
+    with tempfile.TemporaryDirectory() as root:
+        for depth in depths:
+            progress(f"load depth {depth}")
+            config = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=depth,
+                          num_attention_heads=4, num_key_value_heads=2, vocab_size=1000)
+            model = llama(config)
+            folders = {"original": os.path.join(root, f"original{depth}"), "converted": os.path.join(root, f"converted{depth}")}
+            model.save_pretrained(folders["original"])
+            randomise_pseudo_queries(attnres_fx.attnresify(model)).save_pretrained(folders["converted"])
+            loads = {name: functools.partial(AutoModelForCausalLM.from_pretrained, folder) for name, folder in folders.items()}
+            times = interleaved(loads, runs, clock=time.process_time)
+            original, converted = (statistics.median(times[name]) for name in ("original", "converted"))
+            result["depths"][str(depth)] = {
+                "original_s": original, "converted_s": converted, "ratio": converted / original,
+                "ratio_min": min(times["converted"]) / min(times["original"]), "difference_s": converted - original}
     return result
 
 

@@ -70,6 +70,15 @@ def test_quick_training_overhead_sections(tmp_path):
         assert heading in report
 
 
+@pytest.mark.slow
+def test_quick_load_section(tmp_path):
+    results, report = _run(tmp_path, "--sections", "load")
+    depths = results["load"]["depths"]
+    assert set(depths) == {"2", "4"}
+    assert all(entry["original_s"] > 0 and entry["converted_s"] > 0 for entry in depths.values())
+    assert "## Loading a saved folder" in report
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(600)
 def test_quick_memory_and_compiled_op(tmp_path):

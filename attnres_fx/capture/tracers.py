@@ -268,7 +268,7 @@ def plan_inputs(model: nn.Module, example_inputs: tuple | None, example_kwargs: 
     if inputs is None:
         return None
     args, kwargs = inputs
-    kwargs = {key: None if _is_cache(value) else value for key, value in kwargs.items()}
+    kwargs = {key: None if compat.is_hf_cache(value) else value for key, value in kwargs.items()}
     parameters = inspect.signature(type(model).forward).parameters
     if "use_cache" in parameters:
         # Even when the model's config says no: a submodule may read a config of its own (T5's decoder).
@@ -295,10 +295,6 @@ def ready_to_capture(model: nn.Module):
             yield
         finally:
             config.use_cache = True
-
-
-def _is_cache(value: Any) -> bool:
-    return any(cls.__name__ == "Cache" and cls.__module__.startswith("transformers.") for cls in type(value).__mro__)
 
 
 def capture_for_plan(model: nn.Module, example_inputs: tuple | None, example_kwargs: dict | None) -> Traced:
