@@ -504,15 +504,16 @@ def _wrap_from_pretrained(pretrained_model: type) -> None:
     pretrained_model.from_pretrained = classmethod(from_pretrained)
 
 
-def _on_transformers_import(modeling_utils) -> None:
-    """Once transformers is imported: its release checked against the supported range (``ImportError``
-    below it, a warning above), then the construction hook and the check after loading installed."""
-    compat.check_transformers_version(sys.modules["transformers"])
+def _on_modeling_import(modeling_utils) -> None:
+    """Once transformers' models are imported: the construction hook and the check after loading installed."""
     compat.wrap_post_init(modeling_utils.PreTrainedModel, convert_on_construction)
     _wrap_from_pretrained(modeling_utils.PreTrainedModel)
 
 
-compat.after_import("transformers.modeling_utils", _on_transformers_import)
+# transformers' release is checked against the supported range (``ImportError`` below it, a warning above)
+# as it is imported (or now, if it is): ``import transformers`` imports no model yet.
+compat.after_import("transformers", compat.check_transformers_version)
+compat.after_import("transformers.modeling_utils", _on_modeling_import)
 
 
 def _recover_folder(path_or_repo_id) -> None:
