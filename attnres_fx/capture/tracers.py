@@ -355,8 +355,8 @@ _PLAIN = (bool, int, float, str, type(None))
 
 @contextlib.contextmanager
 def plain_attributes_kept(model: nn.Module):
-    """Within: one trace; on the way out every module's plain attributes (flags, counters, strings) are as
-    they were, for the next trace and for the model. A symbolic trace runs the forward's Python for real but its tensor writes only on proxies
+    """Within: one trace; on the way out every module's plain attributes (flags, counters, strings) have
+    the values they had, for the next trace and for the model. A symbolic trace runs the forward's Python for real but its tensor writes only on proxies
     or fake tensors, so a forward that updates its weights and records that in a flag (RWKV rescales
     its weights at the first call in a new mode and sets ``layers_are_rescaled``) would be left with the
     flag set and the weights as they were."""
@@ -365,9 +365,9 @@ def plain_attributes_kept(model: nn.Module):
     try:
         yield
     finally:
+        # Attributes the trace added stay: they mark work done with effects beyond the module's flags (the
+        # recording hooks transformers installs, and flags, at a call asking for outputs).
         for module, attributes in kept:
-            for name in [name for name, value in vars(module).items() if type(value) in _PLAIN and name not in attributes]:
-                delattr(module, name)
             vars(module).update(attributes)
 
 
