@@ -264,10 +264,11 @@ def _check_detection(model: nn.Module, detection: Detection, allow_partial: bool
     if detection.streams and detection.unconverted and not allow_partial:
         adds = "\n".join(f"  - {add}" for add in detection.unconverted)
         raise UnsupportedArchitectureError(
-            f"the residual stream of {name} continues through adds that are no residual site:\n{adds}\n"
-            "Converting the rest would leave them as plain adds, so the model would be converted only in "
-            "part. Pass allow_partial=True to do that anyway (each such add then reads the aggregate that "
-            "stands for the stream value it read), or write the model so that these adds are residual sites.")
+            f"the residual stream of {name} continues through adds or ops that are no residual site:\n{adds}\n"
+            "Converting the rest would leave them as they are, so the model would be converted only in "
+            "part. Pass allow_partial=True to do that anyway (each such add or op then reads the aggregate "
+            "that stands for the stream value it read), or write the model so that these adds are residual "
+            "sites.")
     if detection.streams:
         return
     if detection.post_norm:

@@ -204,7 +204,43 @@ def _unconverted(streams: list[ResidualStream], gm: fx.GraphModule, rejected: _R
         else:
             reason = rejected.reason(node) or "it continues the residual stream"
         found.append(RejectedAdd(node.name, provenance.owner_path(node), reason))
+    listed = {add.node for add in found}
+    for index, stream in enumerate(streams):
+        link = None if stream.start.name in listed else _continued_from(stream.start, value_of, index)
+        if link is not None:
+            ops, earlier = link
+            found.append(RejectedAdd(stream.start.name, provenance.owner_path(stream.start), (
+                f"the residual stream that ends at {streams[earlier].end.name} continues through "
+                f"{' -> '.join(op.name for op in ops)} (an op on the whole stream, such as a scaling, that is no "
+                "stream op) into the stream that starts here; converted, each part would "
+                "attend over its own blocks only. Remove the op from the stream if the model allows it (a "
+                "rescaling that keeps values in fp16 range, such as RWKV's rescale_every, can be turned off in "
+                "its config)")))
     return tuple(found)
+
+
+# How many ops on the whole stream :func:`_continued_from` follows back from a stream's start.
+_LINK_OPS = 4
+
+
+def _continued_from(start: fx.Node, value_of: dict[fx.Node, int], index: int
+                    ) -> tuple[list[fx.Node], int] | None:
+    """The ops (first to last) and the stream whose value ``start`` is computed from, elementwise and alone
+    (each op's one tensor input besides constants and weights, the same shape): ``h / 2`` between two
+    runs of layers. None where ``start`` comes from elsewhere (an embedding, a projection)."""
+    shape = nk.shape_of(start)
+    ops, node = [], start
+    for _ in range(_LINK_OPS):
+        inputs = [i for i in dataflow.data_inputs(node) if not dataflow.is_parameter(i)]
+        if len(inputs) != 1 or nk.op_name(node) in nk.NORM_OPS or nk.op_name(node) in nk.MATMUL_OPS:
+            return None
+        if shape is not None and nk.shape_of(node) != shape:
+            return None
+        ops.insert(0, node)
+        node = inputs[0]
+        if value_of.get(node, index) != index:
+            return ops, value_of[node]
+    return None
 
 
 def _post_norm_sites(candidates: dict[fx.Node, ResidualSite], gm) -> list[fx.Node]:

@@ -6,7 +6,7 @@ import torch
 import attnres_fx
 from attnres_fx.models import TinyTransformer
 from conftest import converted
-from toy_models import (ChunkedLinearAttention, EncoderDecoder, LayerStack, MoE, NestedModel, NoResidualModel,
+from toy_models import (ChunkedLinearAttention, EncoderDecoder, HalvingStack, LayerStack, MoE, NestedModel, NoResidualModel,
                         PostNormModel, RawBranchModel, RopeAttention, RopeModel, ScaledAddLayer, SkipStack,
                         make_inputs)
 
@@ -203,6 +203,27 @@ def test_an_add_on_the_stream_that_is_no_site_is_refused_unless_allowed(kind, ad
     check()
     new = converted(model, ids, allow_partial=True, preserve_scale=True)
     assert sum(s.kind != "final" for s in attnres_fx.sites(new)) == 8
+    with torch.no_grad():
+        torch.testing.assert_close(new(ids), model(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_an_op_on_the_whole_stream_between_layers_is_refused_unless_allowed(untouched):
+    """``x = x / 2`` between two layers (RWKV's rescaling): formerly two streams, converted silently, each
+    attending over its own blocks only."""
+    torch.manual_seed(0)
+    model = HalvingStack().eval()
+    ids = make_inputs()
+    detection = detect(model, ids)
+    assert [len(s.sites) for s in detection.streams] == [4, 4]
+    assert [r.node for r in detection.unconverted] == [detection.streams[1].start.name]
+    check = untouched(model, ids)
+    refusal = (r"(?s)adds or ops that are no residual site:\n  - (\w+): the residual stream that ends at \w+ "
+               r"continues through \1 \(an op on the whole stream.*rescale_every.*allow_partial=True")
+    with pytest.raises(attnres_fx.UnsupportedArchitectureError, match=refusal):
+        attnres_fx.attnresify(model, (ids,))
+    check()
+    new = converted(model, ids, allow_partial=True, preserve_scale=True)
+    assert len(attnres_fx.plan_of(new).streams) == 2
     with torch.no_grad():
         torch.testing.assert_close(new(ids), model(ids), rtol=1e-5, atol=1e-5)
 

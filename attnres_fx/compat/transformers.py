@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.abc
-import importlib.machinery
 import inspect
 import json
 import logging
@@ -304,8 +303,11 @@ class _AfterImportFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
         if name not in _AFTER_IMPORT:
             return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
+        # The spec the finders after this one give (an editable install's own finder among them).
+        others = [finder for finder in sys.meta_path if not isinstance(finder, _AfterImportFinder)]
+        spec = next((found for finder in others if hasattr(finder, "find_spec")
+                     and (found := finder.find_spec(name, path, target)) is not None), None)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         execute = spec.loader.exec_module
 
@@ -447,12 +449,14 @@ def hf_attention_implementation(config) -> str:
 
 def hf_auto_classes(model_class: type, config_class: type) -> list[str]:
     """The names of transformers' ``AutoModel*`` classes that build ``model_class`` from a config of
-    ``config_class``, read from each one's private ``_model_mapping`` (transformers 5.16-5.24)."""
-    import transformers
+    ``config_class``, read from each one's private ``_model_mapping``; the classes are those of
+    ``transformers.models.auto.modeling_auto`` (the ones ``transformers`` exports; transformers
+    5.16-5.25). Not ``dir(transformers)``: its lazy module lists thousands of names, half a second."""
+    from transformers.models.auto import modeling_auto
 
     names = []
-    for name in dir(transformers):
-        mapping = getattr(getattr(transformers, name, None), "_model_mapping", None) if name.startswith("AutoModel") else None
+    for name, auto_class in vars(modeling_auto).items():
+        mapping = getattr(auto_class, "_model_mapping", None) if name.startswith("AutoModel") else None
         if mapping is None:
             continue
         try:

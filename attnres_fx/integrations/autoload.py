@@ -7,7 +7,7 @@ converted from it (:func:`attnres_fx.integrations.hf.convert_saved`), and ``from
 checks the folder's checkpoint once (:func:`attnres_fx.integrations.hf.load_pretrained`). :func:`disable`
 takes the hook off: transformers then builds every model as it is written. Neither imports transformers:
 the hook goes in once transformers' ``modeling_utils`` is imported (:func:`attnres_fx.compat.after_import`),
-its release checked against the supported range then.
+its release is checked as transformers itself is imported (:mod:`attnres_fx.integrations.hf`).
 
 Besides a saved conversion, a *construction policy* may ask for conversions (:func:`construction_policy`):
 harnesses that run a library's own tests on converted models set one.
@@ -46,7 +46,6 @@ def disable() -> None:
 
 
 def _hook(modeling_utils) -> None:
-    compat.check_transformers_version(sys.modules["transformers"])
     compat.hook_pretrained_model(modeling_utils.PreTrainedModel, built, hf.load_pretrained)
 
 

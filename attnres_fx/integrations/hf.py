@@ -422,6 +422,9 @@ def _recover_folder(path_or_repo_id) -> None:
 # Every loader of transformers (AutoConfig, AutoModel* looking up a PEFT adapter first, tokenizers) first
 # finishes a save of its folder that was killed part-way.
 compat.after_import("transformers.utils.hub", lambda hub: compat.before_file_lookups(hub, _recover_folder))
+# transformers' release is checked against the supported range (``ImportError`` below it, a warning above)
+# as it is imported (or now, if it is): ``import transformers`` imports no model yet.
+compat.after_import("transformers", compat.check_transformers_version)
 
 
 # -- attnres_fx.from_pretrained -----------------------------------------------------------------------------
