@@ -83,3 +83,35 @@ def test_rwkv_rewritten_after_a_training_call_is_refused_and_left_as_it_was():
         graph = attnres_fx.rewrite(model, (IDS,))         # once called in eval mode, nothing is written
         assert relative_error(graph(IDS).logits, want) < 1e-5
         assert relative_error(graph(IDS).logits, want) < 1e-5
+
+
+# -- Zamba2: a shared attention block's output added to the stream as the Mamba mixer's input -------------------
+
+def _zamba2():
+    torch.manual_seed(0)
+    config = transformers.Zamba2Config(
+        vocab_size=128, hidden_size=32, num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "mamba"],
+        num_attention_heads=2, num_key_value_heads=2, attention_head_dim=16, mamba_d_state=8, mamba_headdim=8,
+        mamba_expand=2, n_mamba_heads=8, mamba_ngroups=1, intermediate_size=64, max_position_embeddings=64,
+        use_mem_rope=False, num_mem_blocks=1)
+    return transformers.Zamba2ForCausalLM(config).eval()
+
+
+@pytest.mark.slow
+def test_zamba2_is_one_stream_and_both_routes_compute_the_same_function():
+    """A hybrid layer computes ``h + mamba(norm(h + linear(shared(h, emb))))``. Formerly ``h + linear(...)``
+    was taken for a site, the Mamba residual add refused as "linked only through the stream", and with
+    allow_partial=True the layer route and the model route (with the explicit graph) differed by 0.70."""
+    from attnres_fx.testing import randomise_pseudo_queries
+
+    original = _zamba2()
+    layer = attnres_fx.attnresify(copy.deepcopy(original), preserve_scale=True)
+    assert [[s.layer for s in stream.sites] for stream in attnres_fx.plan_of(layer).streams] == [
+        ["model.layers.0", "model.layers.1.mamba_decoder", "model.layers.2", "model"]]
+    with torch.no_grad():
+        assert relative_error(layer(IDS).logits, original(IDS).logits) < 1e-5
+        model = attnres_fx.attnresify(copy.deepcopy(original), preserve_scale=True, route="model")
+        model.load_state_dict(randomise_pseudo_queries(layer, seed=1, std=0.5).state_dict())
+        want = layer(IDS).logits
+        assert relative_error(want, original(IDS).logits) > 1e-2
+        assert relative_error(model(IDS).logits, want) < 1e-5

@@ -572,6 +572,18 @@ class AttentionLayer(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+class InputSumLayer(nn.Module):
+    """``h + mlp(norm(h + attn(ln(h))))``: an attention output added to the stream only as the input of
+    the MLP that follows, one residual add per layer (Zamba2's hybrid layers)."""
+
+    def __init__(self, dim=DIM):
+        super().__init__()
+        self.ln1, self.attn, self.ln2, self.mlp = nn.LayerNorm(dim), attention(dim), nn.LayerNorm(dim), mlp(dim)
+
+    def forward(self, x):
+        return x + self.mlp(self.ln2(x + self.attn(self.ln1(x))))
+
+
 class HalvingStack(LayerStack):
     """Layers whose stream is halved after layer 1 (an fp16 range guard, as RWKV's ``rescale_every``):
     an op on the whole stream between two layers."""
