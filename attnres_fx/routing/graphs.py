@@ -37,7 +37,7 @@ from ..capture.block_tracer import (
 )
 from ..capture.tracers import copy_graph_module
 from ..config import DEFAULT_TRACE_CACHE_SIZE
-from ..conversion import Stats
+from ..conversion import RouteStats
 from ..errors import TraceError
 from ..passes.detect import detect_residual_streams
 from ..passes.node_kinds import is_reshape
@@ -110,9 +110,9 @@ class TraceCache:
     kind and shape would repeat it. A first failure of any other kind (an exception the traced code
     happened to raise, a resource not ready yet) leaves nothing behind: the next call traces again."""
 
-    def __init__(self, size: int = DEFAULT_TRACE_CACHE_SIZE, stats: Stats | None = None):
+    def __init__(self, size: int = DEFAULT_TRACE_CACHE_SIZE, stats: RouteStats | None = None):
         self.size = size
-        self.stats = stats if stats is not None else Stats()
+        self.stats = stats if stats is not None else RouteStats()
         self._entries: OrderedDict[tuple, Any] = OrderedDict()
         self._failed_once: OrderedDict[tuple, None] = OrderedDict()        # bounded as the entries
         self._lock = threading.Lock()
