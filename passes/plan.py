@@ -296,9 +296,10 @@ def _mismatch(found: StreamSignature, plan: Plan, where: str) -> str:
     if not missing and not extra:
         lines.append("  the same sites in another order")
     lines.append("The rewrite would cover part of the stream, or the wrong sites. This happens when a call "
-                 "takes a code path the conversion did not see (convert with example inputs that take it), "
-                 "or when the model's structure changed after conversion (attnres_fx.remove, then convert "
-                 "again).")
+                 "takes a code path the conversion did not see (convert with example inputs that take it, and "
+                 "in the mode, train or eval, the model runs in: a model may scale or cut its stream in one "
+                 "mode only, and a conversion in that mode names the op), or when the model's structure "
+                 "changed after conversion (attnres_fx.remove, then convert again).")
     return "\n".join(lines)
 
 

@@ -604,6 +604,7 @@ def new_modules(plan: Plan, like: nn.Module) -> dict[str, BlockAttnRes]:
         for site in stream.sites:
             module = BlockAttnRes(stream.dim, plan.eps, preserve_scale=plan.preserve_scale, **kwargs)
             module.site = site
-            module.train(like.training)
+            if not like.training:        # built in training mode
+                module.eval()
             modules[site.name] = module
     return modules

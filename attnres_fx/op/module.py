@@ -130,9 +130,9 @@ class BlockAttnRes(nn.Module):
         # Ordinary tensors even when built inside torch.inference_mode() (a conversion there): inference
         # tensors cannot be saved for backward, so the first training step would fail.
         with torch.inference_mode(False):
+            # Built as reset_parameters leaves them: zero pseudo-query, unit key-norm weight.
             self.proj = PseudoQuery(dim, device=device, dtype=dtype)
             self.norm = nn.RMSNorm(dim, eps=eps, device=device, dtype=dtype)
-            self.reset_parameters()
 
     def reset_parameters(self) -> None:
         nn.init.zeros_(self.proj.weight)

@@ -467,7 +467,9 @@ class LayerRouter(Router):
         return (f"{self.where} was called with no AttnRes state for stream {self.stream}: its residual sites "
                 f"come after those of {first}, so it needs the result the module before it returned, which "
                 "carries the completed block sums. Causes: the module was called on its own or with a tensor "
-                "the previous module did not return (a copy, a cast, a tensor computed from it), or "
+                "the previous module did not return (a copy, a cast, a tensor computed from it: the code "
+                "that calls them may do that in a mode, train or eval, other than the conversion's, such as "
+                "a scaling of the stream in eval mode; a conversion in this mode names the op), or "
                 "reentrant activation checkpointing recomputes it on inputs it cannot trace back (use "
                 "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)). Call the stream's modules in "
                 "order with what each returns, or convert with route='model'.")
