@@ -239,11 +239,16 @@ def load_pretrained(cls: type, args: tuple, kwargs: dict, load):
     finally:
         _LOADS.reset(token)
     model = result[0] if isinstance(result, tuple) else result
-    inside = {id(module) for module in model.modules()} if folder is not None and isinstance(model, nn.Module) else set()
     for converted, prefix in this.converted:
-        if id(converted) in inside:
+        if folder is not None and _within(model, converted):
             check_loaded(converted, folder, this.unit[1] if this.unit else None, prefix)
     return result
+
+
+def _within(model, module: nn.Module) -> bool:
+    """Whether ``module`` is ``model`` (the usual case, checked first: a walk of a large model's modules
+    costs milliseconds of every load) or one of its modules."""
+    return module is model or (isinstance(model, nn.Module) and any(m is module for m in model.modules()))
 
 
 def convert_saved(model: nn.Module) -> bool:
