@@ -36,6 +36,8 @@ class Conversion:
     compile_options: dict[str, Any] = field(default_factory=dict)
     installed: Any = None
     traces: Any = None
+    host: str = ""            # a host compiler that captures the model's calls whole (attnres_fx.routing.host)
+    host_graphs: int = 0      # the host's graphs rewritten so far
 
 
 def conversion_of(model: nn.Module) -> Conversion | None:
