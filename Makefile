@@ -31,8 +31,13 @@ test: venv
 test-fast: venv
 	$(PYTEST) -m "not slow and not integration"
 
-test-integration: venv test-compat test-vllm
-	$(PYTEST) -m integration
+# Each part runs, also after an earlier one failed; the target fails if any did.
+test-integration: venv
+	@status=0; \
+	$(MAKE) --no-print-directory test-compat || status=1; \
+	$(MAKE) --no-print-directory test-vllm || status=1; \
+	$(PYTEST) -m integration || status=1; \
+	exit $$status
 
 # Line coverage of make test's selection, per package (attnres_fx, passes, export), in coverage.json too.
 coverage: venv
@@ -47,13 +52,14 @@ coverage: venv
 COMPAT_PAIRS ?= 2.11.0:5.17.0 2.14.1:5.25.0
 COMPAT_SLOW  := tests/test_api.py tests/test_rewrite.py tests/test_hf_workflow.py tests/test_live.py tests/test_layer_route.py
 
+# Every pair runs, also after a failure in an earlier one; the target fails if any run failed.
 test-compat:
-	@set -e; for pair in $(COMPAT_PAIRS); do \
-		venv=$$(bash .ci/compat-venv $${pair%%:*} $${pair##*:}); \
+	@status=0; for pair in $(COMPAT_PAIRS); do \
+		venv=$$(bash .ci/compat-venv $${pair%%:*} $${pair##*:}) || { status=1; continue; }; \
 		echo "== torch $${pair%%:*}, transformers $${pair##*:} ($$venv)"; \
-		$$venv/bin/python -m pytest -q -n 2 --dist loadfile -p no:cacheprovider -m "not slow and not integration"; \
-		$$venv/bin/python -m pytest -q -n 2 --dist loadfile -p no:cacheprovider -m slow $(COMPAT_SLOW); \
-	done
+		$$venv/bin/python -m pytest -q -n 2 --dist loadfile -p no:cacheprovider -m "not slow and not integration" || status=1; \
+		$$venv/bin/python -m pytest -q -n 2 --dist loadfile -p no:cacheprovider -m slow $(COMPAT_SLOW) || status=1; \
+	done; exit $$status
 
 # Serving converted folders with vLLM (tests/test_vllm.py): its CPU build in a venv of its own under ~/.cache
 # (.ci/vllm-venv), built on a machine's first run and reused after.

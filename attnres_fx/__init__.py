@@ -13,10 +13,10 @@ Inspecting and training a converted model::
 """
 
 from .api import attnresify, compile, detect, remove, rewrite
-from .block_attnres import BlockAttnRes
+from .op.module import BlockAttnRes
 from .config import AttnResConfig
 from .conversion import config_of, conversion_options, is_converted, plan_of, sites
-from .depth import DepthRecorder, DepthWeights, SiteWeights, depth_weights
+from .integrations.depth import DepthRecorder, DepthWeights, SiteWeights, depth_weights
 from .errors import (
     AttnResError,
     AttnResWarning,
@@ -33,11 +33,11 @@ from .errors import (
     UnsupportedArchitectureError,
     WriteError,
 )
-from .hf import from_pretrained
-from .pipelining import pipeline_stages
+from .integrations.hf import from_pretrained
+from .integrations.pipelining import pipeline_stages
 from .passes.plan import Site
 from .version import __version__
-from .training import (
+from .integrations.training import (
     depth_metrics,
     depth_monitor_callback,
     freeze,

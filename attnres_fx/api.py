@@ -1,6 +1,6 @@
 """Public entry points: convert a model in place, undo it, compile it, inspect it, get an explicit graph.
 
-The pipeline: capture (:mod:`attnres_fx.capture`) -> detect (:mod:`attnres_fx.passes.detect`) -> plan
+The pipeline: capture (:mod:`attnres_fx.capture.tracers`) -> detect (:mod:`attnres_fx.passes.detect`) -> plan
 (:mod:`attnres_fx.passes.plan`) -> rewrite (:mod:`attnres_fx.passes.rewrite`, at every routed call:
 :mod:`attnres_fx.routing`) -> schedule (:mod:`attnres_fx.passes.two_phase`) -> hand-off
 (:mod:`attnres_fx.export`).
@@ -23,10 +23,10 @@ from attnres_fx.passes.plan import make_plan
 from attnres_fx.passes.rewrite import ModuleCalls, new_modules
 
 from . import routing
-from .block_attnres import BlockAttnRes
+from .op.module import BlockAttnRes
 from .config import AttnResConfig
-from .capture import as_args, capture_dynamo, capture_for_plan, plan_inputs, ready_to_capture, trace
-from .recording import MODULE_CALLS
+from .capture.tracers import as_args, capture_dynamo, capture_for_plan, plan_inputs, ready_to_capture, trace
+from .capture.recording import MODULE_CALLS
 from .routing import trial
 from .compat import unwrapped, wrappers
 from .conversion import conversion_of, require

@@ -145,10 +145,22 @@ def _staging(target: Path, where: Path) -> Iterator[Path]:
 
 def _note_moves(staging: Path, moves: list[tuple[str, Path]], deletions: list[Path]) -> None:
     """Write the moves (``staging``-relative source, destination) and deletions that put the complete
-    content of ``staging`` in place, for :func:`recover` to finish should the process die during them."""
-    note = {"move": [[source, str(destination)] for source, destination in moves],
-            "delete": [str(path) for path in deletions]}
+    content of ``staging`` in place, for :func:`recover` to finish should the process die during them.
+    Destinations are noted relative to the folder that holds ``staging`` (they all lie in it): a folder
+    moved or copied with its leftover is recovered where it is now, never into where it was."""
+    where = staging.parent
+    note = {"move": [[source, str(destination.relative_to(where))] for source, destination in moves],
+            "delete": [str(path.relative_to(where)) for path in deletions]}
     (staging / READY_NAME).write_text(json.dumps(note))
+
+
+def _noted(staging: Path, noted: str) -> Path:
+    """A path of ``staging``'s note, relative as noted; a note naming anything outside the folder that
+    holds ``staging`` is no note of ours (``ValueError``: the leftover is left alone)."""
+    relative = Path(noted)
+    if relative.is_absolute() or ".." in relative.parts or not relative.parts:
+        raise ValueError(f"{staging / READY_NAME} names {noted!r}, outside {staging.parent}")
+    return relative
 
 
 def _refuse_folders(target: Path, paths: list[Path]) -> None:
@@ -353,8 +365,10 @@ def _recover_one(staging: Path) -> None:
         ready = staging / READY_NAME
         if ready.exists():
             note = json.loads(ready.read_text())
-            _finish(staging, [(source, Path(destination)) for source, destination in note["move"]],
-                    [Path(path) for path in note["delete"]])
+            where = staging.parent
+            _finish(staging, [(str(_noted(staging, source)), where / _noted(staging, destination))
+                              for source, destination in note["move"]],
+                    [where / _noted(staging, path) for path in note["delete"]])
         shutil.rmtree(staging)
     finally:
         os.close(descriptor)

@@ -28,7 +28,7 @@ import torch
 
 from . import api, atomic
 from .checks import eps_bound, relative_error
-from .depth import depth_weights
+from .integrations.depth import depth_weights
 from .errors import AttnResError
 from .models import (HF_MODELS, HF_NAMES, LAYERS, HIDDEN, TinyConfig, TinyTransformer, build_hf, example_ids,
                      hf_example_inputs, hf_model, main_output)
@@ -71,8 +71,8 @@ def build_model(name: str, args: argparse.Namespace) -> tuple[torch.nn.Module, t
 def load_directory(path: Path) -> tuple[torch.nn.Module, tuple, dict]:
     """A Hugging Face model saved in ``path`` (converted if it holds ``attnres_config.json``), with
     example inputs made from its config."""
-    from .capture import dummy_inputs
-    from .hf import CONFIG_NAME, from_pretrained
+    from .capture.tracers import dummy_inputs
+    from .integrations.hf import CONFIG_NAME, from_pretrained
 
     config_file = path / "config.json"
     if not config_file.is_file():

@@ -13,7 +13,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
-from attnres_fx.block_attnres import DEFAULT_EPS, check_eps
+from attnres_fx.op.module import DEFAULT_EPS, check_eps
 from attnres_fx.passes.plan import ROUTES
 
 # The version of the option set: a saved config of another version is read by its own rules.

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from torch import nn
 
-from attnres_fx.block_attnres import BlockAttnRes
+from attnres_fx.op.module import BlockAttnRes
 from attnres_fx.passes.plan import Plan, Site
 
 from .compat import unwrapped

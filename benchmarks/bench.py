@@ -698,10 +698,10 @@ def group_against_bound(settings: Settings, dims: tuple[int, ...], shape: Shape,
 
 
 def choices_section(settings: Settings, device: torch.device) -> dict:
-    """The measurements behind the implementation choices (``attnres_fx.ops.eager``, the captured and the
+    """The measurements behind the implementation choices (``attnres_fx.op.ops.eager``, the captured and the
     exported forms): each candidate on the same inputs, interleaved, median microseconds."""
-    from attnres_fx import aggregation, ops
-    from attnres_fx.kernels import cpu
+    from attnres_fx.op import aggregation, ops
+    from attnres_fx.op.kernels import cpu
 
     torch.manual_seed(0)
     result: dict = {"device": str(device), "eager": [], "training": [], "inductor": [], "onnx": []}
@@ -745,7 +745,7 @@ def choices_section(settings: Settings, device: torch.device) -> dict:
 def inductor_choice(settings: Settings, device: torch.device) -> list[dict]:
     """Under Inductor: the plain-op form (fused with the RMSNorm after it) against the opaque operator
     followed by the same norm, inference and a training step."""
-    from attnres_fx import aggregation
+    from attnres_fx.op import aggregation
 
     shape = settings.shapes["bench"]
     dims = (shape.batch, shape.seq, shape.dim)
@@ -789,7 +789,7 @@ def onnx_choice(settings: Settings) -> list[dict]:
     stacked (a few ops on one tensor), batched (two MatMuls: what the exporter emits)."""
     import onnxruntime as ort
 
-    from attnres_fx import aggregation
+    from attnres_fx.op import aggregation
 
     shape = settings.shapes["bench"]
     dims = (shape.batch, shape.seq, shape.dim)
@@ -875,7 +875,7 @@ def _table(title: str, rows: list[dict], keys: tuple[str, ...]) -> list[str]:
 def _choice_tables(choices: dict) -> list[str]:
     """Median microseconds per candidate, the fastest in bold."""
     return [f"## Implementation choices ({choices['device']}; median us, fastest in bold)", "",
-            *_table("Eager, no gradient (`attnres_fx.ops.eager`):", choices["eager"], ("shape", "sources")),
+            *_table("Eager, no gradient (`attnres_fx.op.ops.eager`):", choices["eager"], ("shape", "sources")),
             *_table("Eager forward and backward:", choices["training"], ("shape", "sources")),
             *_table("Inductor, the aggregation then an RMSNorm, at the bench shape:", choices["inductor"], ("sources",)),
             *_table("onnxruntime, one aggregation per ONNX form, at the bench shape:", choices["onnx"], ("sources",))]

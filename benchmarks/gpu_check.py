@@ -38,7 +38,8 @@ import torch
 import torch.nn.functional as F
 
 import attnres_fx
-from attnres_fx import aggregation, timing
+from attnres_fx.op import aggregation
+from attnres_fx import timing
 from attnres_fx.models import build_hf
 from attnres_fx.testing import randomise_pseudo_queries
 
@@ -84,7 +85,7 @@ class Step:
 
 # ------------------------------------------------------------------------------------------ restatement
 def reference(sources, proj_weight, norm_weight, grad, eps: float):
-    """The aggregation in float64 (the method's formula, :func:`attnres_fx.aggregation.fusable`) and, for the
+    """The aggregation in float64 (the method's formula, :func:`attnres_fx.op.aggregation.fusable`) and, for the
     upstream gradient ``grad``, the gradients of the sources and of the folded query ``proj * norm`` (what
     the kernels return: ``d/dq = d/dproj / norm`` by the chain rule)."""
     leaves = [s.detach().double().requires_grad_() for s in sources]
@@ -102,7 +103,7 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 # ---------------------------------------------------------------------------------------------- steps
 def kernel_step(device: torch.device, sizes: Sizes, dry_run: bool) -> Step:
     step = Step("kernels: Triton forward and backward against float64")
-    from attnres_fx.kernels import gpu
+    from attnres_fx.op.kernels import gpu
 
     dtypes = (torch.float32, torch.float16) if dry_run else (torch.float32, torch.bfloat16, torch.float16)
     if dry_run:

@@ -24,7 +24,7 @@ sublayer (or by the final norm) over the completed blocks and the partial, then 
 skip. The sources are kept stacked ``[batch, sequence, sources, hidden]`` (a block is stacked once, when
 its last partial is): each aggregation is one ``Concat``, the key RMSNorm, a ``MatMul`` with the
 pseudo-query, a ``Softmax`` over sources (weights below ``NEGLIGIBLE_WEIGHT`` of the largest zeroed, as
-in every implementation: Note [negligible weights] in :mod:`attnres_fx.aggregation`) and the weighted sum (``Mul``, ``ReduceSum``). The sources are
+in every implementation: Note [negligible weights] in :mod:`attnres_fx.op.aggregation`) and the weighted sum (``Mul``, ``ReduceSum``). The sources are
 scored afresh at every site rather than in the two-phase schedule: a decoding step's few sources cost
 onnxruntime less in arithmetic than the extra nodes the schedule's merge would add (each node costs a
 kernel launch). Softmax and sums run in fp32; an fp16 graph casts each branch output up and each
@@ -39,7 +39,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from attnres_fx.aggregation import NEGLIGIBLE_WEIGHT
+from attnres_fx.op.aggregation import NEGLIGIBLE_WEIGHT
 from attnres_fx.errors import StreamMismatchError
 from attnres_fx.passes.plan import Plan, Site
 

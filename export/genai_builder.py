@@ -25,11 +25,11 @@ import onnx
 import torch
 from torch import nn
 
-from attnres_fx.block_attnres import BlockAttnRes
+from attnres_fx.op.module import BlockAttnRes
 from attnres_fx.compat import unwrapped
 from attnres_fx.conversion import is_converted, plan_of
 from attnres_fx.errors import ExportError
-from attnres_fx.hf import CONFIG_ATTRIBUTE
+from attnres_fx.integrations.hf import CONFIG_ATTRIBUTE
 
 from .builder_stream import Aggregation, rewrite
 from .failures import reraise_as_export_error

@@ -23,11 +23,12 @@ import onnx
 import torch
 from torch import nn
 
-from attnres_fx import atomic, ops
+from attnres_fx import atomic
+from attnres_fx.op import ops
 from attnres_fx.api import explicit_graph, rewrite
-from attnres_fx.block_attnres import BlockAttnRes
+from attnres_fx.op.module import BlockAttnRes
 from attnres_fx.errors import AttnResWarning, ExportError
-from attnres_fx.capture import default_dynamic_shapes
+from attnres_fx.capture.tracers import default_dynamic_shapes
 from attnres_fx.compat import hf_onnx_translations, unwrapped
 from attnres_fx.conversion import is_converted
 

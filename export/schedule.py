@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from attnres_fx.capture import copy_graph_module, copy_training_flags
+from attnres_fx.capture.tracers import copy_graph_module, copy_training_flags
 from attnres_fx.passes.two_phase import apply_two_phase, can_apply_two_phase
 
 

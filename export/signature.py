@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from attnres_fx.capture import as_args
+from attnres_fx.capture.tracers import as_args
 from attnres_fx.compat import pytree
 from attnres_fx.errors import ExportError
 

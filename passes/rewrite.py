@@ -40,7 +40,7 @@ another layout::
 
 How an aggregation becomes a node is the emitter's business: :class:`ModuleCalls` calls a
 ``BlockAttnRes`` submodule (explicit graphs, ONNX export); :class:`ParameterInputs` calls the
-functional :func:`attnres_fx.aggregation.fusable` with the weights as new graph inputs (the Inductor
+functional :func:`attnres_fx.op.aggregation.fusable` with the weights as new graph inputs (the Inductor
 route, where parameters must be inputs).
 """
 
@@ -55,8 +55,8 @@ from torch import fx, nn
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from attnres_fx import compat
-from attnres_fx.aggregation import fusable
-from attnres_fx.block_attnres import BlockAttnRes
+from attnres_fx.op.aggregation import fusable
+from attnres_fx.op.module import BlockAttnRes
 from attnres_fx.errors import PassContractError
 
 from . import node_kinds as nk
@@ -113,7 +113,7 @@ class ModuleCalls(Emitter):
 
 
 class ParameterInputs(Emitter):
-    """``fusable(proj_weight, norm_weight, sources)`` (:mod:`attnres_fx.aggregation`) with both weights
+    """``fusable(proj_weight, norm_weight, sources)`` (:mod:`attnres_fx.op.aggregation`) with both weights
     as new graph inputs.
 
     ``names`` lists the parameter names of the new inputs in graph order (``model.layers.0.attn_res.

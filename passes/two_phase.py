@@ -68,12 +68,20 @@ import torch
 from torch import fx
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from attnres_fx import ops
-from attnres_fx.aggregation import (autocast_on, depth_logit, folded_query, in_fp32, key_scale,
-                                    negligible_to_zero, softmax_parts, weighted_sum)
-from attnres_fx.block_attnres import BlockAttnRes, captured
+from attnres_fx.op import ops
+from attnres_fx.op.aggregation import (
+    autocast_on,
+    depth_logit,
+    folded_query,
+    in_fp32,
+    key_scale,
+    negligible_to_zero,
+    softmax_parts,
+    weighted_sum,
+)
+from attnres_fx.op.module import BlockAttnRes, captured
 from attnres_fx.errors import PassContractError
-from attnres_fx.kernels import cpu
+from attnres_fx.op.kernels import cpu
 
 SCHEDULE_META = "two_phase"
 
@@ -149,7 +157,7 @@ def phase2(state: tuple[torch.Tensor, torch.Tensor, torch.Tensor], proj_weight: 
     value = partial.float()
     logit = depth_logit(value, folded_query(proj_weight, norm_weight), eps)
     top = torch.maximum(running_max, logit)
-    # Negligible weights zero (Note [negligible weights] in attnres_fx/aggregation.py), as in phase 1.
+    # Negligible weights zero (Note [negligible weights] in attnres_fx/op/aggregation.py), as in phase 1.
     old = negligible_to_zero(torch.exp(running_max - top))
     new = negligible_to_zero(torch.exp(logit - top))
     inverse = scale / (old * sum_exp + new)

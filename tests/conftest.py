@@ -35,6 +35,9 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # Inductor's first compile of a model on a cold cache (a new machine, another torch release) takes minutes on
 # two busy cores, seconds once its kernels are cached: such tests get longer than the 120 s default.
 cold_compile = pytest.mark.timeout(360)
+# torch.onnx's export of a decoder with its cache (and onnxruntime's decoding after it): 20-45 s on two quiet
+# cores, several minutes beside other work.
+cached_export = pytest.mark.timeout(300)
 
 
 # Modules that may start a process in the fast tier: each builds a cache once per machine.
@@ -145,7 +148,7 @@ def untouched():
 
 
 def _probe_input(model):
-    from attnres_fx.capture import dummy_inputs
+    from attnres_fx.capture.tracers import dummy_inputs
 
     found = dummy_inputs(model)
     if found is not None:

@@ -18,6 +18,8 @@ import contextlib
 import copy
 import io
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -371,7 +373,7 @@ def test_mixed_dtype_sources_aggregate_in_fp32_into_the_streams_dtype(mode):
 def test_two_phase_and_export_forms_keep_fp32_under_autocast():
     """The forms graph captures and exports use (per-source, stacked, batched) agree with the fp64 formula
     under autocast as eagerly."""
-    from attnres_fx import aggregation
+    from attnres_fx.op import aggregation
 
     module, sources = _mixed_sources()
     want = _fp64_aggregate(module, sources)
@@ -773,7 +775,7 @@ def test_a_failed_save_over_a_converted_one_leaves_it_as_it_was(saved_llama, tmp
     """A save failing after the main weights are written (the AttnRes files not yet), formerly left them
     beside the old AttnRes files, which ``from_pretrained`` preferred (1.35 off): now the folder is as
     before, and loads as the earlier save."""
-    from attnres_fx import hf
+    from attnres_fx.integrations import hf
 
     target = _copy(saved_llama["directory"], tmp_path / "llama")
     before = _files(target)
@@ -1031,6 +1033,23 @@ def test_a_folder_swap_killed_between_its_renames_is_finished_by_the_next_write_
     assert _files(target) == {"weights.bin": b"newest", "tokenizer.json": b"kept"} and not _leftovers(tmp_path)
 
 
+def test_a_killed_swap_moved_with_its_folder_is_finished_where_it_is_now(tmp_path):
+    """Formerly the note held absolute paths: recovering a copy (or a moved folder) of a killed swap
+    moved its new files into the original place, and the copy stayed empty."""
+    import shutil
+
+    from attnres_fx import atomic
+
+    first = tmp_path / "first"
+    (first / "model").mkdir(parents=True)
+    (first / "model" / "weights.bin").write_bytes(b"old")
+    _killed_at_rename(2, _write_folder(first / "model", {"weights.bin": b"new"}))
+    second = Path(shutil.copytree(first, tmp_path / "second", symlinks=True))
+    atomic.recover(second / "model")
+    assert _files(second) == {"model/weights.bin": b"new"} and not _leftovers(second)
+    assert not (first / "model").exists() and _leftovers(first)
+
+
 def test_a_file_swap_killed_between_its_renames_is_finished_by_the_next_export(tmp_path):
     from attnres_fx import atomic
     from attnres_fx.export.onnx import onnx_files
@@ -1120,6 +1139,15 @@ def test_save_pretrained_writes_through_a_link_and_a_killed_save_is_finished_by_
     assert not target.exists()
     loaded = attnres_fx.from_pretrained(transformers.LlamaForCausalLM, target)
     assert _same_attnres_weights(loaded, saved_llama["other"]) and not _leftovers(tmp_path)
+    # transformers' own loaders too, in a process that has not imported a model class yet: AutoModel reads
+    # config.json before it imports any (formerly: "couldn't connect to huggingface.co", the folder gone).
+    _killed_at_rename(2, lambda: saved_llama["model"].save_pretrained(target))
+    assert not target.exists()
+    code = ("import sys, attnres_fx, transformers\n"
+            "model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1])\n"
+            "assert attnres_fx.is_converted(model)\n")
+    subprocess.run([sys.executable, "-c", code, str(target)], check=True, timeout=100)
+    assert _same_attnres_weights(_auto(target), saved_llama["model"]) and not _leftovers(tmp_path)
 
 
 @pytest.mark.slow

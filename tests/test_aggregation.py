@@ -5,8 +5,9 @@ import pytest
 import torch
 from torch import nn
 
-from attnres_fx import BlockAttnRes, aggregation, ops
-from attnres_fx.kernels import cpu
+from attnres_fx import BlockAttnRes
+from attnres_fx.op import aggregation, ops
+from attnres_fx.op.kernels import cpu
 from attnres_fx.testing.reference import block_attn_res
 
 SMALL = (2, 1, 32)             # decoding: one token per sequence
@@ -72,7 +73,7 @@ def _count_calls(monkeypatch):
 
 
 @pytest.mark.skipif(not cpu.available(), reason=f"the C++ kernel: {cpu.unavailable_reason()}")
-def test_eager_runs_the_cpu_kernel_directly_without_a_gradient_and_the_operator_with_one(monkeypatch):
+def test_eager_runs_the_cpu_operator_with_and_without_a_gradient(monkeypatch):
     module = _module(SMALL[-1])
     calls = _count_calls(monkeypatch)
     module(*_sources(SMALL, 3))
@@ -80,8 +81,8 @@ def test_eager_runs_the_cpu_kernel_directly_without_a_gradient_and_the_operator_
         module(*_sources(SMALL, 3))
         module(*_sources(WIDE, 3))
     module(*_sources(SMALL, 2)[:1], torch.randn(1, 1, SMALL[-1]))        # mixed shapes: broadcasting
-    # With a gradient the operator (which runs the C++ function too); without one the C++ function alone.
-    assert calls == ["attnres", "attnres_cpu", "attnres_cpu", "attnres_cpu", "fusable"]
+    # The C++ operator, its autograd in C++ too; sources it refuses (mixed shapes) go to fusable.
+    assert calls == ["attnres_cpu", "attnres_cpu", "attnres_cpu", "attnres_cpu", "fusable"]
 
 
 def test_without_the_kernel_eager_picks_stacked_for_small_sources_and_the_operator_for_training(monkeypatch):

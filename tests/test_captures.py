@@ -1,5 +1,5 @@
 """The two captures the routes are built on: the conversion's recording of one call
-(attnres_fx/recording.py) and a block call traced with its sublayers as calls (attnres_fx/block_tracer.py).
+(attnres_fx/capture/recording.py) and a block call traced with its sublayers as calls (attnres_fx/capture/block_tracer.py).
 
 Structural: which nodes each graph holds (ops with their module stacks, parameters as get_attr, the
 sublayers as call_module), what a call shape is made of. Numerical: the recorded graph and the block
@@ -14,11 +14,11 @@ import pytest
 import torch
 from torch import fx, nn
 
-from attnres_fx.block_tracer import TENSOR, Bound, call_shape, compiled_forward, trace_block
+from attnres_fx.capture.block_tracer import TENSOR, Bound, call_shape, compiled_forward, trace_block
 from attnres_fx.errors import TraceError
 from attnres_fx.models import TinyTransformer, example_ids
 from attnres_fx.passes.detect import detect_residual_streams
-from attnres_fx.recording import MODULE_CALLS, record_graph
+from attnres_fx.capture.recording import MODULE_CALLS, record_graph
 
 
 def tiny():

@@ -36,8 +36,8 @@ def test_the_user_frame_is_outside_torch_and_the_machinery():
     where = diagnostics.user_frame(caught.value)
     assert where.startswith(os.path.abspath(__file__)) and "the op's own error" in where
     import attnres_fx.models
-    import attnres_fx.capture
+    import attnres_fx.capture.tracers
     assert diagnostics.is_user_code(attnres_fx.models.__file__)        # the built-in models are models
-    assert not diagnostics.is_user_code(attnres_fx.capture.__file__)
+    assert not diagnostics.is_user_code(attnres_fx.capture.tracers.__file__)
     report = 'from user code:\n  File "/home/u/model.py", line 7, in forward\n    return x + y\n'
     assert diagnostics.reported_user_frame(RuntimeError(report)) == "model.py:7 (return x + y)"

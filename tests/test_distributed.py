@@ -24,7 +24,9 @@ from attnres_fx.testing import randomise_pseudo_queries
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-pytestmark = pytest.mark.slow
+# The first test waits for the one spawn that runs every scenario of this file (about a minute on two quiet
+# cores): more than the 120 s default on a busy machine.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(360)]
 
 STEPS = 3
 LR = 0.1

@@ -102,7 +102,7 @@ def test_onnx_graph_is_valid_named_and_traceable_to_every_site(tiny_fp32, export
         assert names and set(names) <= set(nodes)
         # The exporter's own "namespace" metadata spells out the module path, e.g. in Netron.
         namespace = {p.key: p.value for p in nodes[names[0]].metadata_props}["namespace"]
-        assert f"{site}: attnres_fx.block_attnres.BlockAttnRes" in namespace
+        assert f"{site}: attnres_fx.op.module.BlockAttnRes" in namespace
 
 
 @pytest.mark.slow

@@ -142,11 +142,11 @@ def test_rewrite_puts_one_aggregation_before_each_sublayer_and_the_head():
 
 @pytest.mark.parametrize("opset", [17, 21])
 def test_negligible_softmax_weights_are_zero_in_the_builder_graph(opset):
-    """As in every implementation of the aggregation (Note [negligible weights] in attnres_fx/aggregation.py):
+    """As in every implementation of the aggregation (Note [negligible weights] in attnres_fx/op/aggregation.py):
     exp(logit - max) below NEGLIGIBLE_WEIGHT is zero, the others the softmax's; both forms of ReduceMax."""
     from onnx.reference import ReferenceEvaluator
 
-    from attnres_fx.aggregation import NEGLIGIBLE_WEIGHT
+    from attnres_fx.op.aggregation import NEGLIGIBLE_WEIGHT
 
     builder = builder_stream._Builder(TensorProto.FLOAT, opset)
     builder.begin("/attnres/site")

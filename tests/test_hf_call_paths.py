@@ -80,6 +80,19 @@ def test_hidden_states_and_attentions_collected_by_transformers_hooks(pairs, nam
     _close(got.logits, want.logits)
 
 
+@pytest.mark.slow
+def test_model_route_asked_for_hidden_states_only_after_conversion():
+    """On the model route a call is one Dynamo graph, which cannot take the lock transformers installs its
+    recording hooks under: the route installs them first, for every output the model can record
+    (transformers 5.25 keeps those in a dict subclass looked up by the module)."""
+    original = build("llama")
+    model = attnres_fx.attnresify(copy.deepcopy(original), preserve_scale=True, route="model")
+    model(IDS)
+    want, got = original(IDS, output_hidden_states=True), model(IDS, output_hidden_states=True)
+    assert len(got.hidden_states) == len(want.hidden_states) == 3
+    _close(got.logits, want.logits)
+
+
 def test_a_layer_that_logs_once_inside_the_capture():
     """SDPA attention asked for attentions logs a ``warning_once`` inside the layer, which Dynamo cannot
     take into a graph: the capture ignores transformers' once-only logging."""

@@ -96,7 +96,7 @@ PRE_NORM = [pytest.param(name, marks=[needs_hf, pytest.mark.slow]) for name in H
 def test_sites_are_named_after_the_module_that_adds_and_never_found_by_class_names(zoo, name):
     """Detection reads data flow: the sites, their owners and kinds are as expected, and with every class
     name in the graph's metadata erased, detection finds the same."""
-    from attnres_fx.capture import capture_dynamo
+    from attnres_fx.capture.tracers import capture_dynamo
     from attnres_fx.passes import detect_residual_streams
 
     e = H.EXPECTED[name]

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from attnres_fx import hf  # noqa: E402
+from attnres_fx.integrations import hf  # noqa: E402
 from attnres_fx.testing.hf_parity import describe_failure  # noqa: E402
 
 pytest_plugins = ("pytester",)

@@ -13,6 +13,7 @@ import attnres_fx
 import hf_models as H
 from attnres_fx.cli import main as cli_main
 from attnres_fx.testing import randomise_pseudo_queries
+from conftest import cached_export
 from hf_models import needs_hf
 
 pytestmark = [needs_hf, pytest.mark.slow]
@@ -340,6 +341,7 @@ def test_cli_convert_then_export_the_directory(tmp_path, capsys):
 
 # -- ONNX for decoding ----------------------------------------------------------------------------------
 
+@cached_export
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_onnx_decoding_with_the_cache_generates_the_same_tokens(tmp_path, name):
     from attnres_fx import export

@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from attnres_fx import aggregation, ops
-from attnres_fx.kernels import cpu
+from attnres_fx.op import aggregation, ops
+from attnres_fx.op.kernels import cpu
 from attnres_fx.testing.reference import block_attn_res
 
 EPS = 1e-6
@@ -65,10 +65,13 @@ def _autograd_call(function):
 
 IMPLEMENTATIONS = {
     "operator": _autograd_call(lambda s, p, n, ps: ops.aggregate(s, p.weight, n.weight, eps=EPS, preserve_scale=ps)),
+    # The C++ operator with its autograd registered in C++: what eager calls on the CPU run.
+    "cpu operator": _autograd_call(lambda s, p, n, ps: torch.ops.attnres_cpu.aggregate(s, p.weight, n.weight, EPS, ps)),
     "pytorch": _kernel_call(ops.reference_forward, aggregation.reference_backward),
     "decomposition": _autograd_call(lambda s, p, n, ps: aggregation.fusable(p.weight, n.weight, s, eps=EPS,
                                                                               preserve_scale=ps)),
 }
+KERNEL_IMPLEMENTATIONS = ("operator", "cpu operator")
 # (count, shape): every count 1-9, widths 1, 7, 33, 1000 and 4096, decoding ([B, 1, D]) and prefill.
 CASES = [(1, (2, 3, 1)), (2, (1, 1, 7)), (3, (8, 1, 33)), (4, (2, 5, 1000)), (5, (1, 1, 4096)),
          (6, (2, 64, 33)), (7, (1, 3, 7)), (8, (4, 1, 1000)), (9, (2, 16, 128)), (9, (1, 1, 4096)), (2, (1, 300, 1))]
@@ -92,7 +95,7 @@ def _check(implementation, k, shape, preserve_scale, dtype=torch.float32, tolera
 @pytest.mark.parametrize("name", IMPLEMENTATIONS)
 @pytest.mark.parametrize("k, shape", CASES, ids=[f"{k}x{'x'.join(map(str, s))}" for k, s in CASES])
 def test_matches_the_reference_fp32(name, k, shape):
-    if name == "operator" and not cpu.available():
+    if name in KERNEL_IMPLEMENTATIONS and not cpu.available():
         pytest.skip(f"the C++ kernel: {cpu.unavailable_reason()}")
     _check(IMPLEMENTATIONS[name], k, shape, preserve_scale=k % 2 == 0)
 
@@ -165,7 +168,7 @@ SATURATED_IMPLEMENTATIONS = {
 @pytest.mark.parametrize("name", SATURATED_IMPLEMENTATIONS)
 @pytest.mark.parametrize("query_std, magnitude", SATURATING, ids=SATURATING_IDS)
 def test_saturated_softmax_leaves_no_subnormal_value(name, query_std, magnitude):
-    if name == "operator" and not cpu.available():
+    if name in KERNEL_IMPLEMENTATIONS and not cpu.available():
         pytest.skip(f"the C++ kernel: {cpu.unavailable_reason()}")
     check_no_subnormals(SATURATED_IMPLEMENTATIONS[name], query_std, magnitude)
 
@@ -179,10 +182,11 @@ def test_the_cpu_kernel_flushes_at_the_threshold_of_the_formulation():
 # bf16 / fp16 sources, fp32 inside: the output is one rounding to the storage type away from the fp32
 # result (bf16 keeps 8 bits, fp16 11), the gradients as well.
 @needs_cpu_kernel
+@pytest.mark.parametrize("name", KERNEL_IMPLEMENTATIONS)
 @pytest.mark.parametrize("dtype, tolerance", [(torch.bfloat16, 2 ** -7), (torch.float16, 2 ** -10)])
 @pytest.mark.parametrize("k, shape", [(3, (2, 1, 1000)), (5, (2, 32, 64)), (9, (1, 4, 33))])
-def test_reduced_precision(dtype, tolerance, k, shape):
-    _check(IMPLEMENTATIONS["operator"], k, shape, preserve_scale=False, dtype=dtype, tolerance=tolerance)
+def test_reduced_precision(name, dtype, tolerance, k, shape):
+    _check(IMPLEMENTATIONS[name], k, shape, preserve_scale=False, dtype=dtype, tolerance=tolerance)
 
 
 @needs_cpu_kernel
@@ -207,7 +211,33 @@ def test_opcheck(k):
 
 
 @needs_cpu_kernel
-def test_saved_tensors_go_through_saved_tensors_hooks():
+@pytest.mark.parametrize("k", [1, 3])
+def test_opcheck_of_the_cpu_operator(k):
+    """The C++ operator: its C++ autograd (gradients against finite differences in float64 are out of its
+    dtypes' reach: opcheck's autograd registration, schema and fake (meta) checks) and its backward."""
+    proj, norm = _weights(33)
+    sources = _sources((2, 5, 33), k)
+    torch.library.opcheck(torch.ops.attnres_cpu.aggregate.default, (sources, proj.weight, norm.weight, EPS, True))
+    torch.library.opcheck(torch.ops.attnres_cpu.aggregate_backward.default,
+                          (torch.randn(2, 5, 33), [s.detach() for s in sources], proj.weight.detach(),
+                           norm.weight.detach(), EPS, False))
+
+
+@needs_cpu_kernel
+def test_the_cpu_operators_backward_is_a_cpp_node_and_eager_calls_use_it():
+    """Eager calls on the CPU record the C++ operator's autograd node: no Python runs in its backward."""
+    from attnres_fx import BlockAttnRes
+
+    module = BlockAttnRes(16)
+    out = module(*_sources((2, 4, 16), 3))
+    assert "attnres_cpu::AggregateFunction" in out.grad_fn.name()
+    with torch.no_grad():
+        assert module(*_sources((2, 4, 16), 3)).grad_fn is None
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("name", KERNEL_IMPLEMENTATIONS)
+def test_saved_tensors_go_through_saved_tensors_hooks(name):
     proj, norm = _weights(16)
     sources = _sources((2, 4, 16), 3)
     packed = []
@@ -217,7 +247,10 @@ def test_saved_tensors_go_through_saved_tensors_hooks():
         return tensor.clone()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        out = ops.aggregate(sources, proj.weight, norm.weight, eps=EPS, preserve_scale=False)
+        if name == "operator":
+            out = ops.aggregate(sources, proj.weight, norm.weight, eps=EPS, preserve_scale=False)
+        else:
+            out = torch.ops.attnres_cpu.aggregate(sources, proj.weight, norm.weight, EPS, False)
     # The inputs only (both weights, every source): nothing kept beside them.
     assert sorted(packed) == sorted([proj.weight.shape, norm.weight.shape, *(s.shape for s in sources)])
     grads = torch.autograd.grad(out.square().sum(), sources)
@@ -275,8 +308,9 @@ def test_without_a_compiler_one_warning_and_the_same_result(tmp_path):
     script = textwrap.dedent("""
         import warnings
         import torch
-        from attnres_fx import BlockAttnRes, aggregation
-        from attnres_fx.kernels import cpu
+        from attnres_fx import BlockAttnRes
+        from attnres_fx.op import aggregation
+        from attnres_fx.op.kernels import cpu
         module = BlockAttnRes(16)
         torch.nn.init.normal_(module.proj.weight)
         sources = [torch.randn(2, 40, 16) for _ in range(3)]

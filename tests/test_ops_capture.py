@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._inductor.utils import run_and_get_code
 
-from attnres_fx import ops
+from attnres_fx.op import ops
 from test_aggregation import _module
 from test_kernels import assert_kernels_and_full_size_buffers
 

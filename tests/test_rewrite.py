@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import attnres_fx
-from attnres_fx.capture import trace
+from attnres_fx.capture.tracers import trace
 from attnres_fx.models import NORM_STYLES, TinyConfig, TinyTransformer, example_ids
 from attnres_fx.passes import BlockAttnResRewrite, detect_residual_streams, make_plan
 from attnres_fx.testing import randomise_pseudo_queries
@@ -289,7 +289,7 @@ def test_checkpointed_regions_open_for_the_rewrite_and_close_again_as_passes():
     nodes in it; each pass checks its contract. A graph a capture opened closes again too."""
     from toy_models import NanoGPT
 
-    from attnres_fx.capture import capture_dynamo
+    from attnres_fx.capture.tracers import capture_dynamo
     from attnres_fx.passes.checkpoints import REGION, CloseCheckpoints, OpenCheckpoints
 
     model = NanoGPT(dropout=0.0, checkpoint=True).train()

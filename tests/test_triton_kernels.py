@@ -1,4 +1,4 @@
-"""The Triton kernels (attnres_fx/kernels/gpu.py), fp32, against the reference oracle: forward and
+"""The Triton kernels (attnres_fx/op/kernels/gpu.py), fp32, against the reference oracle: forward and
 gradients. On a CUDA machine they run compiled (``benchmarks/gpu_check.sh``); elsewhere in Triton's CPU
 interpreter, in a process of their own started with TRITON_INTERPRET=1: Triton reads it when it is
 first imported (its own library functions are kernels too), and Inductor may have imported it already
@@ -44,7 +44,7 @@ def _on_device(implementation):
 @here
 @pytest.mark.parametrize("k, shape", CASES, ids=[f"{k}x{'x'.join(map(str, s))}" for k, s in CASES])
 def test_matches_the_reference_fp32(k, shape):
-    from attnres_fx.kernels import gpu
+    from attnres_fx.op.kernels import gpu
 
     _check(_on_device(_kernel_call(gpu.aggregate, gpu.aggregate_backward)), k, shape, preserve_scale=k % 2 == 1)
 
@@ -52,7 +52,7 @@ def test_matches_the_reference_fp32(k, shape):
 @here
 @pytest.mark.parametrize("query_std, magnitude", SATURATING, ids=SATURATING_IDS)
 def test_saturated_softmax_leaves_no_subnormal_value(query_std, magnitude):
-    from attnres_fx.kernels import gpu
+    from attnres_fx.op.kernels import gpu
 
     # Few rows: the interpreter runs each program in Python.
     check_no_subnormals(_on_device(_kernel_call(gpu.aggregate, gpu.aggregate_backward)), query_std, magnitude,
@@ -61,7 +61,7 @@ def test_saturated_softmax_leaves_no_subnormal_value(query_std, magnitude):
 
 @here
 def test_rows_wider_than_a_program_are_left_to_pytorch():
-    from attnres_fx.kernels import gpu
+    from attnres_fx.op.kernels import gpu
 
     assert gpu.supports([torch.empty(1, gpu.MAX_DIM)]) and not gpu.supports([torch.empty(1, gpu.MAX_DIM + 1)])
 

@@ -9,7 +9,7 @@ import torch
 from torch import fx, nn
 
 import attnres_fx
-from attnres_fx.block_attnres import BlockAttnRes
+from attnres_fx.op.module import BlockAttnRes
 from attnres_fx.models import TinyConfig, TinyTransformer, example_ids
 from attnres_fx.testing import randomise_pseudo_queries
 from attnres_fx.passes.two_phase import TwoPhaseSchedule, apply_two_phase, can_apply_two_phase
@@ -156,7 +156,7 @@ def _phase_inputs(num_blocks, sites, shape, dtype, seed=0):
 @pytest.mark.parametrize("num_blocks, sites, shape", [(1, 1, (2, 1, 7)), (4, 3, (3, 1, 1000)), (8, 4, (2, 33, 64)),
                                                       (2, 2, (1, 5, 1))])
 def test_phase_functions_match_the_reference(monkeypatch, kernel, num_blocks, sites, shape):
-    from attnres_fx.kernels import cpu
+    from attnres_fx.op.kernels import cpu
     from attnres_fx.passes.two_phase import phase1, phase2
     from attnres_fx.testing.reference import block_attn_res
 
@@ -174,7 +174,7 @@ def test_phase_functions_match_the_reference(monkeypatch, kernel, num_blocks, si
 
 
 def test_phase_kernels_bf16_keep_dtype_and_fp32_state():
-    from attnres_fx.kernels import cpu
+    from attnres_fx.op.kernels import cpu
     from attnres_fx.passes.two_phase import phase1, phase2
 
     if not cpu.available():
@@ -184,6 +184,6 @@ def test_phase_kernels_bf16_keep_dtype_and_fp32_state():
         states = phase1(tuple(p.weight for p in projs), tuple(n.weight for n in norms), blocks, eps=1e-6)
         got = phase2(states[1], projs[1].weight, norms[1].weight, partials[1], blocks[0], eps=1e-6, scale=1.0)
     assert all(t.dtype == torch.float32 for t in states[1]) and got.dtype == torch.bfloat16
-    want = attnres_fx.aggregation.fusable(projs[1].weight, norms[1].weight, [*blocks, partials[1]], eps=1e-6,
+    want = attnres_fx.op.aggregation.fusable(projs[1].weight, norms[1].weight, [*blocks, partials[1]], eps=1e-6,
                                           preserve_scale=False)
     torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=2 ** -7 * want.float().abs().max().item())

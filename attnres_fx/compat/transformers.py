@@ -185,10 +185,10 @@ def _records_outputs(module: nn.Module, capturing) -> bool:
 
 def _recordable_outputs(capturing, module: nn.Module) -> dict:
     """The outputs transformers can record for ``module`` (``hidden_states``, ``attentions``, ...): its
-    private ``_CAN_RECORD_REGISTRY``, a dict keyed by ``str`` of the class up to 5.17, a registry looked up by
-    the module itself in 5.24."""
+    private ``_CAN_RECORD_REGISTRY``, a plain dict keyed by ``str`` of the class up to 5.17, a registry
+    looked up by the module itself from 5.24 (in 5.25 a ``dict`` subclass whose ``get`` takes the module)."""
     registry = capturing._CAN_RECORD_REGISTRY
-    if isinstance(registry, dict):
+    if type(registry) is dict:
         return registry.get(str(type(module))) or {}
     return registry.get(module) or {}
 
@@ -341,6 +341,24 @@ def wrap_post_init(pretrained_model: type, then) -> None:
     pretrained_model.post_init = post_init
 
 
+def before_file_lookups(hub, callback: Callable[[object], None]) -> None:
+    """Make transformers call ``callback(path_or_repo_id)`` before it looks up a file of a folder or
+    repository, once: every loader (``AutoConfig``, ``AutoModel*`` from their first step, a PEFT adapter
+    look-up, a model class's ``from_pretrained``, tokenizers) asks ``transformers.utils.hub.cached_files``,
+    through ``cached_file`` which finds it in that module at call time (5.16-5.25)."""
+    original = hub.cached_files
+    if getattr(original, "_attnres_wrapped", False):
+        return
+
+    @functools.wraps(original)
+    def cached_files(path_or_repo_id, *args, **kwargs):
+        callback(path_or_repo_id)
+        return original(path_or_repo_id, *args, **kwargs)
+
+    cached_files._attnres_wrapped = True
+    hub.cached_files = cached_files
+
+
 def hf_attention_implementation(config) -> str:
     """The attention implementation a Hugging Face config selects (``"eager"``, ``"sdpa"``...): transformers
     keeps it in the private ``config._attn_implementation`` (set through ``set_attn_implementation``)."""
@@ -388,6 +406,7 @@ __all__ = [
     "hf_onnx_translations",
     "after_import",
     "wrap_post_init",
+    "before_file_lookups",
     "hf_attention_implementation",
     "hf_auto_classes",
 ]

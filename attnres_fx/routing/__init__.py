@@ -12,7 +12,7 @@ A converted model keeps its class, submodules and methods. What changes:
     module that performs residual sites (a transformer block, ``model.layers.3``) gets a
     :class:`~attnres_fx.routing.router.LayerRouter`; the code calling the blocks runs as written. A
     block's call runs a rewritten graph of the block with its sublayers as calls
-    (:mod:`attnres_fx.block_tracer`, :mod:`attnres_fx.routing.graphs`), the stream's state entering as
+    (:mod:`attnres_fx.capture.block_tracer`, :mod:`attnres_fx.routing.graphs`), the stream's state entering as
     extra inputs and leaving as extra outputs, travelling with the block's result
     (:mod:`attnres_fx.routing.state`). Per-block ``fully_shard``, activation checkpointing, pipeline
     stages and per-block compilation see one block at a time, as they do in the original model.

@@ -6,7 +6,7 @@ rewrites a copy of each graph Dynamo captures. Dynamo captures one graph per cal
 mode, dtype and shape class, with guards; a graph break is an error (:class:`~attnres_fx.TraceError`).
 
 What a capture needs of the process is set while Dynamo compiles one of these entries, not around every
-call: Dynamo's compilation callbacks apply :func:`attnres_fx.capture.capture_settings` when the thread
+call: Dynamo's compilation callbacks apply :func:`attnres_fx.capture.tracers.capture_settings` when the thread
 compiling is inside one of attnres_fx's own calls (:func:`own_call`), under Dynamo's compilation lock.
 What Dynamo guards on (the ``nn.MultiheadAttention`` fast-path flag, transformers' output collector)
 must hold at every call of such an entry: :func:`dynamo_call` sets it.
@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 
 from .. import compat
-from ..capture import capture_settings, entry_function, in_own_call, own_call
+from ..capture.tracers import capture_settings, entry_function, in_own_call, own_call
 from ..errors import AttnResError, RoutingError
 
 # Dynamo's default is 8 graphs per code object; one converted module can legitimately need more (train

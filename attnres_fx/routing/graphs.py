@@ -1,7 +1,7 @@
 """The rewritten graphs the routes run: built from a capture, cached, and made callable.
 
 - **Block graphs** (the layer route, eagerly): a block call traced with its sublayers as calls
-  (:mod:`attnres_fx.block_tracer`), one trace per *kind* of block and call shape (:class:`TraceCache`:
+  (:mod:`attnres_fx.capture.block_tracer`), one trace per *kind* of block and call shape (:class:`TraceCache`:
   blocks that run the same code with the same constants share it), then rewritten for one block and one
   state layout (:func:`block_variant`): a copy of the trace, the block's planned sites matched and
   rewritten with the stream's state as extra inputs and outputs, compiled to Python that resolves the
@@ -23,9 +23,17 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import fx, nn
 
-from ..block_attnres import BlockAttnRes, run_site
-from ..block_tracer import BLOCK, Bound, CONSTANT_TYPES, CallShape, TracedBlock, compiled_forward, trace_block
-from ..capture import copy_graph_module
+from ..op.module import BlockAttnRes, run_site
+from ..capture.block_tracer import (
+    BLOCK,
+    Bound,
+    CONSTANT_TYPES,
+    CallShape,
+    TracedBlock,
+    compiled_forward,
+    trace_block,
+)
+from ..capture.tracers import copy_graph_module
 from ..errors import TraceError
 from ..passes.detect import detect_residual_streams
 from ..passes.node_kinds import is_reshape
@@ -56,7 +64,7 @@ class LayerGraphSignature:
     ``ExportGraphSignature``).
 
     Inputs: the call's own graph inputs (``inputs`` of them; for a block graph the tensors and objects of
-    the call, in :func:`~attnres_fx.block_tracer.call_shape` order), then ``state_inputs``: the committed
+    the call, in :func:`~attnres_fx.capture.block_tracer.call_shape` order), then ``state_inputs``: the committed
     block sums ``b_0 ..`` and the partial sum. ``stream_input``: which of the call's inputs is the stream
     (the carrier; ``None`` if the graph starts the stream from a value it computes).
 
@@ -156,7 +164,7 @@ def trace(router: LayerRouter, args: tuple, kwargs: dict, shape: CallShape) -> T
 
 def routable_trace(block: nn.Module, forward: Callable, args: tuple, kwargs: dict, opened: frozenset[str],
                    shape: CallShape) -> TracedBlock:
-    """:func:`~attnres_fx.block_tracer.trace_block`, refused (:class:`~attnres_fx.TraceError`) where the
+    """:func:`~attnres_fx.capture.block_tracer.trace_block`, refused (:class:`~attnres_fx.TraceError`) where the
     stream changes its leading shape inside the block (``h.reshape(-1, d)`` before a sublayer): sources
     of two layouts must then be reshaped to each other, which needs the shapes a trace with sublayers as
     calls does not have; or where it builds its result by concatenating a tuple with a sublayer's result
@@ -181,8 +189,8 @@ def _concatenates_a_sequence(node: fx.Node) -> bool:
 
 class BlockModuleCalls(Emitter):
     """Aggregations of a block graph as calls of the block's own ``BlockAttnRes`` modules (paths under
-    :data:`~attnres_fx.block_tracer.BLOCK`), a stream's final one as :data:`FINAL`: resolved when the
-    graph runs, on the :class:`~attnres_fx.block_tracer.Bound` it is given."""
+    :data:`~attnres_fx.capture.block_tracer.BLOCK`), a stream's final one as :data:`FINAL`: resolved when the
+    graph runs, on the :class:`~attnres_fx.capture.block_tracer.Bound` it is given."""
 
     def __init__(self, gm: fx.GraphModule, block_path: str, modules: dict[str, BlockAttnRes]):
         self.gm = gm

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..block_attnres import BlockAttnRes
+from ..op.module import BlockAttnRes
 from ..config import AttnResConfig
 from ..conversion import Conversion, attach, detach
 from ..errors import RoutingError

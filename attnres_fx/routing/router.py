@@ -30,8 +30,8 @@ import torch
 from torch import fx, nn
 
 from .. import compat
-from ..block_tracer import CallShape, call_shape
-from ..capture import in_own_call
+from ..capture.block_tracer import CallShape, call_shape
+from ..capture.tracers import in_own_call
 from ..compat import pytree
 from ..conversion import Conversion
 from ..diagnostics import first_line
@@ -52,7 +52,7 @@ class Router:
     """``module.forward`` of a routed module. ``root`` is the converted model (it holds the AttnRes
     modules and the :class:`~attnres_fx.conversion.Conversion`), ``path`` this module's path in it."""
 
-    is_attnres_router = True          # what attnres_fx.capture looks for
+    is_attnres_router = True          # what attnres_fx.capture.tracers looks for
     route_name = ""
 
     def __init__(self, root: nn.Module, module: nn.Module, path: str, conversion: Conversion):
@@ -209,7 +209,7 @@ _INTERCEPTORS = threading.local()
 def intercepting(interceptor):
     """Within, in this thread: every call of a layer-routed module of ``interceptor.conversion`` goes to
     ``interceptor.intercept(router, args, kwargs, proceed)``, where ``proceed(*args, **kwargs)`` runs the
-    call as usual (:mod:`attnres_fx.pipelining`: stage boundaries, and the probe that prepares them)."""
+    call as usual (:mod:`attnres_fx.integrations.pipelining`: stage boundaries, and the probe that prepares them)."""
     stack = _INTERCEPTORS.__dict__.setdefault("stack", [])
     stack.append(interceptor)
     try:

@@ -7,7 +7,7 @@ apply fails in :func:`attnres_fx.attnresify`, atomically, not at the model's fir
 - model route: TorchDynamo's capture of the whole call, rewritten.
 
 The blocks are tried on the inputs the conversion's recording saw them called with
-(:data:`attnres_fx.recording.MODULE_CALLS`).
+(:data:`attnres_fx.capture.recording.MODULE_CALLS`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from .. import compat
-from ..block_tracer import call_shape
-from ..capture import capture_dynamo
+from ..capture.block_tracer import call_shape
+from ..capture.tracers import capture_dynamo
 from ..errors import TraceError
 from ..passes.pipeline import LayerTarget, rewrite_captured
 from ..passes.plan import Plan, StreamPlan

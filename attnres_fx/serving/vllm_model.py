@@ -19,7 +19,8 @@ import torch
 from vllm.logger import init_logger
 from vllm.model_executor.models.transformers import TransformersForCausalLM, TransformersMoEForCausalLM
 
-from .. import api, hf
+from .. import api
+from ..integrations import hf
 from ..conversion import plan_of
 from ..compat import vllm as compat_vllm
 from ..errors import CheckpointMismatchError, UnsupportedArchitectureError

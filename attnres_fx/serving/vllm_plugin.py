@@ -51,7 +51,7 @@ def check_servable(architectures: list[str], model_config) -> str:
     :class:`~attnres_fx.UnsupportedArchitectureError` saying why it cannot be served converted."""
     import transformers
 
-    from .. import hf
+    from ..integrations import hf
     from ..compat import vllm as compat_vllm
 
     folder = str(model_config.model)

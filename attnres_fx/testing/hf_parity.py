@@ -2,7 +2,7 @@
 
     python -m pytest -p attnres_fx.testing.hf_parity tests/models/llama/test_modeling_llama.py
 
-At configure time it sets :func:`attnres_fx.hf.construction_policy`, so that every outermost
+At configure time it sets :func:`attnres_fx.integrations.hf.construction_policy`, so that every outermost
 ``PreTrainedModel`` the tests build is converted right after transformers' ``post_init`` with
 ``preserve_scale=True`` and then given random pseudo-queries and key-norm weights
 (:func:`attnres_fx.testing.randomise_pseudo_queries`, one seed for every model, so that two models built
@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from attnres_fx import diagnostics, hf, is_converted
+from attnres_fx import diagnostics, is_converted
+from attnres_fx.integrations import hf
 from attnres_fx.testing import randomise_pseudo_queries
 
 CONVERSION_OPTIONS = {"preserve_scale": True}
@@ -89,7 +90,7 @@ class ParityRecorder:
 
     # -- conversion ---------------------------------------------------------------------------------
     def policy(self, model) -> dict | None:
-        """What :func:`attnres_fx.hf.construction_policy` asks of every model built: attnresify's
+        """What :func:`attnres_fx.integrations.hf.construction_policy` asks of every model built: attnresify's
         arguments, and a hook that randomises the pseudo-queries and notes the conversion."""
         record = self.current
         if record is None:

@@ -17,11 +17,13 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <torch/autograd.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace attnres_cpu {
@@ -105,39 +107,83 @@ inline float dot(const T* __restrict v, const float* __restrict q, int64_t D) {
   return result;
 }
 
-// q . v, v . v and g . v over one row (the backward's first look at a source).
-template <typename T>
-inline void three_dots(const T* __restrict v, const float* __restrict q, const float* __restrict g, int64_t D,
-                       float& dot, float& square, float& along) {
-  Vec dot0(0.f), sq0(0.f), gv0(0.f);
+// q . v, v . v and, with a gradient row g, g . v over the rows of G sources at once: q (and g) loaded
+// once per vector for all G rows, and 2G (3G) independent accumulator chains, where one row at a time
+// waits on the latency of a single chain per sum. Source i's sums go to dot[i * stride] (and so on).
+template <typename T, int G, bool WithGrad>
+inline void group_dots(const T* const* __restrict rows, const float* __restrict q, const float* __restrict g,
+                       int64_t D, int64_t stride, float* __restrict dot, float* __restrict square,
+                       float* __restrict along) {
+  Vec dots[G], squares[G], alongs[G];
+  for (int i = 0; i < G; ++i) {
+    dots[i] = Vec(0.f);
+    squares[i] = Vec(0.f);
+    alongs[i] = Vec(0.f);
+  }
   int64_t d = 0;
   for (; d + kLanes <= D; d += kLanes) {
-    Vec x = load_fp32(v + d);
-    dot0 = at::vec::fmadd(x, Vec::loadu(q + d), dot0);
-    sq0 = at::vec::fmadd(x, x, sq0);
-    gv0 = at::vec::fmadd(x, Vec::loadu(g + d), gv0);
+    const Vec qv = Vec::loadu(q + d);
+    Vec gv(0.f);
+    if constexpr (WithGrad) gv = Vec::loadu(g + d);
+    for (int i = 0; i < G; ++i) {
+      const Vec x = load_fp32(rows[i] + d);
+      dots[i] = at::vec::fmadd(x, qv, dots[i]);
+      squares[i] = at::vec::fmadd(x, x, squares[i]);
+      if constexpr (WithGrad) alongs[i] = at::vec::fmadd(x, gv, alongs[i]);
+    }
   }
-  dot = sum_lanes(dot0);
-  square = sum_lanes(sq0);
-  along = sum_lanes(gv0);
+  float dot_[G], square_[G], along_[G];
+  for (int i = 0; i < G; ++i) {
+    dot_[i] = sum_lanes(dots[i]);
+    square_[i] = sum_lanes(squares[i]);
+    along_[i] = WithGrad ? sum_lanes(alongs[i]) : 0.f;
+  }
   for (; d < D; ++d) {
-    float x = static_cast<float>(v[d]);
-    dot += x * q[d];
-    square += x * x;
-    along += x * g[d];
+    for (int i = 0; i < G; ++i) {
+      const float x = static_cast<float>(rows[i][d]);
+      dot_[i] += x * q[d];
+      square_[i] += x * x;
+      if constexpr (WithGrad) along_[i] += x * g[d];
+    }
+  }
+  for (int i = 0; i < G; ++i) {
+    dot[i * stride] = dot_[i];
+    square[i * stride] = square_[i];
+    if constexpr (WithGrad) along[i * stride] = along_[i];
+  }
+}
+
+// group_dots over K rows, four at a time (along: nullptr without a gradient row).
+template <typename T, bool WithGrad>
+inline void row_dots(const T* const* __restrict rows, int64_t K, const float* __restrict q, const float* __restrict g,
+                     int64_t D, int64_t stride, float* __restrict dot, float* __restrict square,
+                     float* __restrict along) {
+  int64_t k = 0;
+  for (; k + 4 <= K; k += 4) {
+    group_dots<T, 4, WithGrad>(rows + k, q, g, D, stride, dot + k * stride, square + k * stride,
+                               WithGrad ? along + k * stride : nullptr);
+  }
+  float* const d = dot + k * stride;
+  float* const s = square + k * stride;
+  float* const a = WithGrad ? along + k * stride : nullptr;
+  switch (K - k) {
+    case 3: group_dots<T, 3, WithGrad>(rows + k, q, g, D, stride, d, s, a); break;
+    case 2: group_dots<T, 2, WithGrad>(rows + k, q, g, D, stride, d, s, a); break;
+    case 1: group_dots<T, 1, WithGrad>(rows + k, q, g, D, stride, d, s, a); break;
+    default: break;
   }
 }
 
 // out = sum_k w[k] * rows[k] (cast to T), accumulated in registers: K loads per store.
 template <typename T, typename Out>
 inline void weighted_rows(const T* const* __restrict rows, const float* __restrict w, int64_t K, int64_t D,
-                          Out* __restrict out) {
+                          Out* __restrict out, int64_t w_stride = 1) {
   int64_t d = 0;
   for (; d + 2 * kLanes <= D; d += 2 * kLanes) {
     Vec w0(w[0]);
     Vec acc0 = load_fp32(rows[0] + d) * w0, acc1 = load_fp32(rows[0] + d + kLanes) * w0;
     for (int64_t k = 1; k < K; ++k) {
-      Vec wk(w[k]);
+      Vec wk(w[k * w_stride]);
       acc0 = at::vec::fmadd(load_fp32(rows[k] + d), wk, acc0);
       acc1 = at::vec::fmadd(load_fp32(rows[k] + d + kLanes), wk, acc1);
     }
@@ -146,12 +192,12 @@ inline void weighted_rows(const T* const* __restrict rows, const float* __restri
   }
   for (; d + kLanes <= D; d += kLanes) {
     Vec acc = load_fp32(rows[0] + d) * Vec(w[0]);
-    for (int64_t k = 1; k < K; ++k) acc = at::vec::fmadd(load_fp32(rows[k] + d), Vec(w[k]), acc);
+    for (int64_t k = 1; k < K; ++k) acc = at::vec::fmadd(load_fp32(rows[k] + d), Vec(w[k * w_stride]), acc);
     store_fp32(out + d, acc);
   }
   for (; d < D; ++d) {
     float acc = 0.f;
-    for (int64_t k = 0; k < K; ++k) acc += w[k] * static_cast<float>(rows[k][d]);
+    for (int64_t k = 0; k < K; ++k) acc += w[k * w_stride] * static_cast<float>(rows[k][d]);
     out[d] = static_cast<Out>(acc);
   }
 }
@@ -170,85 +216,152 @@ inline float key_scale(float square, int64_t D, float eps) {
   return 1.f / std::sqrt(square / static_cast<float>(D) + eps);
 }
 
+inline Vec exp_or_zero(const Vec& gap) {
+  const Vec e = gap.exp();
+  return Vec::blendv(e, Vec(0.f), e < Vec(kNegligibleWeight));
+}
+
+inline Vec key_scale(const Vec& square, int64_t D, float eps) {
+  return Vec(1.f) / (square / Vec(static_cast<float>(D)) + Vec(eps)).sqrt();
+}
+
+// Tokens per tile of the aggregation's row loops: their per-token softmax runs on vectors across the
+// tile's tokens (a chain of scalar divisions, square roots and exponentials per token and source
+// otherwise: some 40 ns a token whatever the width). At most kTile tokens, and few enough that the
+// tile's source rows stay in L2 between the two looks at them (kTileBytes).
+constexpr int64_t kTile = 16;
+constexpr int64_t kTileBytes = 1 << 18;
+
+inline int64_t tile_tokens(int64_t K, int64_t D, int64_t element_size) {
+  return std::clamp<int64_t>(kTileBytes / std::max<int64_t>(1, K * D * element_size), 1, kTile);
+}
+
 // ------------------------------------------------------------------------------------- row loops
-// Per token: the first look at the K rows (from memory) gives the logits and the softmax; the second
-// (from cache: K rows of D elements) the weighted sum, accumulated in registers and stored once.
+// Per tile of tokens: the first look at each token's K rows (from memory) gives the logits; the softmax
+// over sources runs on vectors across the tile's tokens; the second look (from cache) gives the weighted
+// sum, accumulated in registers and stored once per token. stats: 2 * K * kTile floats.
 template <typename T>
 void aggregate_rows(const T* const* __restrict sources, int64_t K, const float* __restrict q, int64_t D, float eps,
-                    float scale, T* __restrict out, const T** __restrict rows, float* __restrict weights,
+                    float scale, T* __restrict out, const T** __restrict rows, float* __restrict stats,
                     int64_t begin, int64_t end) {
-  for (int64_t t = begin; t < end; ++t) {
-    float top = -std::numeric_limits<float>::infinity();
-    for (int64_t k = 0; k < K; ++k) {
-      rows[k] = sources[k] + t * D;
-      float dot, square;
-      dot_and_square(rows[k], q, D, dot, square);
-      weights[k] = dot * key_scale(square, D, eps);
-      top = std::max(top, weights[k]);
+  float* logits = stats;              // [K][kTile]: q . v, then the weights
+  float* squares = stats + K * kTile;  // [K][kTile]
+  const int64_t tile = tile_tokens(K, D, sizeof(T));
+  for (int64_t first = begin; first < end; first += tile) {
+    const int64_t n = std::min(tile, end - first);
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t k = 0; k < K; ++k) rows[i * K + k] = sources[k] + (first + i) * D;
+      row_dots<T, false>(rows + i * K, K, q, nullptr, D, kTile, logits + i, squares + i, nullptr);
     }
-    float total = 0.f;
-    for (int64_t k = 0; k < K; ++k) {
-      weights[k] = exp_or_zero(weights[k] - top);
-      total += weights[k];
+    for (int64_t i = 0; i < n; i += kLanes) {
+      Vec top(-std::numeric_limits<float>::infinity());
+      for (int64_t k = 0; k < K; ++k) {
+        const Vec logit = Vec::loadu(logits + k * kTile + i) * key_scale(Vec::loadu(squares + k * kTile + i), D, eps);
+        logit.store(logits + k * kTile + i);
+        top = at::vec::maximum(top, logit);
+      }
+      Vec total(0.f);
+      for (int64_t k = 0; k < K; ++k) {
+        const Vec e = exp_or_zero(Vec::loadu(logits + k * kTile + i) - top);
+        e.store(logits + k * kTile + i);
+        total = total + e;
+      }
+      const Vec inverse = Vec(scale) / total;
+      for (int64_t k = 0; k < K; ++k) (Vec::loadu(logits + k * kTile + i) * inverse).store(logits + k * kTile + i);
     }
-    const float inverse = scale / total;
-    for (int64_t k = 0; k < K; ++k) weights[k] *= inverse;
-    weighted_rows(rows, weights, K, D, out + t * D);
+    for (int64_t i = 0; i < n; ++i) weighted_rows(rows + i * K, logits + i, K, D, out + (first + i) * D, kTile);
   }
 }
 
-// Note [backward] of attnres_fx/aggregation.py, per token: the first look at each source gives its
-// logit and g . v; the second writes dL/dv and accumulates dL/dq.
+// Note [backward] of attnres_fx/aggregation.py, per tile of tokens: the first look at each token's K
+// source rows gives their logits and g . v; the softmax and the per-source coefficients run on vectors
+// across the tile's tokens; the second look (from cache) writes every dL/dv and adds the token's dL/dq,
+// one vector of the row at a time for all K sources (q, g and dq loaded once, dq stored once, per
+// vector). stats: 6 * K * kTile floats; g_rows: kTile * D floats (the gradient rows of a tile in fp32,
+// for bf16 / fp16).
 template <typename T>
 void backward_rows(const T* __restrict grad, const T* const* __restrict sources, T* const* __restrict grads,
-                   int64_t K, const float* __restrict q, int64_t D, float eps, float scale, float* __restrict g,
-                   float* __restrict stats, float* __restrict dq, int64_t begin, int64_t end) {
-  float* dot = stats;
-  float* scales = stats + K;
-  float* along = stats + 2 * K;
-  float* prob = stats + 3 * K;
-  for (int64_t t = begin; t < end; ++t) {
-    const T* grad_row = grad + t * D;
-    int64_t e = 0;
-    for (; e + kLanes <= D; e += kLanes) load_fp32(grad_row + e).store(g + e);
-    for (; e < D; ++e) g[e] = static_cast<float>(grad_row[e]);
-    float top = -std::numeric_limits<float>::infinity();
-    for (int64_t k = 0; k < K; ++k) {
-      float square;
-      three_dots(sources[k] + t * D, q, g, D, dot[k], square, along[k]);
-      scales[k] = key_scale(square, D, eps);
-      prob[k] = dot[k] * scales[k];
-      top = std::max(top, prob[k]);
+                   int64_t K, const float* __restrict q, int64_t D, float eps, float scale, float* __restrict g_rows,
+                   const T** __restrict rows, float* __restrict stats, float* __restrict dq, int64_t begin,
+                   int64_t end) {
+  float* dot = stats;                        // [K][kTile] each
+  float* scales = stats + K * kTile;         // v . v, then the key scale
+  float* along = stats + 2 * K * kTile;      // g . v
+  float* weight = stats + 3 * K * kTile;     // s p_k
+  float* grad_dot = stats + 4 * K * kTile;   // dL/d(q . v_k)
+  float* coefficient = stats + 5 * K * kTile;  // of v_k in dL/dv_k, through its key scale
+  const Vec inverse_dim(1.f / static_cast<float>(D));
+  const int64_t tile = tile_tokens(K + 1, D, sizeof(T));
+  for (int64_t first = begin; first < end; first += tile) {
+    const int64_t n = std::min(tile, end - first);
+    for (int64_t i = 0; i < n; ++i) {
+      const T* grad_row = grad + (first + i) * D;
+      const float* g;
+      if constexpr (std::is_same_v<T, float>) {
+        g = grad_row;
+      } else {
+        float* row = g_rows + i * D;
+        int64_t e = 0;
+        for (; e + kLanes <= D; e += kLanes) load_fp32(grad_row + e).store(row + e);
+        for (; e < D; ++e) row[e] = static_cast<float>(grad_row[e]);
+        g = row;
+      }
+      for (int64_t k = 0; k < K; ++k) rows[i * K + k] = sources[k] + (first + i) * D;
+      row_dots<T, true>(rows + i * K, K, q, g, D, kTile, dot + i, scales + i, along + i);
     }
-    float total = 0.f;
-    for (int64_t k = 0; k < K; ++k) {
-      prob[k] = exp_or_zero(prob[k] - top);
-      total += prob[k];
+    for (int64_t i = 0; i < n; i += kLanes) {
+      const auto at = [&](float* p, int64_t k) { return p + k * kTile + i; };
+      Vec top(-std::numeric_limits<float>::infinity());
+      for (int64_t k = 0; k < K; ++k) {
+        const Vec r = key_scale(Vec::loadu(at(scales, k)), D, eps);
+        r.store(at(scales, k));
+        const Vec logit = Vec::loadu(at(dot, k)) * r;
+        logit.store(at(weight, k));
+        top = at::vec::maximum(top, logit);
+      }
+      Vec total(0.f);
+      for (int64_t k = 0; k < K; ++k) {
+        const Vec e = exp_or_zero(Vec::loadu(at(weight, k)) - top);
+        e.store(at(weight, k));
+        total = total + e;
+      }
+      Vec mean_along(0.f);
+      for (int64_t k = 0; k < K; ++k) {
+        const Vec p = Vec::loadu(at(weight, k)) / total;
+        p.store(at(weight, k));
+        mean_along = at::vec::fmadd(p, Vec::loadu(at(along, k)), mean_along);
+      }
+      for (int64_t k = 0; k < K; ++k) {
+        const Vec p = Vec::loadu(at(weight, k)), r = Vec::loadu(at(scales, k));
+        const Vec grad_logit = Vec(scale) * p * (Vec::loadu(at(along, k)) - mean_along);
+        (grad_logit * r).store(at(grad_dot, k));
+        (Vec(0.f) - grad_logit * Vec::loadu(at(dot, k)) * r * r * r * inverse_dim).store(at(coefficient, k));
+        (Vec(scale) * p).store(at(weight, k));
+      }
     }
-    float mean_along = 0.f;
-    for (int64_t k = 0; k < K; ++k) {
-      prob[k] /= total;
-      mean_along += prob[k] * along[k];
-    }
-    for (int64_t k = 0; k < K; ++k) {
-      const T* __restrict v = sources[k] + t * D;
-      T* __restrict dv = grads[k] + t * D;
-      const float grad_logit = scale * prob[k] * (along[k] - mean_along);
-      const float grad_dot = grad_logit * scales[k];
-      const float coefficient = -grad_logit * dot[k] * scales[k] * scales[k] * scales[k] / static_cast<float>(D);
-      const float weight = scale * prob[k];
-      const Vec vw(weight), vgd(grad_dot), vc(coefficient);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t t = first + i;
+      const T* const* token_rows = rows + i * K;
+      const float* g = std::is_same_v<T, float> ? reinterpret_cast<const float*>(grad + t * D) : g_rows + i * D;
       int64_t d = 0;
       for (; d + kLanes <= D; d += kLanes) {
-        Vec x = load_fp32(v + d);
-        Vec r = at::vec::fmadd(x, vc, at::vec::fmadd(Vec::loadu(q + d), vgd, Vec::loadu(g + d) * vw));
-        store_fp32(dv + d, r);
-        at::vec::fmadd(x, vgd, Vec::loadu(dq + d)).store(dq + d);
+        const Vec qv = Vec::loadu(q + d), gv = Vec::loadu(g + d);
+        Vec dqv = Vec::loadu(dq + d);
+        for (int64_t k = 0; k < K; ++k) {
+          const Vec x = load_fp32(token_rows[k] + d), gd(grad_dot[k * kTile + i]);
+          store_fp32(grads[k] + t * D + d, at::vec::fmadd(x, Vec(coefficient[k * kTile + i]),
+                                                          at::vec::fmadd(qv, gd, gv * Vec(weight[k * kTile + i]))));
+          dqv = at::vec::fmadd(x, gd, dqv);
+        }
+        dqv.store(dq + d);
       }
       for (; d < D; ++d) {
-        float x = static_cast<float>(v[d]);
-        dv[d] = static_cast<T>(weight * g[d] + grad_dot * q[d] + coefficient * x);
-        dq[d] += grad_dot * x;
+        for (int64_t k = 0; k < K; ++k) {
+          const float x = static_cast<float>(token_rows[k][d]);
+          const int64_t j = k * kTile + i;
+          grads[k][t * D + d] = static_cast<T>(weight[j] * g[d] + grad_dot[j] * q[d] + coefficient[j] * x);
+          dq[d] += grad_dot[j] * x;
+        }
       }
     }
   }
@@ -382,9 +495,9 @@ at::Tensor aggregate(at::TensorList sources_in, const at::Tensor& proj_weight, c
     const float* q = query.const_data_ptr<float>();
     scalar_t* o = out.mutable_data_ptr<scalar_t>();
     at::parallel_for(0, rows.count, grain(K * D), [&](int64_t begin, int64_t end) {
-      std::vector<const scalar_t*> rows_of_token(K);
-      std::vector<float> weights(K);
-      aggregate_rows(src, K, q, D, static_cast<float>(eps), scale, o, rows_of_token.data(), weights.data(), begin,
+      std::vector<const scalar_t*> rows_of_tile(kTile * K);
+      std::vector<float> stats(2 * K * kTile, 0.f);
+      aggregate_rows(src, K, q, D, static_cast<float>(eps), scale, o, rows_of_tile.data(), stats.data(), begin,
                      end);
     });
   });
@@ -406,9 +519,10 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> aggregate_backward(const at::Ten
   const float scale = preserve_scale ? static_cast<float>(K) : 1.f;
   std::vector<at::Tensor> grads;
   for (const auto& s : sources) grads.push_back(at::empty_like(s));
+  at::Tensor grad_query = at::empty({D}, sources[0].options().dtype(at::kFloat));
   // One partial dL/dq per chunk of tokens, summed at the end: deterministic, no atomics.
   const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), T / grain(K * D)));
-  at::Tensor partial_dq = at::zeros({chunks, D}, sources[0].options().dtype(at::kFloat));
+  std::vector<float> partial_dq(chunks * D, 0.f);
   ATTNRES_DISPATCH(grad.scalar_type(), "attnres_aggregate_backward", [&] {
     std::vector<const scalar_t*> src;
     std::vector<scalar_t*> dst;
@@ -420,16 +534,22 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> aggregate_backward(const at::Ten
     scalar_t* const* gs = dst.data();
     const scalar_t* g = grad.const_data_ptr<scalar_t>();
     const float* q = query.const_data_ptr<float>();
-    float* dq = partial_dq.mutable_data_ptr<float>();
+    float* dq = partial_dq.data();
     at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
-      std::vector<float> row(D), stats(4 * K);
+      std::vector<float> g_rows(std::is_same_v<scalar_t, float> ? 0 : kTile * D), stats(6 * K * kTile, 0.f);
+      std::vector<const scalar_t*> rows_of_tile(kTile * K);
       for (int64_t c = first; c < last; ++c) {
-        backward_rows(g, s, gs, K, q, D, static_cast<float>(eps), scale, row.data(), stats.data(), dq + c * D,
-                      c * T / chunks, (c + 1) * T / chunks);
+        backward_rows(g, s, gs, K, q, D, static_cast<float>(eps), scale, g_rows.data(), rows_of_tile.data(),
+                      stats.data(), dq + c * D, c * T / chunks, (c + 1) * T / chunks);
       }
     });
   });
-  return {grads, partial_dq.sum(0)};
+  float* out = grad_query.mutable_data_ptr<float>();
+  std::copy(partial_dq.begin(), partial_dq.begin() + D, out);
+  for (int64_t c = 1; c < chunks; ++c) {
+    for (int64_t d = 0; d < D; ++d) out[d] += partial_dq[c * D + d];
+  }
+  return {grads, grad_query};
 }
 
 std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>> phase1(
@@ -501,6 +621,118 @@ at::Tensor phase2(const at::Tensor& acc_in, const at::Tensor& top_in, const at::
   return out;
 }
 
+// ------------------------------------------------------------------------------------- autograd
+// The operators through the dispatcher (below autograd, under the guards the callers set): whatever
+// implements them for the tensors' device, and whatever dispatch modes are active, see the calls.
+const c10::TypedOperatorHandle<decltype(aggregate)>& aggregate_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("attnres_cpu::aggregate", "").typed<decltype(aggregate)>();
+  return op;
+}
+
+const c10::TypedOperatorHandle<decltype(aggregate_backward)>& backward_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("attnres_cpu::aggregate_backward", "")
+                             .typed<decltype(aggregate_backward)>();
+  return op;
+}
+
+// The operator's gradient, registered here (Autograd key) rather than in Python: a training step calls
+// the aggregation at every site, and a Python autograd Function costs tens of microseconds per call and
+// per backward, a third of what the aggregation added to a narrow model's step. The maths is
+// aggregate_backward's (Note [backward] of attnres_fx/op/aggregation.py); only the inputs are saved,
+// through save_for_backward (so saved_tensors_hooks, activation offloading and checkpointing see them).
+class AggregateFunction : public torch::autograd::Function<AggregateFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, at::TensorList sources,
+                            const at::Tensor& proj_weight, const at::Tensor& norm_weight, double eps,
+                            bool preserve_scale) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    at::Tensor out = aggregate_op().call(sources, proj_weight, norm_weight, eps, preserve_scale);
+    std::vector<at::Tensor> saved(sources.begin(), sources.end());
+    saved.push_back(proj_weight);
+    saved.push_back(norm_weight);
+    ctx->save_for_backward(saved);
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["preserve_scale"] = preserve_scale;
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor norm_weight = saved.back();
+    saved.pop_back();
+    const at::Tensor proj_weight = saved.back();
+    saved.pop_back();
+    const size_t K = saved.size();
+    auto [grads, grad_query] = backward_op().call(grad_outputs[0], saved, proj_weight, norm_weight,
+                                                  ctx->saved_data["eps"].toDouble(),
+                                                  ctx->saved_data["preserve_scale"].toBool());
+    torch::autograd::variable_list out(grads.begin(), grads.end());
+    // dL/dproj = dL/dq * norm.weight, dL/dnorm = dL/dq * proj.weight (the query is their product).
+    out.push_back(ctx->needs_input_grad(K) ? (grad_query * norm_weight.to(at::kFloat))
+                                                 .reshape(proj_weight.sizes())
+                                                 .to(proj_weight.scalar_type())
+                                           : at::Tensor());
+    out.push_back(ctx->needs_input_grad(K + 1)
+                      ? (grad_query * proj_weight.reshape(-1).to(at::kFloat)).to(norm_weight.scalar_type())
+                      : at::Tensor());
+    out.emplace_back();  // eps
+    out.emplace_back();  // preserve_scale
+    return out;
+  }
+};
+
+at::Tensor aggregate_autograd(at::TensorList sources, const at::Tensor& proj_weight, const at::Tensor& norm_weight,
+                              double eps, bool preserve_scale) {
+  bool wants_grad = false;
+  if (at::GradMode::is_enabled()) {
+    wants_grad = proj_weight.requires_grad() || norm_weight.requires_grad();
+    for (const auto& s : sources) wants_grad = wants_grad || s.requires_grad();
+  }
+  if (!wants_grad) {  // no graph to record: the kernel alone (a decoding step's budget is microseconds)
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return aggregate_op().call(sources, proj_weight, norm_weight, eps, preserve_scale);
+  }
+  return AggregateFunction::apply(sources, proj_weight, norm_weight, eps, preserve_scale);
+}
+
+// Shapes only, for fake tensors (torch.library.opcheck, FakeTensorMode), symbolic sizes included: the
+// checks of check_sources on sym_sizes.
+void check_meta_sources(const at::TensorList sources, const at::Tensor& proj_weight, const at::Tensor& norm_weight,
+                        const char* what) {
+  TORCH_CHECK(!sources.empty(), what, ": needs at least one source");
+  const at::Tensor& first = sources[0];
+  TORCH_CHECK(first.dim() >= 1, what, ": sources must be [..., D] with D > 0");
+  for (const auto& source : sources) {
+    TORCH_CHECK(source.sym_sizes() == first.sym_sizes() && source.scalar_type() == first.scalar_type(), what,
+                ": every source must have the shape and dtype of the first");
+  }
+  TORCH_CHECK(first.scalar_type() == at::kFloat || first.scalar_type() == at::kBFloat16 ||
+                  first.scalar_type() == at::kHalf,
+              what, ": sources must be float32, bfloat16 or float16, got ", first.scalar_type());
+  const c10::SymInt& dim = first.sym_sizes().back();
+  TORCH_CHECK(proj_weight.sym_numel() == dim && norm_weight.sym_numel() == dim, what,
+              ": proj_weight [1, D] and norm_weight [D] must have D elements");
+}
+
+at::Tensor aggregate_meta(at::TensorList sources, const at::Tensor& proj_weight, const at::Tensor& norm_weight,
+                          double eps, bool preserve_scale) {
+  check_meta_sources(sources, proj_weight, norm_weight, "attnres::aggregate");
+  return at::empty_like(sources[0]);
+}
+
+std::tuple<std::vector<at::Tensor>, at::Tensor> aggregate_backward_meta(const at::Tensor& grad, at::TensorList sources,
+                                                                        const at::Tensor& proj_weight,
+                                                                        const at::Tensor& norm_weight, double eps,
+                                                                        bool preserve_scale) {
+  check_meta_sources(sources, proj_weight, norm_weight, "attnres::aggregate_backward");
+  std::vector<at::Tensor> grads;
+  for (const auto& s : sources) grads.push_back(at::empty_like(s));
+  return {grads, at::empty_symint({sources[0].sym_sizes().back()}, sources[0].options().dtype(at::kFloat))};
+}
+
 }  // namespace attnres_cpu
 
 TORCH_LIBRARY(attnres_cpu, m) {
@@ -518,4 +750,13 @@ TORCH_LIBRARY_IMPL(attnres_cpu, CPU, m) {
   m.impl("aggregate_backward", &attnres_cpu::aggregate_backward);
   m.impl("phase1", &attnres_cpu::phase1);
   m.impl("phase2", &attnres_cpu::phase2);
+}
+
+TORCH_LIBRARY_IMPL(attnres_cpu, Autograd, m) {
+  m.impl("aggregate", &attnres_cpu::aggregate_autograd);
+}
+
+TORCH_LIBRARY_IMPL(attnres_cpu, Meta, m) {
+  m.impl("aggregate", &attnres_cpu::aggregate_meta);
+  m.impl("aggregate_backward", &attnres_cpu::aggregate_backward_meta);
 }

@@ -29,8 +29,8 @@ import torch
 from torch import fx, nn
 from torch.overrides import TorchFunctionMode
 
-from .compat import pytree
-from .errors import TraceError
+from ..compat import pytree
+from ..errors import TraceError
 
 # Tensor dunders as the operators TorchDynamo and torch.fx record (``x + y`` is ``operator.add``);
 # ``reversed``: the tensor is the right operand.

@@ -39,8 +39,8 @@ from typing import Any, Callable
 import torch
 from torch import fx, nn
 
-from . import compat
-from .errors import TraceError
+from .. import compat
+from ..errors import TraceError
 
 # Values baked into a traced graph (and part of its call shape) rather than passed to it.
 CONSTANT_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,

@@ -4,24 +4,27 @@
 
 ``sources`` is a list of tensors of one shape ``[..., D]`` and one dtype (fp32, bf16 or fp16);
 ``proj_weight`` ``[1, D]`` and ``norm_weight`` ``[D]`` are the pseudo-query and the key norm's weight.
-The function is :mod:`attnres_fx.aggregation`'s (its docstring gives the formula); fp32 inside, the
+The function is :mod:`attnres_fx.op.aggregation`'s (its docstring gives the formula); fp32 inside, the
 result in the sources' dtype.
 
 Implementations, by the device of the sources:
 
-- CPU: the C++ kernel (:mod:`attnres_fx.kernels.cpu`): per token, the logits from one read of the
+- CPU: the C++ kernel (:mod:`attnres_fx.op.kernels.cpu`): per token, the logits from one read of the
   sources' rows, then the weighted sum from cache; where it cannot be built, the PyTorch formulation
-  (one warning says why);
-- CUDA: the Triton kernel (:mod:`attnres_fx.kernels.gpu`) where Triton is installed;
+  (one warning says why). The library also defines ``attnres_cpu::aggregate`` with its autograd
+  registered in C++ (and meta kernels for fake tensors): what eager calls on the CPU run
+  (:func:`eager`, :func:`attnres_fx.op.module.run_site`), with no Python in a training step's forward
+  or backward;
+- CUDA: the Triton kernel (:mod:`attnres_fx.op.kernels.gpu`) where Triton is installed;
 - anything else, and CUDA without Triton: the PyTorch formulation.
 
 Autograd: the backward is one more operator, ``attnres::aggregate_backward``, returning the gradients
-of all sources and of the folded query (Note [backward] in :mod:`attnres_fx.aggregation`); the
+of all sources and of the folded query (Note [backward] in :mod:`attnres_fx.op.aggregation`); the
 forward saves only its inputs, through ``ctx.save_for_backward`` (so ``saved_tensors_hooks``,
 activation offloading and checkpointing manage them), and the backward recomputes the per-token
 logits in the same look at each source that gives ``g . v``. Fake (meta) implementations let
 torch.export and AOTAutograd trace the operator. Graph captures of :class:`attnres_fx.BlockAttnRes`
-nevertheless see plain ops (:func:`attnres_fx.block_attnres.aggregate`): Inductor treats a custom
+nevertheless see plain ops (:func:`attnres_fx.op.module.aggregate`): Inductor treats a custom
 operator as an opaque call and fuses plain ops with their neighbours; exporters get the form
 onnxruntime runs fastest, into which :data:`EXPORT_DECOMPOSITIONS` also turns the operator where a
 model calls it itself.
@@ -143,7 +146,7 @@ def _aggregate_backward_any(grad, sources, proj_weight, norm_weight, eps, preser
 
 
 def _gpu_kernels():
-    """:mod:`attnres_fx.kernels.gpu`, or ``None`` without Triton."""
+    """:mod:`attnres_fx.op.kernels.gpu`, or ``None`` without Triton."""
     try:
         from .kernels import gpu
     except ImportError:
@@ -182,13 +185,14 @@ def eager(proj_weight: torch.Tensor, norm_weight: torch.Tensor, sources, *, eps:
     """The aggregation as eager PyTorch runs it fastest (``benchmarks/bench.py``'s ``kernels`` section
     measures the choices):
 
-    - the kernel where there is one: on the CPU without a gradient the C++ function is called directly
-      (skipping the autograd layer's few microseconds, which are a decoding step's whole budget); with a
-      gradient the operator, for its fused backward;
-    - sources of mixed shapes or dtypes: :func:`~attnres_fx.aggregation.fusable` (broadcasting, promotion);
-    - no kernel (no compiler): :func:`~attnres_fx.aggregation.stacked` for small sources, where the op
+    - on the CPU, the C++ operator ``attnres_cpu::aggregate`` straight away, with a gradient too: its
+      autograd is registered in C++, and it checks its inputs itself (sources of mixed shapes or dtypes,
+      which it refuses, take :func:`~attnres_fx.op.aggregation.fusable`: broadcasting, promotion);
+    - on other devices, the operator ``attnres::aggregate`` (the Triton kernel on CUDA) for sources of one
+      shape and dtype, :func:`~attnres_fx.op.aggregation.fusable` for the others;
+    - no kernel (no compiler): :func:`~attnres_fx.op.aggregation.stacked` for small sources, where the op
       count dominates, else the operator's PyTorch formulation with its fused backward, or
-      :func:`~attnres_fx.aggregation.fusable` without a gradient.
+      :func:`~attnres_fx.op.aggregation.fusable` without a gradient.
     """
     sources = list(sources)
     if proj_weight.device != sources[0].device:
@@ -197,18 +201,22 @@ def eager(proj_weight: torch.Tensor, norm_weight: torch.Tensor, sources, *, eps:
             "something moved the weights of a BlockAttnRes's submodules away without calling them (accelerate's "
             "cpu_offload / disk offload: pass preload_module_classes=['BlockAttnRes'], which loads a module's "
             "submodules' weights when it is called)")
+    on_cpu = sources[0].device.type == "cpu"
+    if on_cpu and cpu.available():
+        try:
+            return torch.ops.attnres_cpu.aggregate(sources, proj_weight, norm_weight, eps, preserve_scale)
+        except RuntimeError:
+            if uniform(sources):
+                raise
+            return aggregation.fusable(proj_weight, norm_weight, sources, eps=eps, preserve_scale=preserve_scale)
     if not uniform(sources):
         return aggregation.fusable(proj_weight, norm_weight, sources, eps=eps, preserve_scale=preserve_scale)
-    needs_grad = torch.is_grad_enabled() and (proj_weight.requires_grad or norm_weight.requires_grad
-                                              or any(s.requires_grad for s in sources))
-    if sources[0].device.type == "cpu":
-        if cpu.available():
-            if not needs_grad:
-                # Checked above (uniform) and by the kernel itself: the C++ function straight away.
-                return torch.ops.attnres_cpu.aggregate(sources, proj_weight, norm_weight, eps, preserve_scale)
-        elif len(sources) > 1 and sources[0].numel() <= aggregation.STACKED_MAX_ELEMENTS:
+    if on_cpu:
+        if len(sources) > 1 and sources[0].numel() <= aggregation.STACKED_MAX_ELEMENTS:
             return aggregation.stacked(proj_weight, norm_weight, sources, eps=eps, preserve_scale=preserve_scale)
-        elif not needs_grad:
+        needs_grad = torch.is_grad_enabled() and (proj_weight.requires_grad or norm_weight.requires_grad
+                                                  or any(s.requires_grad for s in sources))
+        if not needs_grad:
             return aggregation.fusable(proj_weight, norm_weight, sources, eps=eps, preserve_scale=preserve_scale)
     return torch.ops.attnres.aggregate(sources, proj_weight, norm_weight, eps, preserve_scale)
 
@@ -218,5 +226,5 @@ def _aggregate_for_export(sources, proj_weight, norm_weight, eps, preserve_scale
 
 
 # What exporters turn the operator into: the plain-op form onnxruntime runs fastest
-# (:func:`attnres_fx.aggregation.batched`); ``ExportedProgram.run_decompositions(EXPORT_DECOMPOSITIONS)``.
+# (:func:`attnres_fx.op.aggregation.batched`); ``ExportedProgram.run_decompositions(EXPORT_DECOMPOSITIONS)``.
 EXPORT_DECOMPOSITIONS = {torch.ops.attnres.aggregate.default: _aggregate_for_export}

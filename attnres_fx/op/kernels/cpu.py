@@ -7,7 +7,7 @@ instruction set, so that a change of any of them builds anew and an unchanged on
 milliseconds, without compiler or ninja. Building prints one line and takes about a minute.
 
 Where it cannot be built (no compiler, no ninja, a compile error), :func:`available` is False and
-warns once, saying why; :mod:`attnres_fx.ops` then runs the PyTorch formulation, the same function.
+warns once, saying why; :mod:`attnres_fx.op.ops` then runs the PyTorch formulation, the same function.
 """
 
 from __future__ import annotations

@@ -32,8 +32,8 @@ from attnres_fx import compat
 from attnres_fx.passes.checkpoints import open_checkpoints
 from attnres_fx.passes.node_kinds import is_norm_module
 
-from .diagnostics import first_line, reported_user_frame, root_cause
-from .errors import TraceError
+from ..diagnostics import first_line, reported_user_frame, root_cause
+from ..errors import TraceError
 from .recording import record_graph
 
 TRACERS = ("auto", "fx", "export")
@@ -303,7 +303,7 @@ def _is_cache(value: Any) -> bool:
 
 def capture_for_plan(model: nn.Module, example_inputs: tuple | None, example_kwargs: dict | None) -> Traced:
     """The graph a conversion is planned on, with the given inputs or a Hugging Face model's dummy inputs:
-    one call recorded as it runs (:mod:`attnres_fx.recording`: the model's state is left as it was), or
+    one call recorded as it runs (:mod:`attnres_fx.capture.recording`: the model's state is left as it was), or
     TorchDynamo's capture (fake tensors: nothing runs) where the recording cannot see every op or the
     call fails run for real; without inputs, fx symbolic tracing."""
     inputs = plan_inputs(model, example_inputs, example_kwargs)

@@ -15,7 +15,7 @@ execution order, columns = source blocks, the layout of the method paper's depth
 The weights are recorded by forward pre-hooks on the ``BlockAttnRes`` modules, from the sources each
 module receives and its own parameters; the hooks only read, so the model computes what it computes
 without them. :class:`DepthRecorder` is the same recording around calls the caller makes (a training
-step): :mod:`attnres_fx.training` builds its monitor on it.
+step): :mod:`attnres_fx.integrations.training` builds its monitor on it.
 """
 
 from __future__ import annotations
@@ -30,15 +30,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from .compat import unwrapped
-from .conversion import sites as sites_of
-from .aggregation import depth_logit, folded_query
-from .block_attnres import BlockAttnRes
-from .errors import DepthWeightsError
-from .conversion import conversion_of
-from .routing import eager_route
-from .passes.plan import Site
-from .text import format_table
+from ..compat import unwrapped
+from ..conversion import sites as sites_of
+from ..op.aggregation import depth_logit, folded_query
+from ..op.module import BlockAttnRes
+from ..errors import DepthWeightsError
+from ..conversion import conversion_of
+from ..routing import eager_route
+from ..passes.plan import Site
+from ..text import format_table
 
 # Cells above this count are too small to carry their value as text in a heatmap.
 ANNOTATE_MAX_CELLS = 400
@@ -257,7 +257,7 @@ class DepthRecorder:
 
 def source_weights(module: BlockAttnRes, sources: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """The softmax weights ``module`` gives ``sources`` per token, fp32 ``[..., num_sources]``: the
-    logits ``(w * g) . (v / rms(v))`` of :func:`~attnres_fx.block_attnres.aggregate`, softmax over
+    logits ``(w * g) . (v / rms(v))`` of :func:`~attnres_fx.op.module.aggregate`, softmax over
     sources."""
     query = folded_query(module.proj.weight.detach(), module.norm.weight.detach())
     logits = [depth_logit(source.detach().float(), query, module.eps) for source in sources]

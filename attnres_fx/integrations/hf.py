@@ -28,6 +28,7 @@ import contextlib
 import functools
 import hashlib
 import json
+import os
 import re
 import sys
 import threading
@@ -41,11 +42,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import api, atomic, compat, conversion, routing
-from .config import AttnResConfig
-from .conversion import is_converted, plan_of, sites
-from .errors import AttnResWarning, CheckpointMismatchError
-from .version import __version__
+from .. import api, atomic, compat, conversion, routing
+from ..config import AttnResConfig
+from ..conversion import is_converted, plan_of, sites
+from ..errors import AttnResWarning, CheckpointMismatchError
+from ..version import __version__
 
 CONFIG_NAME = "attnres_config.json"
 WEIGHTS_NAME = "attnres.safetensors"
@@ -480,17 +481,14 @@ def _outermost(model: nn.Module) -> bool:
 
 
 def _wrap_from_pretrained(pretrained_model: type) -> None:
-    """Make ``PreTrainedModel.from_pretrained`` (a public classmethod) finish a save of its folder that was
-    killed part-way (:func:`attnres_fx.atomic.recover`) and check the AttnRes weights its loader gave a
-    converted model (:func:`check_loaded`) before returning it, once."""
+    """Make ``PreTrainedModel.from_pretrained`` (a public classmethod) check the AttnRes weights its loader
+    gave a converted model (:func:`check_loaded`) before returning it, once."""
     original = pretrained_model.__dict__["from_pretrained"].__func__
     if getattr(original, "_attnres_wrapped", False):
         return
 
     @functools.wraps(original)
     def from_pretrained(cls, *args, **kwargs):
-        if args and isinstance(args[0], (str, Path)):
-            atomic.recover(args[0])
         _LOADING.depth = getattr(_LOADING, "depth", 0) + 1
         try:
             result = original(cls, *args, **kwargs)
@@ -515,6 +513,16 @@ def _on_transformers_import(modeling_utils) -> None:
 
 
 compat.after_import("transformers.modeling_utils", _on_transformers_import)
+
+
+def _recover_folder(path_or_repo_id) -> None:
+    """Finish a save of the folder that was killed part-way (:func:`attnres_fx.atomic.recover`)."""
+    if isinstance(path_or_repo_id, (str, os.PathLike)):
+        atomic.recover(path_or_repo_id)
+
+
+# Every loader of transformers first finishes a save of its folder that was killed part-way.
+compat.after_import("transformers.utils.hub", lambda hub: compat.before_file_lookups(hub, _recover_folder))
 
 
 # -- attnres_fx.from_pretrained -----------------------------------------------------------------------------

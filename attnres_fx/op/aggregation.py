@@ -15,9 +15,9 @@ it replaces give (a bf16 embedding added to fp32 sublayer outputs is an fp32 str
 - :func:`reference_backward`: the gradients in a few passes over each source (Note [backward]) instead
   of autograd's dozen small nodes through :func:`fusable`.
 
-Eager calls run the operator of :mod:`attnres_fx.ops` (a C++ or Triton kernel); these formulations are
+Eager calls run the operator of :mod:`attnres_fx.op.ops` (a C++ or Triton kernel); these formulations are
 what graph captures see and what the operator falls back to where no kernel is available
-(:func:`attnres_fx.ops.eager` picks).
+(:func:`attnres_fx.op.ops.eager` picks).
 """
 
 from __future__ import annotations
@@ -198,7 +198,7 @@ def batched(proj_weight, norm_weight, sources, *, eps: float, preserve_scale: bo
 def reference_backward(grad, sources, proj_weight, norm_weight, eps: float, preserve_scale: bool):
     """Note [backward] in PyTorch ops: the gradients of every source (in its dtype) and of the folded
     query (fp32 ``[D]``). What ``attnres::aggregate_backward`` computes where no kernel does
-    (:mod:`attnres_fx.ops`); the per-token logits are recomputed here, not saved by the forward."""
+    (:mod:`attnres_fx.op.ops`); the per-token logits are recomputed here, not saved by the forward."""
     if isinstance(grad, torch.Tensor) and autocast_on(grad.device.type):
         with torch.autocast(grad.device.type, enabled=False):
             return reference_backward(grad, sources, proj_weight, norm_weight, eps, preserve_scale)

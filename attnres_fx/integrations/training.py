@@ -33,13 +33,13 @@ from typing import Any
 
 from torch import nn
 
-from . import routing
-from .conversion import conversion_of
-from .compat import unwrapped
-from .conversion import sites
-from .block_attnres import BlockAttnRes
+from .. import routing
+from ..conversion import conversion_of
+from ..compat import unwrapped
+from ..conversion import sites
+from ..op.module import BlockAttnRes
 from .depth import DepthRecorder, DepthWeights, depth_weights, source_label
-from .errors import AttnResWarning
+from ..errors import AttnResWarning
 
 DEFAULT_ATTNRES_LR_MULT = 2.0
 DEFAULT_COLLAPSE_THRESHOLD = 0.95

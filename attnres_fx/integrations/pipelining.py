@@ -38,13 +38,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .compat import pytree
-from . import routing
-from .capture import as_args, dummy_inputs
-from .conversion import conversion_of
-from .errors import RoutingError
-from .passes.plan import StreamPlan
-from .routing.state import StreamState, attach, bundle, state_of, unbundle
+from ..compat import pytree
+from .. import routing
+from ..capture.tracers import as_args, dummy_inputs
+from ..conversion import conversion_of
+from ..errors import RoutingError
+from ..passes.plan import StreamPlan
+from ..routing.state import StreamState, attach, bundle, state_of, unbundle
 
 
 @dataclass(frozen=True)
