@@ -15,7 +15,7 @@ from attnres_fx.models import TinyConfig, TinyTransformer, example_ids
 from attnres_fx.routing import host
 from attnres_fx.testing import randomise_pseudo_queries
 
-# fp32; the host's graph runs the aggregations as plain ops (attnres_fx.aggregation.fusable), the eager
+# fp32; the host's graph runs the aggregations as plain ops (attnres_fx.op.aggregation.fusable), the eager
 # route the C++ kernel: the same sums in another order. Random pseudo-queries (std 1) make the depth
 # softmaxes sharp: each is within 2.2e-5 of the float64 model on logits of size 2, so they agree to 5e-5.
 TOLERANCE = dict(rtol=1e-5, atol=5e-5)

@@ -11,7 +11,7 @@ A host is named on the conversion (:func:`host`). While a host's capture traces 
 - the host's backend is wrapped (:func:`rewriting_backend`): a copy of each graph is rewritten by the plan,
   as the model route rewrites its graphs (every stream matched by the modules performing its sites, so
   vLLM's replacement of linear layers and norms changes nothing), the aggregations as plain ops on the
-  declared parameters (:func:`attnres_fx.aggregation.fusable`: the host's compiler fuses them with their
+  declared parameters (:func:`attnres_fx.op.aggregation.fusable`: the host's compiler fuses them with their
   neighbours), the declarations removed; the host's own backend compiles the result.
 
 ``attnres::site_parameters`` has no implementation that runs: a graph that reaches a backend without the
@@ -28,8 +28,8 @@ import torch
 from torch import fx, nn
 
 from .. import compat
-from ..aggregation import fusable
-from ..capture import copy_graph_module
+from ..op.aggregation import fusable
+from ..capture.tracers import copy_graph_module
 from ..conversion import conversion_of, require
 from ..errors import PassContractError, RoutingError
 from ..passes.pipeline import rewrite_captured
@@ -64,7 +64,7 @@ def declare(root: nn.Module, sites) -> None:
 
 
 class DeclaredParameters(Emitter):
-    """Aggregations as :func:`~attnres_fx.aggregation.fusable` on the parameters declared in the graph."""
+    """Aggregations as :func:`~attnres_fx.op.aggregation.fusable` on the parameters declared in the graph."""
 
     def __init__(self, declared: dict[str, tuple[fx.Node, fx.Node]], eps: float, preserve_scale: bool):
         self.declared = declared
