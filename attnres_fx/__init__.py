@@ -33,6 +33,7 @@ from .errors import (
     UnsupportedArchitectureError,
     WriteError,
 )
+from .integrations import autoload
 from .integrations.hf import from_pretrained
 from .integrations.pipelining import pipeline_stages
 from .passes.plan import Site
@@ -46,6 +47,9 @@ from .integrations.training import (
     unfreeze,
 )
 
+
+# Models transformers builds from a config with a saved conversion are converted as they are built.
+autoload.enable()
 
 __all__ = [
     "AttnResConfig", "AttnResError", "AttnResWarning", "BlockAttnRes", "CheckpointMismatchError", "DepthRecorder", "DepthWeights",

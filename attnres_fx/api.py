@@ -19,7 +19,7 @@ from torch import fx, nn
 
 from attnres_fx.passes.detect import Detection, detect_residual_streams
 from attnres_fx.passes.pipeline import rewrite_captured
-from attnres_fx.passes.plan import make_plan
+from attnres_fx.passes.plan import Plan, make_plan
 from attnres_fx.passes.rewrite import ModuleCalls, new_modules
 
 from . import routing
@@ -29,7 +29,7 @@ from .capture.tracers import as_args, capture_dynamo, capture_for_plan, plan_inp
 from .capture.recording import MODULE_CALLS
 from .routing import trial
 from .compat import unwrapped, wrappers
-from .conversion import conversion_of, require
+from .conversion import conversion_of, require, stats
 from .conversion import conversion_options, is_converted, plan_of, sites  # noqa: F401 - the public face
 from .errors import AttnResWarning, NoResidualStreamError, RoutingError, UnsupportedArchitectureError
 
@@ -95,6 +95,7 @@ def attnresify(model: nn.Module, example_inputs: Any = None, *, example_kwargs: 
     start = time.perf_counter()
     example_inputs = as_args(example_inputs)
     with ready_to_capture(model):
+        stats.captures += 1
         traced = capture_for_plan(model, example_inputs, example_kwargs)
         detection = detect_residual_streams(traced.graph_module)
         _check_detection(model, detection, allow_partial)
@@ -107,6 +108,25 @@ def attnresify(model: nn.Module, example_inputs: Any = None, *, example_kwargs: 
     LOG.info("converted %s in %.1f s (%s capture): %d sites in %d stream(s), block sizes %s, routes %s",
              type(model).__name__, time.perf_counter() - start, traced.frontend, len(plan.sites),
              len(plan.streams), ", ".join(map(str, plan.block_sizes)), ", ".join(plan.routes))
+    return wrapper
+
+
+def convert_as_planned(model: nn.Module, plan: Plan, config: AttnResConfig) -> nn.Module:
+    """Convert ``model`` in place to ``plan``, made by an earlier conversion of a model of its architecture
+    and size (a saved checkpoint's, :mod:`attnres_fx.integrations.checkpoint`), with the ``config`` that
+    made it: the AttnRes modules registered and the calls routed as :func:`attnresify` would, without
+    capturing the model, so its weights may still be on the meta device. The caller has checked that the
+    plan's modules are the model's; the plan is checked against the model's graphs by its routes, which
+    make them at the first call (a block that holds other sites than planned raises
+    :class:`~attnres_fx.StreamMismatchError` naming it), as they do for every call shape a conversion's
+    trial did not see. Returns ``model``."""
+    wrapper, model = model, unwrapped(model)
+    if conversion_of(model) is not None:
+        raise RoutingError(f"{type(model).__name__} is already converted; call attnres_fx.remove(model) first")
+    routing.install(model, plan, new_modules(plan, like=model), config)
+    LOG.info("converted %s from its saved plan: %d sites in %d stream(s), block sizes %s, routes %s",
+             type(model).__name__, len(plan.sites), len(plan.streams), ", ".join(map(str, plan.block_sizes)),
+             ", ".join(plan.routes))
     return wrapper
 
 
@@ -187,6 +207,7 @@ def detect(model: nn.Module, example_inputs: Any = None, *, example_kwargs: dict
     if tracer not in DETECT_TRACERS:
         raise ValueError(f"tracer must be one of {DETECT_TRACERS}, got {tracer!r}")
     example_inputs = as_args(example_inputs)
+    stats.captures += 1
     if tracer == "auto":
         gm = capture_for_plan(model, example_inputs, example_kwargs).graph_module
     elif tracer == "dynamo":
@@ -243,10 +264,11 @@ def _check_detection(model: nn.Module, detection: Detection, allow_partial: bool
     if detection.streams and detection.unconverted and not allow_partial:
         adds = "\n".join(f"  - {add}" for add in detection.unconverted)
         raise UnsupportedArchitectureError(
-            f"the residual stream of {name} continues through adds that are no residual site:\n{adds}\n"
-            "Converting the rest would leave them as plain adds, so the model would be converted only in "
-            "part. Pass allow_partial=True to do that anyway (each such add then reads the aggregate that "
-            "stands for the stream value it read), or write the model so that these adds are residual sites.")
+            f"the residual stream of {name} continues through adds or ops that are no residual site:\n{adds}\n"
+            "Converting the rest would leave them as they are, so the model would be converted only in "
+            "part. Pass allow_partial=True to do that anyway (each such add or op then reads the aggregate "
+            "that stands for the stream value it read), or write the model so that these adds are residual "
+            "sites.")
     if detection.streams:
         return
     if detection.post_norm:

@@ -5,11 +5,13 @@ every accessor of it.
 instance attribute: it follows ``copy.deepcopy``, ``pickle`` and ``torch.save`` of the model and never
 enters its ``state_dict``). :func:`sites`, :func:`plan_of`, :func:`conversion_options` and
 :func:`is_converted` read it here; integrations that act when a model is converted or restored (the
-Hugging Face one gives the model its ``save_pretrained``) register with :func:`on_convert`.
+Hugging Face one gives the model its ``save_pretrained``) register with :func:`on_convert`. :data:`stats`
+counts the costly work conversions and checkpoints did in this process.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -25,10 +27,45 @@ ATTRIBUTE = "_attnres_conversion"
 
 
 @dataclass
+class Stats:
+    """Work done in this process, for what must not be repeated (a load captures nothing, reads and hashes
+    its checkpoint once): ``captures``, graphs a conversion planned on (:func:`attnres_fx.attnresify`,
+    :func:`attnres_fx.detect`); ``fingerprints``, hashes of a model's or a folder's AttnRes weights;
+    ``checkpoint_reads``, reads of a saved conversion's files. ``stats - earlier`` is the work since a
+    :meth:`copy`."""
+
+    captures: int = 0
+    fingerprints: int = 0
+    checkpoint_reads: int = 0
+
+    def copy(self) -> Stats:
+        return dataclasses.replace(self)
+
+    def __sub__(self, other: Stats) -> Stats:
+        return Stats(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in dataclasses.fields(self)})
+
+
+stats = Stats()
+
+
+@dataclass
+class RouteStats:
+    """The work one converted model's routes did, counted (``Conversion.stats``): block traces made, block
+    graphs rewritten, TorchDynamo graphs rewritten (``captures``), cache entries dropped to stay within
+    ``trace_cache_size`` (``evictions``). What tests assert "zero re-traces" with."""
+
+    traces: int = 0
+    rewrites: int = 0
+    captures: int = 0
+    evictions: int = 0
+
+
+@dataclass
 class Conversion:
     """What ``attnresify`` did to a model: the plan, the options that made it, the compiler the routes
-    use, what installing the routing did (``installed``, the record :func:`attnres_fx.remove` undoes) and
-    the graphs the routes traced so far (``traces``: empty in a copy, traced again)."""
+    use, what installing the routing did (``installed``, the record :func:`attnres_fx.remove` undoes),
+    the graphs the routes traced so far (``traces``: empty in a copy, traced again) and the work counted
+    (``stats``)."""
 
     plan: Plan
     config: AttnResConfig = field(default_factory=AttnResConfig)
@@ -38,6 +75,7 @@ class Conversion:
     traces: Any = None
     host: str = ""            # a host compiler that captures the model's calls whole (attnres_fx.routing.host)
     host_graphs: int = 0      # the host's graphs rewritten so far
+    stats: RouteStats = field(default_factory=RouteStats)
 
 
 def conversion_of(model: nn.Module) -> Conversion | None:
@@ -83,6 +121,11 @@ def detach(model: nn.Module) -> None:
 
 def is_converted(model: nn.Module) -> bool:
     return conversion_of(model) is not None
+
+
+def converted_within(model: nn.Module) -> bool:
+    """Whether ``model`` or a module inside it is converted."""
+    return any(isinstance(module.__dict__.get(ATTRIBUTE), Conversion) for module in model.modules())
 
 
 def sites(module: nn.Module) -> list[Site]:

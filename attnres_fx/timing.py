@@ -3,18 +3,23 @@ round-robin over the candidates, so that a shared, noisy machine slows them alik
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
 
 def interleaved(fns: dict[str, Callable[[], object]], runs: int, warmup: int = 1,
-                device: torch.device | None = None) -> dict[str, list[float]]:
+                device: torch.device | None = None,
+                clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
     """Seconds per call of each function, after ``warmup`` calls each, timed round-robin with the order
     reversed every other round. On a CUDA ``device`` each call is synchronised (kernels run
-    asynchronously: the timer would stop before they finish)."""
+    asynchronously: the timer would stop before they finish). ``clock``: wall time by default;
+    ``time.thread_time`` counts only the CPU time of the calling thread, which other work on a shared
+    machine does not inflate (meaningful when torch runs on that one thread); ``time.process_time``
+    the CPU time of every thread of the process."""
     if device is not None and device.type == "cuda":
         fns = {name: _synchronised(fn, device) for name, fn in fns.items()}
     for fn in fns.values():
@@ -24,10 +29,28 @@ def interleaved(fns: dict[str, Callable[[], object]], runs: int, warmup: int = 1
     times: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(runs):
         for name in names if round_ % 2 == 0 else names[::-1]:
-            start = time.perf_counter()
+            start = clock()
             fns[name]()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(clock() - start)
     return times
+
+
+@contextlib.contextmanager
+def single_thread() -> Iterator[None]:
+    """torch's intra-op work on the calling thread alone, for timing with ``clock=time.thread_time``;
+    the thread count is restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def paired_ratios(times: dict[str, list[float]], reference: str) -> dict[str, float]:
+    """Per entry, the median over rounds of its time divided by ``reference``'s in the same round: on a
+    shared machine the load drifts between rounds more than between neighbouring calls."""
+    return {name: statistics.median(t / r for t, r in zip(ts, times[reference])) for name, ts in times.items()}
 
 
 def median_ms(times: dict[str, list[float]]) -> dict[str, float]:

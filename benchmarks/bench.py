@@ -37,6 +37,17 @@ Sections:
 6. ``memory``: peak resident memory of a training step and of a forward, each in a fresh process.
 7. ``op``: one aggregation, the kernel (eager) and compiled, against a compiled streaming sum of the same
    sources (the bandwidth bound), and the two-phase schedule of one block against its per-site form.
+7b. ``op_train``: one aggregation's forward and backward (what eager calls run: on the CPU the C++
+   operator with its C++ autograd; beside it the operator whose autograd is registered in Python, and the
+   two kernels called directly) against a copy that reads and writes as many bytes as forward and
+   backward together (3K + 2 stream tensors for K sources), at [2, 128, 512] and [1, 1, 2048].
+7c. ``deep_train``: the eager training step of the ``deep`` shape (d=128, 24 layers, where the
+   aggregations are the largest share of the work), original and converted.
+
+``query_sizes``, ``deep_train`` and, on the CPU, ``op_train`` run torch on one thread and time each call
+in that thread's CPU time: on a machine shared with other work, wall time with two threads inflated a
+step many times over (threads waiting for each other), CPU time of one thread does not move with the
+load.
 8. ``choices``: the measurements behind the implementation choices: eager candidates per shape (decoding
    and prefill), fused backward against autograd, Inductor's plain-op form against the opaque operator,
    and onnxruntime per ONNX form. ``--device cuda`` runs this section and ``op`` on a GPU.
@@ -48,6 +59,7 @@ latter; progress goes to stderr.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
 import gc
@@ -70,15 +82,15 @@ from torch import nn
 import attnres_fx
 from attnres_fx.models import TinyConfig, TinyTransformer, example_ids
 from attnres_fx.passes.two_phase import phase1, phase2
-from attnres_fx.timing import interleaved
+from attnres_fx.timing import interleaved, paired_ratios, single_thread
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import routes  # noqa: E402 - the routes' own sections, beside this script
 import traffic  # noqa: E402 - the memory-traffic model beside this script
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
-SECTIONS = ("llama", "query_sizes", "startup", "overhead", "threads", "demo", "forward", "train", "first_call", "decode", "genai",
-            "stages", "memory", "op", "choices")
+SECTIONS = ("llama", "query_sizes", "deep_train", "startup", "load", "overhead", "threads", "demo", "forward", "train", "first_call",
+            "decode", "genai", "stages", "memory", "op", "op_train", "choices")
 BACKENDS = ("eager", "compiled", "onnx")
 
 
@@ -121,6 +133,7 @@ class Settings:
     warmup: int
     op_runs: int
     op_sources: tuple[int, ...]
+    op_train_shapes: tuple[tuple[int, ...], ...]
     choice_shapes: tuple[tuple[int, ...], ...]
     decode: dict
     decode_tokens: int
@@ -130,7 +143,7 @@ FULL = Settings(
     shapes={"bench": Shape("bench", 512, 12, 8, 4, 256, 8), "mid": Shape("mid", 256, 8, 4, 4, 128, 4),
             "deep": Shape("deep", 128, 24, 2, 4, 128, 8)},
     forward_shapes=("bench", "mid"), train_shapes=("bench", "mid", "deep"), runs=15, warmup=2, op_runs=100,
-    op_sources=(2, 5, 9), choice_shapes=((1, 1, 256), (8, 1, 256), (1, 1, 2048), (8, 1, 2048), (4, 256, 512),
+    op_sources=(2, 5, 9), op_train_shapes=((2, 128, 512), (1, 1, 2048)), choice_shapes=((1, 1, 256), (8, 1, 256), (1, 1, 2048), (8, 1, 2048), (4, 256, 512),
                                          (1, 512, 2048)),
     decode=dict(num_hidden_layers=8, hidden_size=256, intermediate_size=1024, num_attention_heads=4,
                 num_key_value_heads=4, head_dim=64, vocab_size=1024),
@@ -139,6 +152,7 @@ QUICK = Settings(
     shapes={"bench": Shape("bench", 64, 2, 2, 2, 16, 8), "mid": Shape("mid", 32, 2, 2, 2, 16, 2),
             "deep": Shape("deep", 32, 4, 2, 2, 16, 4)},
     forward_shapes=("bench",), train_shapes=("bench",), runs=3, warmup=1, op_runs=5, op_sources=(2, 3),
+    op_train_shapes=((2, 16, 64), (1, 1, 64)),
     choice_shapes=((1, 1, 32), (2, 16, 64)),
     decode=dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
                 num_key_value_heads=2, head_dim=16, vocab_size=128),
@@ -153,12 +167,24 @@ TARGETS = {   # (section path, entry, bound, sense): the targets the README's pe
     "Llama training step, default / model route": ("llama/train", "versus_model_route", 1.02, "<="),
     "Llama compiled forward, default / model route": ("llama/compiled", "versus_model_route", 1.02, "<="),
     "Llama decode tokens/s, default / model route": ("llama/decode", "versus_model_route", 0.98, ">="),
-    "Llama training step, pseudo-queries of std 1": ("query_sizes/train", "std1", 1.05, "<="),
-    "Llama training step, pseudo-queries of std 3": ("query_sizes/train", "std3", 1.05, "<="),
+    "Llama training step, pseudo-queries of std 0 (one thread, CPU time)": ("query_sizes/train", "std0", 1.05, "<="),
+    "Llama training step, pseudo-queries of std 0.1 (one thread, CPU time)": ("query_sizes/train", "std0.1", 1.05,
+                                                                               "<="),
+    "Llama training step, pseudo-queries of std 1 (one thread, CPU time)": ("query_sizes/train", "std1", 1.05, "<="),
+    "Llama training step, pseudo-queries of std 3 (one thread, CPU time)": ("query_sizes/train", "std3", 1.05, "<="),
+    "Llama training step, std 1 / std 0.1 (median of round ratios)": ("query_sizes/versus_std0.1", "std1", 1.02,
+                                                                       "<="),
+    "deep narrow training step (d=128, 24 layers; one thread, CPU time)": ("deep_train/train", "converted", 1.12,
+                                                                            "<="),
+    "op forward+backward / same-bytes copy at [2, 128, 512] (fewest of its source counts)": (
+        "op_train", "eager_worst", 0.8, ">="),
     "32-layer Llama: attnresify + first call, s": ("startup", "deepest", 5.0, "<="),
     "32-layer Llama: attnresify + first call / 8-layer": ("startup", "depth_growth", 1.5, "<="),
     "8B-shaped Llama on meta: attnresify, s": ("startup", "meta_8b", 20.0, "<=", "convert_s"),
     "8B-shaped Llama on meta: peak memory, MB": ("startup", "meta_8b", 2048.0, "<=", "peak_mb"),
+    "16-layer Llama from_pretrained: converted folder - original's, CPU s": ("load/depths", "16", 1.0, "<=",
+                                                                              "difference_s"),
+    "32-layer Llama from_pretrained: converted folder / original's, CPU time": ("load/depths", "32", 1.5, "<="),
     "demo model forward": ("demo/forward", "converted", 1.25, "<="),
     "eager forward, bench": ("forward/bench/eager", "converted", 1.03, "<="),
     "eager forward, mid": ("forward/mid/eager", "converted", 1.05, "<="),
@@ -323,6 +349,20 @@ def train_step(model: nn.Module, ids: torch.Tensor, targets: torch.Tensor, compi
     return step
 
 
+def deep_train_section(settings: Settings) -> dict:
+    """The eager training step of the deep, narrow shape, original and converted, interleaved on one
+    thread, in that thread's CPU time (module docstring)."""
+    shape = settings.shapes["deep"]
+    ids, targets_ = inputs(shape)
+    progress(f"deep training step, eager, one thread ({shape.describe()})")
+    with single_thread():
+        steps = {v: train_step(m.train(), ids, targets_, False)
+                 for v, m in variants(shape, ("original", "converted")).items()}
+        times = interleaved(steps, settings.runs, settings.warmup, clock=time.thread_time)
+    return {"shape": shape.describe(), "clock": "one thread, thread CPU time", "train": summarise(times, "original"),
+            "paired_ratio": paired_ratios(times, "original")}
+
+
 def first_call_section(settings: Settings) -> dict:
     """Seconds to convert, of the first call (captures and rewrites) and of the second, per route."""
     shape = settings.shapes["bench"]
@@ -370,10 +410,11 @@ def decode_section(settings: Settings, backends: list[str]) -> dict:
 # windows as long as the whole sequence: onnxruntime-genai's windowed cache for the builder's folders
 # needs the window within the sequence's length and, in 0.18, fails once the window slides.
 # Gemma 2 stands for its family: the builder (0.18) cannot read transformers' Gemma 3 config (a rope per
-# layer type).
+# layer type). The vocabulary differs from intermediate_size: the builder's int4 head is the first linear
+# layer with vocab_size outputs, which would be the first MLP's.
 GENAI = {"full": dict(families=("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2"), prompt=32,
                       model=dict(num_hidden_layers=8, hidden_size=256, intermediate_size=1024, num_attention_heads=4,
-                                 num_key_value_heads=4, head_dim=64, vocab_size=1024, max_position_embeddings=512)),
+                                 num_key_value_heads=4, head_dim=64, vocab_size=1000, max_position_embeddings=512)),
          "quick": dict(families=("llama",), prompt=8, model={})}
 
 
@@ -663,6 +704,58 @@ def op_against_bound(settings: Settings, dims: tuple[int, ...], count: int, stre
         entry[f"{kind}_fraction"] = 1.0 / times[kind]["ratio"]
         entry[f"{kind}_fraction_min"] = 1.0 / times[kind]["ratio_min"]
     return entry
+
+
+def op_train_section(settings: Settings, device: torch.device) -> dict:
+    """One aggregation's forward and backward against a copy of the same bytes: per shape and source count,
+    median microseconds of (``eager``) what eager calls run (:func:`attnres_fx.op.ops.eager`: on the CPU
+    the C++ operator, its autograd in C++), (``python_autograd``) the operator ``attnres::aggregate``,
+    whose autograd is registered in Python, and, on the CPU, (``kernels``) the forward and backward
+    kernels called directly; and of (``copy``) a copy reading and writing as many bytes as forward and
+    backward together: 3K + 2 stream tensors (forward: K sources in, one out; backward: the gradient and
+    K sources in, K gradients out). Fraction: copy / candidate. Gradients are taken with
+    ``torch.autograd.grad`` (a backward call of its own per aggregation: its fixed cost, some 25 us on
+    this CPU, is shared by every node of a model's backward)."""
+    from attnres_fx.op import ops
+    from attnres_fx.op.kernels import cpu
+
+    on_cpu = device.type == "cpu"
+    kernels = on_cpu and cpu.available()
+    clock = time.thread_time if on_cpu else time.perf_counter
+    rows = []
+    with single_thread() if on_cpu else contextlib.nullcontext():
+        for dims in settings.op_train_shapes:
+            for count in settings.op_sources:
+                progress(f"op forward and backward, {list(dims)} x {count}")
+                generator = torch.Generator().manual_seed(count)
+                sources = [torch.randn(dims, generator=generator).to(device).requires_grad_() for _ in range(count)]
+                proj = (torch.randn(1, dims[-1], generator=generator) * 0.05).to(device).requires_grad_()
+                norm = (torch.rand(dims[-1], generator=generator) + 0.5).to(device).requires_grad_()
+                grad = torch.randn(dims, generator=generator).to(device)
+                leaves = [*sources, proj, norm]
+                elements = (3 * count + 2) * grad.numel() // 2
+                source, target = torch.randn(elements, device=device), torch.empty(elements, device=device)
+                plain = [s.detach() for s in sources]
+                candidates = {
+                    "eager": lambda: torch.autograd.grad(ops.eager(proj, norm, sources, eps=1e-6, preserve_scale=False),
+                                                         leaves, grad),
+                    "python_autograd": lambda: torch.autograd.grad(
+                        torch.ops.attnres.aggregate(sources, proj, norm, 1e-6, False), leaves, grad),
+                    "copy": lambda: target.copy_(source)}
+                if kernels:
+                    candidates["kernels"] = lambda: (
+                        torch.ops.attnres_cpu.aggregate(plain, proj.detach(), norm.detach(), 1e-6, False),
+                        torch.ops.attnres_cpu.aggregate_backward(grad, plain, proj.detach(), norm.detach(), 1e-6, False))
+                times = interleaved(candidates, settings.op_runs, settings.warmup, device=device, clock=clock)
+                us = {k: 1e6 * statistics.median(v) for k, v in times.items()}
+                best = {k: 1e6 * min(v) for k, v in times.items()}
+                rows.append({"shape": list(dims), "sources": count, **{f"{k}_us": v for k, v in us.items()},
+                             **{f"{k}_fraction": us["copy"] / v for k, v in us.items() if k != "copy"},
+                             **{f"{k}_fraction_min": best["copy"] / v for k, v in best.items() if k != "copy"}})
+    first = [row for row in rows if row["shape"] == list(settings.op_train_shapes[0])]
+    return {"device": str(device), "clock": "one thread, thread CPU time" if on_cpu else "wall time",
+            "rows": rows, "eager_worst": {"ratio": min(r["eager_fraction"] for r in first),
+                                          "ratio_min": min(r["eager_fraction_min"] for r in first)}}
 
 
 def group_against_bound(settings: Settings, dims: tuple[int, ...], shape: Shape, device: torch.device) -> dict:
@@ -983,6 +1076,29 @@ def markdown(settings: Settings, results: dict) -> str:
                              f"{form.replace('_', '-')} | {g[key + '_ms']:.3f} | | {g['bound_ms']:.3f} | "
                              f"{g[key + '_fraction']:.2f} | |")
         lines.append("")
+    op_train = results.get("op_train")
+    if op_train:
+        columns = [c for c in ("eager", "python_autograd", "kernels") if f"{c}_us" in op_train["rows"][0]]
+        lines += [f"## The op's forward and backward against a copy of the same bytes ({op_train['device']}, "
+                  f"{op_train['clock']})", "",
+                  "Median us; fraction = copy / candidate (the copy reads and writes 3K + 2 stream tensors, what "
+                  "forward and backward move for K sources). eager: what eager calls run (on the CPU the C++ "
+                  "operator, its autograd in C++); python_autograd: the operator with its autograd registered "
+                  "in Python; kernels: the two kernels called directly.", "",
+                  "| shape | sources | " + " | ".join(f"{c} us" for c in columns) + " | copy us | "
+                  + " | ".join(f"{c} fraction" for c in columns) + " |",
+                  "|---|---|" + "---|" * (2 * len(columns) + 1)]
+        for row in op_train["rows"]:
+            lines.append(f"| {row['shape']} | {row['sources']} | "
+                         + " | ".join(f"{row[c + '_us']:.1f}" for c in columns) + f" | {row['copy_us']:.1f} | "
+                         + " | ".join(f"{row[c + '_fraction']:.2f}" for c in columns) + " |")
+        lines.append("")
+    deep = results.get("deep_train")
+    if deep:
+        lines += [f"## Training step, eager, {deep['shape']} ({deep['clock']})", "",
+                  "| original | converted | median of round ratios |", "|---|---|---|",
+                  f"| {_cell(deep['train']['original'])} | {_cell(deep['train']['converted'])} | "
+                  f"{deep['paired_ratio']['converted']:.3f} |", ""]
     choices = results.get("choices")
     if choices:
         lines += _choice_tables(choices)
@@ -1019,13 +1135,17 @@ def routes_markdown(results: dict) -> list[str]:
     if sizes:
         names = [name for name in sizes["train"] if name != "original"]
         paired = sizes["paired_ratio"]
+        versus = sizes["versus_std0.1"]
         lines += [f"## Training step against the pseudo-queries' size ({sizes['model']}, batch {sizes['batch']}, "
-                  "eager)", "", "Cells: median ms (ratio to the original, median / minimum); last row: the median "
-                  "of each round's ratio to the original's step in the same round.", "",
+                  f"eager, {sizes['clock']})", "", "Cells: median ms (ratio to the original, median / minimum); "
+                  "then the median of each round's ratio to the original's step in the same round, and to std "
+                  "0.1's.", "",
                   f"| | original | {' | '.join(name.replace('std', 'std ') for name in names)} |",
                   "|---" * (len(names) + 2) + "|",
                   f"| step | {' | '.join(_cell(sizes['train'][name]) for name in ['original', *names])} |",
-                  f"| median of round ratios | {' | '.join(f'{paired[name]:.3f}' for name in ['original', *names])} |", ""]
+                  f"| median of round ratios | {' | '.join(f'{paired[name]:.3f}' for name in ['original', *names])} |",
+                  f"| against std 0.1 | | | | {' | '.join(format(versus[n]['ratio'], '.3f') for n in ('std1', 'std3'))} |",
+                  ""]
     startup = results.get("startup")
     if startup:
         lines += [f"## Conversion and first call against depth (Llama, hidden {startup['hidden']}, batch "
@@ -1039,6 +1159,16 @@ def routes_markdown(results: dict) -> list[str]:
         meta = startup["meta_8b"]
         lines += ["", f"8B-shaped Llama built on the meta device ({meta['sites']} sites): attnresify in "
                   f"{meta['convert_s']:.1f} s, peak resident memory {meta['peak_mb']:.0f} MB (fresh process).", ""]
+    load = results.get("load")
+    if load:
+        lines += [f"## Loading a saved folder (Llama, hidden {load['hidden']}; AutoModelForCausalLM.from_pretrained, "
+                  f"{load['clock']}, medians of {load['runs']} interleaved loads)", "",
+                  "| layers | original's folder, s | converted folder, s | converted / original | difference, s |",
+                  "|---|---|---|---|---|"]
+        for depth, e in load["depths"].items():
+            lines.append(f"| {depth} | {e['original_s']:.3f} | {e['converted_s']:.3f} | {e['ratio']:.2f} | "
+                         f"{e['difference_s']:.3f} |")
+        lines.append("")
     overhead = results.get("overhead")
     if overhead:
         lines += [f"## Per-block call overhead ({overhead['layers']}-layer Llama, {overhead['call']}; one thread, "
@@ -1104,6 +1234,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                "query_sizes": lambda: routes.query_sizes_section(quick, settings.runs, settings.warmup, summarise,
                                                                  progress),
                "startup": lambda: routes.startup_section(quick, progress),
+               "load": lambda: routes.load_section(quick, progress),
                "overhead": lambda: routes.overhead_section(quick),
                "threads": lambda: routes.threads_section(quick, progress),
                "demo": lambda: routes.demo_section(settings.runs, settings.warmup, summarise),
@@ -1114,7 +1245,9 @@ def main(argv: list[str] | None = None) -> dict | None:
                "decode": lambda: decode_section(settings, backends),
                "genai": lambda: genai_section(settings, config_name),
                "memory": lambda: memory_section(settings, config_name),
+               "deep_train": lambda: deep_train_section(settings),
                "op": lambda: op_section(settings, torch.device(args.device)),
+               "op_train": lambda: op_train_section(settings, torch.device(args.device)),
                "choices": lambda: choices_section(settings, torch.device(args.device))}
     for section in sections:
         if section in ("op", "choices") and "compiled" not in backends:

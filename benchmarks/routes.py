@@ -6,11 +6,16 @@
 - ``query_sizes``: the eager training step of the same Llama (batch 2 x 128) converted with pseudo-queries
   of std 0, 0.1, 1 and 3 (large ones saturate the depth softmax: the weights it flushes to zero would
   otherwise make subnormal gradients, which CPUs compute on many times slower), against the original,
-  interleaved in one process.
+  interleaved in one process, on one thread and timed in that thread's CPU time (other work on a shared
+  machine does not inflate it; wall time with two threads did, many times over).
 - ``startup``: ``attnresify`` and the first call (the default one: ``model(ids)``, which builds a KV
   cache) of Llamas of hidden 256 at depths 8, 16 and 32, on both routes; and an 8B-shaped Llama
   (hidden 4096, 32 layers) built on the meta device, converted in a fresh process (seconds, peak
   resident memory).
+- ``load``: CPU time of ``AutoModelForCausalLM.from_pretrained`` of a converted folder against the original
+  model's folder (Llamas of hidden 256 at depths 8, 16 and 32; the converted one with random
+  pseudo-queries), interleaved medians in one process: what a load costs beyond the original's (the
+  saved plan rebuilt, the checkpoint read and hashed once, the layer route prepared on one call).
 - ``overhead``: microseconds a block call costs beyond the original's, where it shows most: a narrow
   Llama decoding one token without a cache, one thread, CPU time of this thread, interleaved medians.
 - ``threads``: calls per second of one model from 1 and 4 threads (``inference_mode``), original and
@@ -37,7 +42,7 @@ import torch.nn.functional as F
 import attnres_fx
 from attnres_fx.models import TinyConfig, TinyTransformer, example_ids
 from attnres_fx.testing import randomise_pseudo_queries
-from attnres_fx.timing import interleaved
+from attnres_fx.timing import interleaved, paired_ratios, single_thread
 
 LLAMA = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
              num_key_value_heads=4, vocab_size=4096)
@@ -108,14 +113,19 @@ def query_sizes_section(quick: bool, runs: int, warmup: int, summarise, progress
     converted = attnres_fx.attnresify(copy.deepcopy(base))
     models = {"original": base, **{f"std{std:g}": randomise_pseudo_queries(copy.deepcopy(converted), std=std)
                                    for std in QUERY_STDS}}
-    progress("llama training step against the pseudo-queries' std, eager")
-    steps = {v: _train_step(copy.deepcopy(m).train(), ids) for v, m in models.items()}
-    times = interleaved(steps, runs, warmup)
-    # Each round's ratio to the original's step of the same round, then their median: on a shared
-    # machine the load drifts between rounds more than between neighbouring calls.
-    paired = {v: statistics.median(t / o for t, o in zip(times[v], times["original"])) for v in times}
+    progress("llama training step against the pseudo-queries' std, eager, one thread")
+    with single_thread():
+        steps = {v: _train_step(copy.deepcopy(m).train(), ids) for v, m in models.items()}
+        times = interleaved(steps, runs, warmup, clock=time.thread_time)
+    paired = paired_ratios(times, "original")
+    train = summarise(times, "original")
+    # Whether a saturated softmax costs more than a soft one: std 1 and 3 against std 0.1, per round.
+    saturated = paired_ratios({std: times[std] for std in ("std0.1", "std1", "std3")}, "std0.1")
+    versus = {std: {"ratio": saturated[std], "ratio_min": train[std]["ratio_min"] / train["std0.1"]["ratio_min"]}
+              for std in ("std1", "std3")}
     return {"model": f"LlamaForCausalLM {config}", "batch": f"{batch} x {length}",
-            "train": summarise(times, "original"), "paired_ratio": paired}
+            "clock": "one thread, thread CPU time", "train": train, "paired_ratio": paired,
+            "versus_std0.1": versus}
 
 
 def _train_step(model, ids):
@@ -158,6 +168,35 @@ def startup_section(quick: bool, progress) -> dict:
     command = [sys.executable, os.path.abspath(__file__), "--child-meta", json.dumps(LLAMA_QUICK if quick else META_8B)]
     done = subprocess.run(command, capture_output=True, text=True, check=True)
     result["meta_8b"] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def load_section(quick: bool, progress) -> dict:
+    """CPU seconds of from_pretrained of the converted folder and of the original's, per depth."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    depths, runs = ((2, 4), 3) if quick else ((8, 16, 32), 9)
+    hidden = 64 if quick else 256
+    result: dict = {"hidden": hidden, "runs": runs, "clock": "CPU time of the process", "depths": {}}
+    hf_logging.disable_progress_bar()
+    with tempfile.TemporaryDirectory() as root:
+        for depth in depths:
+            progress(f"load depth {depth}")
+            config = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=depth,
+                          num_attention_heads=4, num_key_value_heads=2, vocab_size=1000)
+            model = llama(config)
+            folders = {"original": os.path.join(root, f"original{depth}"), "converted": os.path.join(root, f"converted{depth}")}
+            model.save_pretrained(folders["original"])
+            randomise_pseudo_queries(attnres_fx.attnresify(model)).save_pretrained(folders["converted"])
+            loads = {name: functools.partial(AutoModelForCausalLM.from_pretrained, folder) for name, folder in folders.items()}
+            times = interleaved(loads, runs, clock=time.process_time)
+            original, converted = (statistics.median(times[name]) for name in ("original", "converted"))
+            result["depths"][str(depth)] = {
+                "original_s": original, "converted_s": converted, "ratio": converted / original,
+                "ratio_min": min(times["converted"]) / min(times["original"]), "difference_s": converted - original}
     return result
 
 

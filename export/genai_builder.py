@@ -77,13 +77,22 @@ def write_builder_folder(model: nn.Module, folder: Path, precision: str, executi
         graph = onnx.load(str(built / MODEL_NAME), load_external_data=False)
         rewritten = 0
         if is_converted(model):
-            graph, rewritten = rewrite(graph, plan_of(model), aggregations(model))
+            found = aggregations(model)
+            graph, rewritten = rewrite(graph, plan_of(model), found, form=form_for(execution_provider, found))
         folder.mkdir(parents=True, exist_ok=True)
         with reraise_as_export_error(f"writing {folder / MODEL_NAME}"):
             onnx.save(graph, str(folder / MODEL_NAME))
             for name in (f"{MODEL_NAME}.data", "genai_config.json"):
                 shutil.move(str(built / name), str(folder / name))
     return rewritten
+
+
+def form_for(execution_provider: str, found: list[Aggregation]) -> str:
+    """The pass's form: the depth ``Attention`` op on the CPU (fp32 activations, fp32 and int4 weights),
+    where it costs the fewest instructions per decoding step; per-site plain ops on CUDA, whose fp16
+    graphs and kernels for ``Attention`` over a head of the model's hidden size are not checked here, and
+    for aggregations of differing key-norm eps."""
+    return "attention" if execution_provider == "cpu" and len({a.eps for a in found}) == 1 else "per_site"
 
 
 def aggregations(model: nn.Module) -> list[Aggregation]:

@@ -204,7 +204,43 @@ def _unconverted(streams: list[ResidualStream], gm: fx.GraphModule, rejected: _R
         else:
             reason = rejected.reason(node) or "it continues the residual stream"
         found.append(RejectedAdd(node.name, provenance.owner_path(node), reason))
+    listed = {add.node for add in found}
+    for index, stream in enumerate(streams):
+        link = None if stream.start.name in listed else _continued_from(stream.start, value_of, index)
+        if link is not None:
+            ops, earlier = link
+            found.append(RejectedAdd(stream.start.name, provenance.owner_path(stream.start), (
+                f"the residual stream that ends at {streams[earlier].end.name} continues through "
+                f"{' -> '.join(op.name for op in ops)} (an op on the whole stream, such as a scaling, that is no "
+                "stream op) into the stream that starts here; converted, each part would "
+                "attend over its own blocks only. Remove the op from the stream if the model allows it (a "
+                "rescaling that keeps values in fp16 range, such as RWKV's rescale_every, can be turned off in "
+                "its config)")))
     return tuple(found)
+
+
+# How many ops on the whole stream :func:`_continued_from` follows back from a stream's start.
+_LINK_OPS = 4
+
+
+def _continued_from(start: fx.Node, value_of: dict[fx.Node, int], index: int
+                    ) -> tuple[list[fx.Node], int] | None:
+    """The ops (first to last) and the stream whose value ``start`` is computed from, elementwise and alone
+    (each op's one tensor input besides constants and weights, the same shape): ``h / 2`` between two
+    runs of layers. None where ``start`` comes from elsewhere (an embedding, a projection)."""
+    shape = nk.shape_of(start)
+    ops, node = [], start
+    for _ in range(_LINK_OPS):
+        inputs = [i for i in dataflow.data_inputs(node) if not dataflow.is_parameter(i)]
+        if len(inputs) != 1 or nk.op_name(node) in nk.NORM_OPS or nk.op_name(node) in nk.MATMUL_OPS:
+            return None
+        if shape is not None and nk.shape_of(node) != shape:
+            return None
+        ops.insert(0, node)
+        node = inputs[0]
+        if value_of.get(node, index) != index:
+            return ops, value_of[node]
+    return None
 
 
 def _post_norm_sites(candidates: dict[fx.Node, ResidualSite], gm) -> list[fx.Node]:
@@ -228,12 +264,20 @@ def _resolve_overlaps(candidates: dict[fx.Node, ResidualSite], gm, rejected: _Re
     - *crossing*: the branch reaches earlier sites but not the start of their stream. The "branch" is
       then the residual stream itself: ``scores + mask`` in layer 2, where the mask also fed layer 1's
       scores and so reaches layer 2's scores through the stream. Such an add is no residual site.
+    - *input of the branch*: an earlier add that reads the site's own stream value, feeds only the site's
+      branch and continues no stream (``h + f(norm(h + g(h)))``) is part of that branch, not a site.
     """
     accepted: dict[fx.Node, ResidualSite] = {}
     stream_start: dict[fx.Node, fx.Node] = {}
+    continued = {_origin(other) for other in candidates.values()}
     for add, site in candidates.items():
         region = frozenset().union(*(b.region for b in site.branches))
         inside = [earlier for earlier in accepted if earlier in region]
+        for earlier in [e for e in inside if e not in continued and _input_of_branch(accepted[e], site, region)]:
+            rejected.add(earlier, f"it adds a branch output to the stream value that the residual site {add.name} "
+                                  "reads, as the input of that site's sublayer: part of its branch")
+            del accepted[earlier]
+            inside.remove(earlier)
         outside_starts = [stream_start[e] for e in inside if stream_start[e] not in region]
         if outside_starts:
             rejected.add(add, "its operands are linked only through the residual stream that starts at "
@@ -246,6 +290,16 @@ def _resolve_overlaps(candidates: dict[fx.Node, ResidualSite], gm, rejected: _Re
         accepted[add] = site
         stream_start[add] = stream_start.get(_origin(site), site.stream_in)
     return accepted
+
+
+def _input_of_branch(earlier: ResidualSite, site: ResidualSite, region: frozenset) -> bool:
+    """Whether ``earlier`` is no step of the stream but the input ``h + g(h)`` of ``site``'s branch
+    ``h' = h + f(norm(h + g(h)))`` (Zamba2's hybrid layers: a shared attention block's output added to the
+    stream for the Mamba mixer that follows): it reads the stream value ``site`` reads, and only ``site``'s
+    branch reads its sum (the caller checks that no site continues from it: a long skip's branch holds
+    whole layers, whose sums do)."""
+    return _origin(earlier) is _origin(site) and all(user in region or nk.is_shape_query(user)
+                                                     for user in earlier.add.users)
 
 
 def _hidden_size(gm: fx.GraphModule, start: fx.Node, sites: list[ResidualSite], param_derived) -> int | None:

@@ -40,6 +40,7 @@ from torch import nn
 from attnres_fx.errors import StreamMismatchError, UnsupportedArchitectureError
 from attnres_fx.text import format_table
 
+from . import node_kinds as nk
 from .detect import Detection, ResidualStream, require_dim
 from .layers import CONTAINERS, LayerSpan, Refusal, layer_spans
 from .provenance import owner_path
@@ -192,6 +193,9 @@ def match_streams(detection: Detection, plan: Plan, *, prefix: str = "", within:
         kinds = _kinds(stream)
         match = next((m for m in (_subsequence(found, kinds, p) for p in plan.streams) if m is not None), None)
         if match is None:
+            edit = _edited_in_place(stream)
+            if edit is not None:
+                raise nk.in_place_edit_error(edit)
             raise StreamMismatchError(_mismatch(found, plan, where))
         matched.append(match)
     if not matched:
@@ -255,6 +259,13 @@ def _positions(found: StreamSignature, found_kinds: list[tuple[str, ...]], expec
     return offsets[::-1]
 
 
+def _edited_in_place(stream: ResidualStream):
+    """An op changing the stream in place after one of its sites (where such an edit ends the stream as
+    detected: a forward hook returning ``out.add_(v)``), or ``None``."""
+    return next((user for site in stream.sites for user in site.add.users
+                 if user.args and user.args[0] is site.add and nk.writes_first_argument(user)), None)
+
+
 def _kinds(stream: ResidualStream) -> list[tuple[str, ...]]:
     return [tuple(branch.kind for branch in site.branches) for site in stream.sites]
 
@@ -296,9 +307,10 @@ def _mismatch(found: StreamSignature, plan: Plan, where: str) -> str:
     if not missing and not extra:
         lines.append("  the same sites in another order")
     lines.append("The rewrite would cover part of the stream, or the wrong sites. This happens when a call "
-                 "takes a code path the conversion did not see (convert with example inputs that take it), "
-                 "or when the model's structure changed after conversion (attnres_fx.remove, then convert "
-                 "again).")
+                 "takes a code path the conversion did not see (convert with example inputs that take it, and "
+                 "in the mode, train or eval, the model runs in: a model may scale or cut its stream in one "
+                 "mode only, and a conversion in that mode names the op), or when the model's structure "
+                 "changed after conversion (attnres_fx.remove, then convert again).")
     return "\n".join(lines)
 
 

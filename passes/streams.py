@@ -96,8 +96,9 @@ class RejectedAdd:
 @dataclass(frozen=True)
 class Detection:
     """What detection found: the streams, every add it rejected (and why), the post-norm links, and the
-    rejected adds that continue a stream (``unconverted``: converting the stream leaves them as they
-    are, so the conversion would be partial)."""
+    rejected adds that continue a stream and the ops that link one stream to the next
+    (``unconverted``: converting the streams leaves them as they are, so the conversion would be
+    partial)."""
 
     streams: tuple[ResidualStream, ...]
     rejected: tuple[RejectedAdd, ...]
@@ -117,6 +118,6 @@ class Detection:
         owners = ", ".join(f"stream {i} in {s.owner or '<root>'}" for i, s in enumerate(self.streams))
         text = f"{self.num_sites} residual sites in {len(self.streams)} stream(s) ({owners})\n{self.table()}"
         if self.unconverted:
-            text += "\nadds on a stream that are no residual site (left as they are):\n" + "\n".join(
+            text += "\nadds and ops on a stream that are no residual site (left as they are):\n" + "\n".join(
                 f"  - {add}" for add in self.unconverted)
         return text

@@ -675,7 +675,7 @@ def test_a_config_edited_to_other_layers_is_refused_by_transformers_loaders_too(
     config["num_hidden_layers"] += 2
     (directory / "config.json").write_text(json.dumps(config))
     with pytest.raises(attnres_fx.CheckpointMismatchError, match=r"(?s)does not convert to the sites saved in "
-                       r".*copy/attnres_config\.json.*found now but not saved: model\.layers\.2\.attn_res"):
+                       r".*copy/attnres_config\.json.*found now but not saved: model\.layers\.2, model\.layers\.3"):
         _auto(directory)
 
 
@@ -695,7 +695,8 @@ def test_a_model_built_from_the_config_of_a_removed_conversion_is_the_plain_mode
 @needs_hf
 def test_transformers_alone_loads_the_converted_model_with_trust_remote_code(saved_llama, tmp_path):
     """A process that never imported attnres_fx: ``trust_remote_code=True`` runs the folder's
-    ``modeling_attnres.py``, which imports attnres_fx: the converted model, the saved logits."""
+    ``modeling_attnres.py``, which imports attnres_fx: the converted model, the saved logits, nothing
+    captured."""
     import subprocess
     import sys
 
@@ -706,12 +707,14 @@ def test_transformers_alone_loads_the_converted_model_with_trust_remote_code(sav
         "m = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()\n"
         "import attnres_fx\n"
         "with torch.no_grad(): torch.save(m(torch.load(sys.argv[2])).logits, sys.argv[3])\n"
-        "print(attnres_fx.is_converted(m), type(m).__mro__[1].__name__)\n")
+        "s = attnres_fx.conversion.stats\n"
+        "print(s.captures, s.fingerprints, s.checkpoint_reads, attnres_fx.is_converted(m), type(m).__mro__[1].__name__)\n")
     env = {**__import__("os").environ, "HF_MODULES_CACHE": str(tmp_path / "modules")}
     done = subprocess.run([sys.executable, "-c", script, str(saved_llama["directory"]), str(tmp_path / "ids.pt"),
                            str(tmp_path / "logits.pt")], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split()[-2:] == ["True", "LlamaForCausalLM"]
+    # Nothing captured, the folder read and hashed once, as on every load path.
+    assert done.stdout.split()[-5:] == ["0", "1", "1", "True", "LlamaForCausalLM"]
     _reloaded(torch.load(tmp_path / "logits.pt"), saved_llama["logits"])
 
 
@@ -775,14 +778,14 @@ def test_a_failed_save_over_a_converted_one_leaves_it_as_it_was(saved_llama, tmp
     """A save failing after the main weights are written (the AttnRes files not yet), formerly left them
     beside the old AttnRes files, which ``from_pretrained`` preferred (1.35 off): now the folder is as
     before, and loads as the earlier save."""
-    from attnres_fx.integrations import hf
+    from attnres_fx.integrations import checkpoint
 
     target = _copy(saved_llama["directory"], tmp_path / "llama")
     before = _files(target)
 
     def fail(*args):
         raise OSError(5, "Input/output error")
-    monkeypatch.setattr(hf, "_write_attnres_weights", fail)
+    monkeypatch.setattr(checkpoint, "write", fail)
     with pytest.raises(attnres_fx.WriteError, match=r"writing .*llama failed while writing attnres_config\.json, "
                        r"attnres\.safetensors .*Input/output error.*is as it was before"):
         saved_llama["other"].save_pretrained(target)

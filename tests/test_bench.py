@@ -50,6 +50,35 @@ def test_quick_eager_sections(tmp_path):
         assert heading in report
 
 
+@pytest.mark.slow
+def test_quick_training_overhead_sections(tmp_path):
+    """The training-cost rows: the Llama step against the pseudo-queries' std, the deep model's step and the
+    op's forward and backward against a copy of the same bytes, each on one thread in CPU time."""
+    results, report = _run(tmp_path, "--backends", "eager", "--sections", "query_sizes,deep_train,op_train")
+    sizes = results["query_sizes"]
+    assert set(sizes["train"]) == {"original", "std0", "std0.1", "std1", "std3"}
+    assert set(sizes["versus_std0.1"]) == {"std1", "std3"} and sizes["clock"] == "one thread, thread CPU time"
+    assert set(results["deep_train"]["train"]) == {"original", "converted"}
+    rows = results["op_train"]["rows"]
+    assert [(row["shape"], row["sources"]) for row in rows] == [([2, 16, 64], 2), ([2, 16, 64], 3), ([1, 1, 64], 2),
+                                                                ([1, 1, 64], 3)]
+    assert all(row["eager_us"] > 0 and row["copy_us"] > 0 and 0 < row["eager_fraction"] for row in rows)
+    assert {"Llama training step, std 1 / std 0.1 (median of round ratios)",
+            "op forward+backward / same-bytes copy at [2, 128, 512] (fewest of its source counts)"} <= set(results["targets"])
+    for heading in ("## Training step against the pseudo-queries' size", "## The op's forward and backward against",
+                    "## Training step, eager, deep"):
+        assert heading in report
+
+
+@pytest.mark.slow
+def test_quick_load_section(tmp_path):
+    results, report = _run(tmp_path, "--sections", "load")
+    depths = results["load"]["depths"]
+    assert set(depths) == {"2", "4"}
+    assert all(entry["original_s"] > 0 and entry["converted_s"] > 0 for entry in depths.values())
+    assert "## Loading a saved folder" in report
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(600)
 def test_quick_memory_and_compiled_op(tmp_path):

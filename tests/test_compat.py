@@ -2,6 +2,7 @@
 at import; the differences between releases handled in compat."""
 
 import functools
+import os
 import re
 import subprocess
 import sys
@@ -65,22 +66,34 @@ def test_a_newer_release_warns_and_a_supported_one_is_silent():
 
 
 @pytest.mark.slow
-def test_an_unsupported_transformers_is_refused_when_it_is_imported_beside_attnres_fx():
-    """In a fresh process: attnres_fx first, then a transformers reporting an older release."""
-    code = ("import sys, types, attnres_fx\n"
-            "fake = types.ModuleType('transformers'); fake.__version__ = '5.10.0'; fake.__path__ = []\n"
-            "sys.modules['transformers'] = fake\n"
-            "modeling = types.ModuleType('transformers.modeling_utils')\n"
-            "class PreTrainedModel: post_init = lambda self: None\n"
-            "modeling.PreTrainedModel = PreTrainedModel\n"
-            "from attnres_fx import compat\n"
-            "try:\n"
-            "    for callback in compat.transformers._AFTER_IMPORT.pop('transformers.modeling_utils'):\n"
-            "        callback(modeling)\n"
-            "except ImportError as err:\n"
-            "    print(err)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert "attnres_fx needs transformers>=5.16,<6.0; this is transformers 5.10.0" in out.stdout, out.stderr
+@pytest.mark.parametrize("order", ["attnres_fx, transformers", "transformers, attnres_fx"])
+def test_an_unsupported_transformers_is_refused_at_its_import_beside_attnres_fx(tmp_path, order):
+    """A transformers 5.15 installed (a package of that version on the path), imported in either order
+    in a fresh process. Formerly both imports passed: the check waited for transformers' models, which
+    ``import transformers`` does not import, and the error came at the first model class used."""
+    package = tmp_path / "transformers"
+    package.mkdir()
+    (package / "__init__.py").write_text('__version__ = "5.15.0"\n')
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", f"import {order}"], capture_output=True, text=True, timeout=120,
+                         env=env)
+    assert out.returncode != 0 and out.stderr.strip().splitlines()[-1] == (
+        "ImportError: attnres_fx needs transformers>=5.16,<6.0; this is transformers 5.15.0 "
+        "(pip install 'transformers>=5.16,<6.0')"), out.stderr
+
+
+def test_the_auto_classes_of_a_model_are_found_without_listing_transformers():
+    """Formerly ``dir(transformers)``: its lazy module lists thousands of names, half a second of every
+    converted save."""
+    transformers = pytest.importorskip("transformers")
+
+    def listed(module):
+        raise AssertionError("dir(transformers) listed")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(type(transformers), "__dir__", listed)
+        assert compat.hf_auto_classes(transformers.LlamaForCausalLM, transformers.LlamaConfig) == [
+            "AutoModelForCausalLM"]
+        assert "AutoModel" in compat.hf_auto_classes(transformers.LlamaModel, transformers.LlamaConfig)
 
 
 def test_compile_with_recompile_limit_allows_that_many_graphs_and_restores_the_setting():

@@ -6,7 +6,7 @@ import torch
 import attnres_fx
 from attnres_fx.models import TinyTransformer
 from conftest import converted
-from toy_models import (ChunkedLinearAttention, EncoderDecoder, LayerStack, MoE, NestedModel, NoResidualModel,
+from toy_models import (ChunkedLinearAttention, EncoderDecoder, HalvingStack, InputSumLayer, LayerStack, MoE, NestedModel, NoResidualModel,
                         PostNormModel, RawBranchModel, RopeAttention, RopeModel, ScaledAddLayer, SkipStack,
                         make_inputs)
 
@@ -203,6 +203,44 @@ def test_an_add_on_the_stream_that_is_no_site_is_refused_unless_allowed(kind, ad
     check()
     new = converted(model, ids, allow_partial=True, preserve_scale=True)
     assert sum(s.kind != "final" for s in attnres_fx.sites(new)) == 8
+    with torch.no_grad():
+        torch.testing.assert_close(new(ids), model(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_an_op_on_the_whole_stream_between_layers_is_refused_unless_allowed(untouched):
+    """``x = x / 2`` between two layers (RWKV's rescaling): formerly two streams, converted silently, each
+    attending over its own blocks only."""
+    torch.manual_seed(0)
+    model = HalvingStack().eval()
+    ids = make_inputs()
+    detection = detect(model, ids)
+    assert [len(s.sites) for s in detection.streams] == [4, 4]
+    assert [r.node for r in detection.unconverted] == [detection.streams[1].start.name]
+    check = untouched(model, ids)
+    refusal = (r"(?s)adds or ops that are no residual site:\n  - (\w+): the residual stream that ends at \w+ "
+               r"continues through \1 \(an op on the whole stream.*rescale_every.*allow_partial=True")
+    with pytest.raises(attnres_fx.UnsupportedArchitectureError, match=refusal):
+        attnres_fx.attnresify(model, (ids,))
+    check()
+    new = converted(model, ids, allow_partial=True, preserve_scale=True)
+    assert len(attnres_fx.plan_of(new).streams) == 2
+    with torch.no_grad():
+        torch.testing.assert_close(new(ids), model(ids), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tracer", ["auto", "fx"])
+def test_a_branch_output_added_to_the_stream_as_the_next_sublayers_input_is_part_of_that_branch(tracer):
+    """``h + mlp(norm(h + attn(h)))``: formerly ``h + attn(h)`` was taken for a site and the residual add
+    itself refused as linked only through the stream (a mask's reason); converted with allow_partial, the
+    layer route and the model route then computed different functions."""
+    torch.manual_seed(0)
+    model = LayerStack([InputSumLayer() for _ in range(3)]).eval()
+    ids = make_inputs()
+    detection = (attnres_fx.detect(model, (ids,)) if tracer == "auto" else detect(model, ids))
+    assert [[s.owner for s in stream.sites] for stream in detection.streams] == [["layers.0", "layers.1", "layers.2"]]
+    assert not detection.unconverted
+    assert len([r for r in detection.rejected if "as the input of that site's sublayer" in r.reason]) == 3
+    new = converted(model, ids, preserve_scale=True)
     with torch.no_grad():
         torch.testing.assert_close(new(ids), model(ids), rtol=1e-5, atol=1e-5)
 

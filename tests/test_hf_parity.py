@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from attnres_fx.integrations import hf  # noqa: E402
+from attnres_fx.integrations import autoload  # noqa: E402
 from attnres_fx.testing.hf_parity import describe_failure  # noqa: E402
 
 pytest_plugins = ("pytester",)
@@ -61,7 +61,7 @@ def test_plugin_converts_every_model_built_and_records_it(pytester, mode):
     record = pytester.path / "record.jsonl"
     result = pytester.runpytest_inprocess("-p", "attnres_fx.testing.hf_parity", f"--attnres-mode={mode}",
                                           f"--attnres-record={record}", "-p", "no:cacheprovider")
-    assert hf._POLICY == [], "the policy outlives the run"
+    assert autoload._POLICY == [], "the policy outlives the run"
     found = records(record)
     assert found["test_builds_no_model"] | {"duration": 0} == {
         "nodeid": "test_tiny.py::TinyTest::test_builds_no_model", "outcome": "passed", "duration": 0,
@@ -102,7 +102,7 @@ def test_plugin_counts_a_model_built_inside_another_as_covered(pytester):
 
 
         def test_nested(request):
-            recorder = parity.hf._POLICY[0].__self__
+            recorder = parity.autoload._POLICY[0].__self__
             inner = Inner()
             recorder.policy(inner)
             outer = Outer(inner)

@@ -572,6 +572,34 @@ class AttentionLayer(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+class InputSumLayer(nn.Module):
+    """``h + mlp(norm(h + attn(ln(h))))``: an attention output added to the stream only as the input of
+    the MLP that follows, one residual add per layer (Zamba2's hybrid layers)."""
+
+    def __init__(self, dim=DIM):
+        super().__init__()
+        self.ln1, self.attn, self.ln2, self.mlp = nn.LayerNorm(dim), attention(dim), nn.LayerNorm(dim), mlp(dim)
+
+    def forward(self, x):
+        return x + self.mlp(self.ln2(x + self.attn(self.ln1(x))))
+
+
+class HalvingStack(LayerStack):
+    """Layers whose stream is halved after layer 1 (an fp16 range guard, as RWKV's ``rescale_every``):
+    an op on the whole stream between two layers."""
+
+    def __init__(self, layers=4):
+        super().__init__([AttentionLayer(mlp()) for _ in range(layers)])
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for index, layer in enumerate(self.layers):
+            x = layer(x)
+            if index == 1:
+                x = x / 2
+        return self.head(self.norm(x))
+
+
 class SkipStack(LayerStack):
     """Layers with an extra add on the stream that is no residual site: ``kind`` "long_skip" adds the
     stream after layer 0 back after the last layer, "unet" before layer 2, "bias" adds a learned bias

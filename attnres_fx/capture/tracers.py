@@ -30,6 +30,7 @@ from torch import fx, nn
 
 from attnres_fx import compat
 from attnres_fx.passes.checkpoints import open_checkpoints
+from attnres_fx.passes.dataflow import mutated_input
 from attnres_fx.passes.node_kinds import is_norm_module
 
 from ..diagnostics import first_line, reported_user_frame, root_cause
@@ -268,7 +269,7 @@ def plan_inputs(model: nn.Module, example_inputs: tuple | None, example_kwargs: 
     if inputs is None:
         return None
     args, kwargs = inputs
-    kwargs = {key: None if _is_cache(value) else value for key, value in kwargs.items()}
+    kwargs = {key: None if compat.is_hf_cache(value) else value for key, value in kwargs.items()}
     parameters = inspect.signature(type(model).forward).parameters
     if "use_cache" in parameters:
         # Even when the model's config says no: a submodule may read a config of its own (T5's decoder).
@@ -295,10 +296,6 @@ def ready_to_capture(model: nn.Module):
             yield
         finally:
             config.use_cache = True
-
-
-def _is_cache(value: Any) -> bool:
-    return any(cls.__name__ == "Cache" and cls.__module__.startswith("transformers.") for cls in type(value).__mro__)
 
 
 def capture_for_plan(model: nn.Module, example_inputs: tuple | None, example_kwargs: dict | None) -> Traced:
@@ -348,6 +345,28 @@ def trace(model: nn.Module, example_inputs: tuple | None, example_kwargs: dict |
         return _trace(model, example_inputs, example_kwargs, tracer, dynamic_shapes)
 
 
+# What a module's forward may set on itself while it is traced: flags and counters, not tensors or modules.
+_PLAIN = (bool, int, float, str, type(None))
+
+
+@contextlib.contextmanager
+def plain_attributes_kept(model: nn.Module):
+    """Within: one trace; on the way out every module's plain attributes (flags, counters, strings) have
+    the values they had, for the next trace and for the model. A symbolic trace runs the forward's Python for real but its tensor writes only on proxies
+    or fake tensors, so a forward that updates its weights and records that in a flag (RWKV rescales
+    its weights at the first call in a new mode and sets ``layers_are_rescaled``) would be left with the
+    flag set and the weights as they were."""
+    kept = [(module, {name: value for name, value in vars(module).items() if type(value) in _PLAIN})
+            for module in model.modules()]
+    try:
+        yield
+    finally:
+        # Attributes the trace added stay: they mark work done with effects beyond the module's flags (the
+        # recording hooks transformers installs, and flags, at a call asking for outputs).
+        for module, attributes in kept:
+            vars(module).update(attributes)
+
+
 def _trace(model, example_inputs, example_kwargs, tracer, dynamic_shapes) -> Traced:
     if tracer == "fx":
         try:
@@ -372,6 +391,8 @@ def _trace(model, example_inputs, example_kwargs, tracer, dynamic_shapes) -> Tra
                 {"fx": fx_err}) from fx_err
         try:
             return Traced(_trace_export(model, example_inputs, example_kwargs, dynamic_shapes), "export")
+        except TraceError:
+            raise
         except Exception as export_err:  # noqa: BLE001
             raise TraceError(
                 f"neither tracer could trace {type(model).__name__}.\n"
@@ -385,10 +406,65 @@ def _trace(model, example_inputs, example_kwargs, tracer, dynamic_shapes) -> Tra
 
 def _trace_fx(model: nn.Module) -> fx.GraphModule:
     tracer = NormLeafTracer()
-    with _torch_transformers_traceable():
+    with _torch_transformers_traceable(), plain_attributes_kept(model):
         graph = tracer.trace(model)
     name = type(model).__name__
-    return fx.GraphModule(tracer.root, graph, name)
+    gm = fx.GraphModule(tracer.root, graph, name)
+    parameters = {name for name, _ in gm.named_parameters()}
+    written = sorted({str(target.target) for node in gm.graph.nodes
+                      if (target := mutated_input(node)) is not None and target.op == "get_attr"
+                      and target.target in parameters})
+    if written:
+        raise TraceError(_parameter_writes_message(model, written))
+    return gm
+
+
+def _exported_parameter_writes(program) -> list[str]:
+    """The parameters the exported graph writes into: those its signature lists, and in-place writes into
+    them inside the subgraphs of higher-order ops (a ``torch.no_grad()`` region is one, and torch.export
+    leaves such writes out of its signature)."""
+    signature = program.graph_signature
+    written = {spec.target for spec in signature.output_specs
+               if spec.kind == torch.export.graph_signature.OutputKind.PARAMETER_MUTATION}
+    _written_inputs(program.graph_module, dict(signature.inputs_to_parameters), written)
+    return sorted(written)
+
+
+def _written_inputs(gm: fx.GraphModule, parameters: dict[str, str], written: set[str]) -> None:
+    """Add to ``written`` the parameters (``parameters``: placeholder name -> parameter name) that ``gm``
+    writes in place, directly or in the subgraph a higher-order op calls with them (its operands after
+    the subgraph, in the order of the subgraph's placeholders)."""
+    for node in gm.graph.nodes:
+        target = mutated_input(node)
+        while target is not None and target.op != "placeholder" and target.args and isinstance(target.args[0], fx.Node) \
+                and target.target in _VIEWS:
+            target = target.args[0]
+        if target is not None and target.op == "placeholder" and target.name in parameters:
+            written.add(parameters[target.name])
+        subgraphs = [i for i, arg in enumerate(node.args) if isinstance(arg, fx.Node) and arg.op == "get_attr"
+                     and isinstance(getattr(gm, str(arg.target), None), fx.GraphModule)]
+        if node.op == "call_function" and subgraphs:
+            sub = getattr(gm, str(node.args[subgraphs[0]].target))
+            operands = node.args[subgraphs[0] + 1:]
+            inner = {placeholder.name: parameters[operand.name]
+                     for placeholder, operand in zip(sub.graph.find_nodes(op="placeholder"), operands)
+                     if isinstance(operand, fx.Node) and operand.name in parameters}
+            if inner:
+                _written_inputs(sub, inner, written)
+
+
+# Views an in-place write may go through to reach the tensor it writes (``w.view(-1).mul_(2)``).
+_VIEWS = {torch.ops.aten.view.default, torch.ops.aten.select.int, torch.ops.aten.slice.Tensor,
+          torch.ops.aten.t.default, torch.ops.aten.transpose.int, torch.ops.aten.reshape.default}
+
+
+def _parameter_writes_message(model: nn.Module, written: list[str]) -> str:
+    shown = ", ".join(written[:4]) + (f" and {len(written) - 4} more" if len(written) > 4 else "")
+    return (f"{type(model).__name__}'s forward writes into its own parameters in this call ({shown}): an explicit "
+            "graph would write them again at every call. A model that updates its weights at its first call "
+            "in a new mode does this (RWKV rescales its weights at the first eval call after training). Call "
+            "the model once in this mode first (with torch.no_grad(): model(...)), then rewrite or export it; "
+            "the model was left as it was.")
 
 
 def _trace_export(model, example_inputs, example_kwargs, dynamic_shapes) -> fx.GraphModule:
@@ -399,8 +475,11 @@ def _trace_export(model, example_inputs, example_kwargs, dynamic_shapes) -> fx.G
     kwargs = dict(example_kwargs or {})
     if dynamic_shapes is None:
         dynamic_shapes = default_dynamic_shapes(model, args, kwargs)
-    with _config_cache_off(model, kwargs):
+    with _config_cache_off(model, kwargs), plain_attributes_kept(model):
         program = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
+    written = _exported_parameter_writes(program)
+    if written:
+        raise TraceError(_parameter_writes_message(model, written))
     gm = program.module()
     # torch.export's module re-checks its inputs' shapes with a guard function whose symbolic sizes a
     # second trace cannot follow (torch.distributed.pipelining.pipeline(), a further export): the graph

@@ -13,10 +13,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.abc
-import importlib.machinery
 import inspect
+import json
 import logging
+import re
 import sys
+import threading
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -37,27 +40,58 @@ def check_transformers_version(module) -> None:
 def mark_hf_initialized(module: nn.Module) -> None:
     """Tell transformers' ``init_weights`` that ``module`` is initialised already (its private
     ``_is_hf_initialized`` flag): it would otherwise draw random weights over the AttnRes zeros."""
-    module._is_hf_initialized = True
+    module.__dict__["_is_hf_initialized"] = True        # a plain value: nn.Module's __setattr__ has nothing to do
+
+
+# What transformers' output recorders read in this thread while one of attnres_fx's own TorchDynamo calls runs:
+# ``(collector,)``, the collector the code around the call set; unset outside such calls.
+_HELD_COLLECTOR = threading.local()
 
 
 @contextlib.contextmanager
 def output_recorders_traceable():
-    """Within: transformers' output-recording hooks (``output_attentions=True``, MoE router logits) read
-    their collector the way transformers itself arranges under ``torch.compile``, as a plain attribute,
-    so that Dynamo can trace them inside a captured layer; it cannot trace the ``ContextVar`` they read
-    otherwise. Relies on ``transformers.utils.output_capturing._active_collector`` (a
-    ``CompileableContextVar``: ``context_var``, ``global_var``, ``compiling``); without it, nothing
-    changes."""
-    module = sys.modules.get("transformers.utils.output_capturing")
-    collector = getattr(module, "_active_collector", None)
-    if collector is None or not hasattr(collector, "context_var") or collector.compiling:
+    """Within, in this thread: transformers' output-recording hooks (``output_hidden_states``,
+    ``output_attentions``, MoE router logits) read the collector the code around the call set from a
+    per-thread value Dynamo can trace (it cannot trace the ``ContextVar`` they read otherwise), so that a
+    captured layer records its outputs. Other threads keep reading their own ``ContextVar``: nothing
+    process-wide changes per call (transformers' own switch for ``torch.compile``, ``compiling`` and
+    ``global_var``, is one per process). Relies on ``transformers.utils.output_capturing._active_collector``
+    (a ``CompileableContextVar``: ``context_var``, ``global_var``, ``compiling``, the same from 5.17 to
+    5.25), given a class that reads the per-thread value first (:func:`_per_thread_collector`); without
+    it, nothing changes."""
+    collector = _per_thread_collector()
+    if collector is None or getattr(_HELD_COLLECTOR, "value", None) is not None:
         yield
         return
-    collector.global_var, collector.compiling = collector.context_var.get(), True
+    _HELD_COLLECTOR.value = (collector.context_var.get(),)
     try:
         yield
     finally:
-        collector.global_var, collector.compiling = None, False
+        del _HELD_COLLECTOR.value
+
+
+def _per_thread_collector():
+    """transformers' output collector, its class made once to read :data:`_HELD_COLLECTOR` first (where a
+    compiled frame set the collector itself, transformers' ``compiling`` switch, that one); ``None``
+    without one."""
+    module = sys.modules.get("transformers.utils.output_capturing")
+    collector = getattr(module, "_active_collector", None)
+    if collector is None or not hasattr(collector, "context_var"):
+        return None
+    cls = type(collector)
+    if not getattr(cls, "reads_held_collector", False):
+        collector.__class__ = type(cls.__name__, (cls,), {"get": _get_collector, "reads_held_collector": True,
+                                                          "__module__": __name__})
+    return collector
+
+
+def _get_collector(self):
+    if self.compiling:                      # set inside a frame Dynamo compiles (transformers' own rule)
+        return self.global_var
+    held = getattr(_HELD_COLLECTOR, "value", None)
+    if held is not None:
+        return held[0]
+    return self.context_var.get()
 
 
 def once_only_logging() -> set:
@@ -295,27 +329,38 @@ _AFTER_IMPORT: dict[str, list] = {}
 
 
 class _AfterImportFinder(importlib.abc.MetaPathFinder):
-    """Runs the callbacks of :func:`after_import` once their module has executed."""
+    """Runs the callbacks of :func:`after_import` once their module has executed, and leaves
+    ``sys.meta_path`` when none is left to run (every import in the process asks each finder there)."""
 
     def find_spec(self, name, path, target=None):
         if name not in _AFTER_IMPORT:
             return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
+        # The spec the finders after this one give (an editable install's own finder among them).
+        others = [finder for finder in sys.meta_path if not isinstance(finder, _AfterImportFinder)]
+        spec = next((found for finder in others if hasattr(finder, "find_spec")
+                     and (found := finder.find_spec(name, path, target)) is not None), None)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         execute = spec.loader.exec_module
 
         def exec_module(module):
             execute(module)
-            for callback in _AFTER_IMPORT.pop(name, ()):
+            callbacks = _AFTER_IMPORT.pop(name, ())
+            if not _AFTER_IMPORT:
+                _remove_finder()
+            for callback in callbacks:
                 callback(module)
         spec.loader.exec_module = exec_module
         return spec
 
 
+def _remove_finder() -> None:
+    sys.meta_path[:] = [finder for finder in sys.meta_path if not isinstance(finder, _AfterImportFinder)]
+
+
 def after_import(name: str, callback) -> None:
     """Call ``callback(module)`` once module ``name`` is imported: now if it is, else right after its
-    import (a finder on ``sys.meta_path``: importing attnres_fx does not import transformers)."""
+    import (a finder on ``sys.meta_path`` until then: importing attnres_fx does not import transformers)."""
     if name in sys.modules:
         callback(sys.modules[name])
         return
@@ -324,21 +369,90 @@ def after_import(name: str, callback) -> None:
         sys.meta_path.insert(0, _AfterImportFinder())
 
 
-def wrap_post_init(pretrained_model: type, then) -> None:
-    """Make ``PreTrainedModel.post_init`` (run at the end of every Hugging Face model's ``__init__``;
-    no public hook runs there) call ``then(model)`` after its own work, once."""
-    original = pretrained_model.post_init
-    if getattr(original, "_attnres_wrapped", False):
-        return
+def cancel_after_import(name: str, callback) -> None:
+    """Take back an :func:`after_import` callback that has not run yet."""
+    waiting = _AFTER_IMPORT.get(name, [])
+    if callback in waiting:
+        waiting.remove(callback)
+    if not waiting:
+        _AFTER_IMPORT.pop(name, None)
+    if not _AFTER_IMPORT:
+        _remove_finder()
 
-    @functools.wraps(original)
+
+def hook_pretrained_model(pretrained_model: type, built: Callable, loading: Callable) -> None:
+    """Make every Hugging Face model report to attnres_fx: ``built(model)`` after ``PreTrainedModel.post_init``
+    (run at the end of every model's ``__init__``; no public hook runs there), and
+    ``loading(cls, args, kwargs, load)`` for ``PreTrainedModel.from_pretrained`` (a public classmethod),
+    where ``load()`` runs transformers' own and returns what it returns. Once; undone by
+    :func:`unhook_pretrained_model`. Relies on ``post_init`` being called by every model's ``__init__``
+    (transformers 5.16-5.25)."""
+    if "_attnres_original" in vars(pretrained_model.post_init):
+        return
+    post_init_of = pretrained_model.post_init
+    from_pretrained_of = pretrained_model.__dict__["from_pretrained"].__func__
+
+    @functools.wraps(post_init_of)
     def post_init(self, *args, **kwargs):
-        result = original(self, *args, **kwargs)
-        then(self)
+        result = post_init_of(self, *args, **kwargs)
+        built(self)
         return result
 
-    post_init._attnres_wrapped = True
+    @functools.wraps(from_pretrained_of)
+    def from_pretrained(cls, *args, **kwargs):
+        return loading(cls, args, kwargs, lambda: from_pretrained_of(cls, *args, **kwargs))
+
+    post_init._attnres_original = post_init_of
+    from_pretrained._attnres_original = from_pretrained_of
     pretrained_model.post_init = post_init
+    pretrained_model.from_pretrained = classmethod(from_pretrained)
+
+
+def unhook_pretrained_model(pretrained_model: type) -> None:
+    """Undo :func:`hook_pretrained_model`."""
+    post_init = vars(pretrained_model).get("post_init")
+    if post_init is None or "_attnres_original" not in vars(post_init):
+        return
+    pretrained_model.post_init = post_init._attnres_original
+    pretrained_model.from_pretrained = classmethod(pretrained_model.__dict__["from_pretrained"].__func__._attnres_original)
+
+
+def hf_model_class(model: nn.Module) -> type:
+    """The model's class as transformers defines it (a model loaded through a folder's own code,
+    ``trust_remote_code``, is of a subclass there)."""
+    return next((cls for cls in type(model).__mro__ if cls.__module__.startswith("transformers.")), type(model))
+
+
+# The weight files transformers' save_pretrained writes (one file, or shards and their index), safetensors or
+# pickled (``safe_serialization=False``), as transformers 5.16-5.25 name them.
+_WEIGHT_FILES = re.compile(r"(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?")
+
+
+def hf_weight_file(name: str) -> bool:
+    """Whether a file of a model folder is one of the weight files transformers' ``save_pretrained`` writes."""
+    return bool(_WEIGHT_FILES.fullmatch(name))
+
+
+def hf_weight_names(directory) -> set[str] | None:
+    """The tensor names of a model folder's safetensors weights (``model.safetensors``, or the index of its
+    shards), or None where they are in another format."""
+    from safetensors import safe_open
+
+    directory = Path(directory)
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        return set(json.loads(index.read_text()).get("weight_map", {}))
+    single = directory / "model.safetensors"
+    if single.is_file():
+        with safe_open(str(single), "pt") as weights:
+            return set(weights.keys())
+    return None
+
+
+def is_hf_cache(value) -> bool:
+    """Whether ``value`` is a transformers key/value cache (a ``transformers.cache_utils.Cache``)."""
+    cache = getattr(sys.modules.get("transformers.cache_utils"), "Cache", None)
+    return cache is not None and isinstance(value, cache)
 
 
 def before_file_lookups(hub, callback: Callable[[object], None]) -> None:
@@ -367,12 +481,14 @@ def hf_attention_implementation(config) -> str:
 
 def hf_auto_classes(model_class: type, config_class: type) -> list[str]:
     """The names of transformers' ``AutoModel*`` classes that build ``model_class`` from a config of
-    ``config_class``, read from each one's private ``_model_mapping`` (transformers 5.16-5.24)."""
-    import transformers
+    ``config_class``, read from each one's private ``_model_mapping``; the classes are those of
+    ``transformers.models.auto.modeling_auto`` (the ones ``transformers`` exports; transformers
+    5.16-5.25). Not ``dir(transformers)``: its lazy module lists thousands of names, half a second."""
+    from transformers.models.auto import modeling_auto
 
     names = []
-    for name in dir(transformers):
-        mapping = getattr(getattr(transformers, name, None), "_model_mapping", None) if name.startswith("AutoModel") else None
+    for name, auto_class in vars(modeling_auto).items():
+        mapping = getattr(auto_class, "_model_mapping", None) if name.startswith("AutoModel") else None
         if mapping is None:
             continue
         try:
@@ -405,8 +521,14 @@ __all__ = [
     "hf_saved_under_own_names",
     "hf_onnx_translations",
     "after_import",
-    "wrap_post_init",
     "before_file_lookups",
+    "cancel_after_import",
+    "hook_pretrained_model",
+    "unhook_pretrained_model",
+    "hf_model_class",
+    "hf_weight_file",
+    "hf_weight_names",
+    "is_hf_cache",
     "hf_attention_implementation",
     "hf_auto_classes",
 ]

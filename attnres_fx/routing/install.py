@@ -54,7 +54,7 @@ def install(model: nn.Module, plan: Plan, modules: dict[str, BlockAttnRes], conf
                 f"{module.__dict__['forward']!r}); attnres_fx routes calls through forward itself. Convert "
                 "the model before adding such wrappers.")
     conversion = Conversion(plan, config)
-    conversion.traces = TraceCache()
+    conversion.traces = TraceCache(config.trace_cache_size, conversion.stats)
     registered: list[tuple[nn.Module, str]] = []
     handles = []
     try:
@@ -71,7 +71,7 @@ def install(model: nn.Module, plan: Plan, modules: dict[str, BlockAttnRes], conf
                 module.forward = ModelRouter(model, module, path, conversion)
         model_routers = [module.forward for _, module in targets if isinstance(module.forward, ModelRouter)]
         for stream in plan.streams:
-            watch = StreamWatch(conversion, stream.index, model, _layer_containers(model, stream))
+            watch = StreamWatch(conversion, stream.index, model, layer_containers(model, stream))
             for router in model_routers:
                 router.layer_checks = (*router.layer_checks, watch.check_layers)
             if stream.route == "layer":
@@ -92,7 +92,7 @@ def install(model: nn.Module, plan: Plan, modules: dict[str, BlockAttnRes], conf
     return conversion
 
 
-def _layer_containers(model: nn.Module, stream) -> dict[str, tuple]:
+def layer_containers(model: nn.Module, stream) -> dict[str, tuple]:
     """The containers (``ModuleList``, ``ModuleDict``, ``Sequential``) that hold ``stream``'s layers, by
     path -> their children as converted: what :class:`StreamWatch` checks at every call."""
     found = {}

@@ -2,7 +2,7 @@
 
     python -m pytest -p attnres_fx.testing.hf_parity tests/models/llama/test_modeling_llama.py
 
-At configure time it sets :func:`attnres_fx.integrations.hf.construction_policy`, so that every outermost
+At configure time it sets :func:`attnres_fx.integrations.autoload.construction_policy`, so that every outermost
 ``PreTrainedModel`` the tests build is converted right after transformers' ``post_init`` with
 ``preserve_scale=True`` and then given random pseudo-queries and key-norm weights
 (:func:`attnres_fx.testing.randomise_pseudo_queries`, one seed for every model, so that two models built
@@ -29,13 +29,15 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import sys
 import weakref
 from dataclasses import dataclass, field
 
 import pytest
+from torch import nn
 
 from attnres_fx import diagnostics, is_converted
-from attnres_fx.integrations import hf
+from attnres_fx.integrations import autoload
 from attnres_fx.testing import randomise_pseudo_queries
 
 CONVERSION_OPTIONS = {"preserve_scale": True}
@@ -78,6 +80,19 @@ class TestRecord:
                 "failures": self.failures}
 
 
+def built_inside_another(model) -> bool:
+    """Whether ``model`` is being built inside another model's ``__init__`` (a base model inside a model
+    with a head, a text model inside a vision-language one): the frames of the calls under way."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "__init__":
+            other = frame.f_locals.get("self")
+            if other is not model and isinstance(other, nn.Module) and hasattr(other, "config"):
+                return True
+        frame = frame.f_back
+    return False
+
+
 class ParityRecorder:
     """The plugin's state: the construction policy and the record of the test that runs now."""
 
@@ -90,11 +105,12 @@ class ParityRecorder:
 
     # -- conversion ---------------------------------------------------------------------------------
     def policy(self, model) -> dict | None:
-        """What :func:`attnres_fx.integrations.hf.construction_policy` asks of every model built: attnresify's
-        arguments, and a hook that randomises the pseudo-queries and notes the conversion."""
+        """What :func:`attnres_fx.integrations.autoload.construction_policy` asks of every model built:
+        attnresify's arguments, and a hook that randomises the pseudo-queries and notes the conversion; None
+        for a model built inside another's ``__init__`` (the outer conversion covers it)."""
         record = self.current
         if record is None:
-            return dict(CONVERSION_OPTIONS, after=self.randomise)
+            return None if built_inside_another(model) else dict(CONVERSION_OPTIONS, after=self.randomise)
         if is_converted(model) or any(built.model() is model for built in record.built):
             return None         # post_init run again on a model already built (converted or not)
         inside = {id(m) for m in model.modules()}
@@ -103,6 +119,8 @@ class ParityRecorder:
                 built.state = "inner"
         built = BuiltModel(weakref.ref(model), type(model).__name__)
         record.built.append(built)
+        if built_inside_another(model):
+            return None
 
         def after(converted):
             self.randomise(converted)
@@ -264,7 +282,7 @@ class ParityPlugin:
                                         "nothing about conversion")
 
     def pytest_unconfigure(self, config) -> None:
-        hf.construction_policy(None)
+        autoload.construction_policy(None)
         self.recorder.close()
 
 
@@ -282,4 +300,4 @@ def pytest_configure(config) -> None:
                               config.getoption("--attnres-record"))
     config.pluginmanager.register(ParityPlugin(recorder), "attnres-parity")
     if recorder.mode == "converted":
-        hf.construction_policy(recorder.policy)
+        autoload.construction_policy(recorder.policy)
