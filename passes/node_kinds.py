@@ -14,6 +14,9 @@ import operator
 from torch import fx, nn
 
 from attnres_fx import compat
+from attnres_fx.errors import UnsupportedArchitectureError
+
+from . import provenance
 
 NORM_MODULES = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, compat.NormBase,
                 nn.LocalResponseNorm)
@@ -238,6 +241,33 @@ def _computed_only_from(node: fx.Node, source: fx.Node, depth: int) -> bool:
     if node.op == "placeholder" or depth == 0 or not inputs:
         return node.op == "call_function" and not inputs      # a constant made in the graph (full, tensor)
     return all(_computed_only_from(i, source, depth - 1) for i in inputs)
+
+
+def writes_first_argument(node: fx.Node) -> bool:
+    """Whether ``node`` changes its first argument in place (``x.add_(v)``, ``x += v``, an aten op whose
+    schema writes its first argument)."""
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.endswith("__")
+    if node.op != "call_function":
+        return False
+    if node.target in IN_PLACE_OPERATORS:
+        return True
+    if isinstance(node.target, compat.OpOverload):
+        arguments = node.target._schema.arguments
+        alias = arguments[0].alias_info if arguments else None
+        return alias is not None and alias.is_write
+    return False
+
+
+def in_place_edit_error(user: fx.Node) -> UnsupportedArchitectureError:
+    """The refusal of ``user``, an op that changes the residual stream in place between two residual sites."""
+    path = provenance.owner_path(user)
+    return UnsupportedArchitectureError(
+        f"{op_name(user)} changes the residual stream in place between two residual sites"
+        f"{f' in {path}' if path else ''} (a forward hook that edits a layer's output, out.add_(v), does), "
+        "which a graph of the whole call cannot hand on to the AttnRes sources. The layer route takes "
+        "such an edit of a layer's output into the stream's partial sum: convert with route='layer' "
+        "(or the default 'auto').")
 
 
 def is_stream_op(node: fx.Node, gm: fx.GraphModule) -> bool:
