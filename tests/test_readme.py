@@ -91,7 +91,8 @@ SNIPPETS = {
         _pipeline, {'["model.layers.4", "model.layers.8", "model.layers.12"]': '["model.layers.2"]',
                     "n_microbatches=4": "n_microbatches=4"}, lambda ns: len(ns["stages"]) == 2),
     "import onnxruntime_genai as og": (
-        _served, {}, lambda ns: ns["generator"].is_done() and Path("served/genai_config.json").is_file()
+        _served, {}, lambda ns: ns["generator"].is_done() and len(ns["generator"].get_sequence(0)) == 32
+        and Path("served/genai_config.json").is_file()
         and '"precision": "int4"' in Path("served-int4/written_by.json").read_text()),
     "from attnres_fx import export": (_converted_tiny, {}, lambda ns: ns["path"].is_file()),
     "from vllm import LLM, SamplingParams": (_run_in_the_vllm_venv, {}, lambda ns: False),
