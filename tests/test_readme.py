@@ -28,7 +28,20 @@ def _nanogpt():
     from toy_models import NanoGPT, make_inputs
 
     torch.manual_seed(0)
-    return {"model": NanoGPT(dropout=0.0), "idx": make_inputs(), "targets": make_inputs(seed=1)}
+    return {"model": NanoGPT(dropout=0.0, mask_buffer=True), "idx": make_inputs(), "targets": make_inputs(seed=1)}
+
+
+def test_the_intro_models_mask_needs_the_example_inputs_and_the_error_says_so():
+    """nanoGPT's causal-mask buffer sliced to the sequence length: torch.fx, the only capture without
+    example inputs, cannot trace it; the refusal says to pass them (as the intro block does) and leaves
+    the model as it was."""
+    namespace = _nanogpt()
+    model = namespace["model"]
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    with pytest.raises(attnres_fx.TraceError, match=r"pass example_inputs"):
+        attnres_fx.attnresify(model)
+    assert not attnres_fx.is_converted(model)
+    assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
 
 
 def _converted_tiny():
