@@ -18,6 +18,8 @@ from attnres_fx.passes.plan import ROUTES
 
 # The version of the option set: a saved config of another version is read by its own rules.
 CONFIG_VERSION = 1
+# Block traces and rewritten block graphs a converted model keeps (attnres_fx.routing.graphs.TraceCache).
+DEFAULT_TRACE_CACHE_SIZE = 256
 
 
 @dataclass(frozen=True)
@@ -27,7 +29,9 @@ class AttnResConfig:
     num_blocks: target blocks per stream (``None``: the default, 8); block_size: sites per block, wins over
     ``num_blocks``; preserve_scale: aggregates as sums (exact conversion) rather than averages; eps: the
     key norm's epsilon; allow_partial: convert a stream that continues through adds that are no site;
-    route: ``"auto"``, ``"model"`` or ``"layer"``; version: of this option set.
+    route: ``"auto"``, ``"model"`` or ``"layer"``; trace_cache_size: how many block traces and rewritten
+    block graphs the layer route keeps (the least recently used go first; saved only when not the
+    default); version: of this option set.
     """
 
     num_blocks: int | None = None
@@ -36,11 +40,14 @@ class AttnResConfig:
     eps: float = DEFAULT_EPS
     allow_partial: bool = False
     route: str = "auto"
+    trace_cache_size: int = DEFAULT_TRACE_CACHE_SIZE
     version: int = CONFIG_VERSION
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "num_blocks"):
+        for name in ("block_size", "num_blocks", "trace_cache_size"):
             value = getattr(self, name)
+            if value is None and name == "trace_cache_size":
+                raise ValueError("trace_cache_size must be a positive int, got None")
             if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
             if value is not None:
@@ -60,7 +67,10 @@ class AttnResConfig:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "version"}
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        saved = dataclasses.asdict(self)
+        if self.trace_cache_size == DEFAULT_TRACE_CACHE_SIZE:
+            del saved["trace_cache_size"]           # a file of the default reads in earlier releases too
+        return saved
 
     @classmethod
     def from_dict(cls, saved: dict[str, Any]) -> AttnResConfig:

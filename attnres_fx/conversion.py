@@ -49,10 +49,23 @@ stats = Stats()
 
 
 @dataclass
+class RouteStats:
+    """The work one converted model's routes did, counted (``Conversion.stats``): block traces made, block
+    graphs rewritten, TorchDynamo graphs rewritten (``captures``), cache entries dropped to stay within
+    ``trace_cache_size`` (``evictions``). What tests assert "zero re-traces" with."""
+
+    traces: int = 0
+    rewrites: int = 0
+    captures: int = 0
+    evictions: int = 0
+
+
+@dataclass
 class Conversion:
     """What ``attnresify`` did to a model: the plan, the options that made it, the compiler the routes
-    use, what installing the routing did (``installed``, the record :func:`attnres_fx.remove` undoes) and
-    the graphs the routes traced so far (``traces``: empty in a copy, traced again)."""
+    use, what installing the routing did (``installed``, the record :func:`attnres_fx.remove` undoes),
+    the graphs the routes traced so far (``traces``: empty in a copy, traced again) and the work counted
+    (``stats``)."""
 
     plan: Plan
     config: AttnResConfig = field(default_factory=AttnResConfig)
@@ -60,6 +73,9 @@ class Conversion:
     compile_options: dict[str, Any] = field(default_factory=dict)
     installed: Any = None
     traces: Any = None
+    host: str = ""            # a host compiler that captures the model's calls whole (attnres_fx.routing.host)
+    host_graphs: int = 0      # the host's graphs rewritten so far
+    stats: RouteStats = field(default_factory=RouteStats)
 
 
 def conversion_of(model: nn.Module) -> Conversion | None:

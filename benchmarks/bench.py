@@ -410,10 +410,11 @@ def decode_section(settings: Settings, backends: list[str]) -> dict:
 # windows as long as the whole sequence: onnxruntime-genai's windowed cache for the builder's folders
 # needs the window within the sequence's length and, in 0.18, fails once the window slides.
 # Gemma 2 stands for its family: the builder (0.18) cannot read transformers' Gemma 3 config (a rope per
-# layer type).
+# layer type). The vocabulary differs from intermediate_size: the builder's int4 head is the first linear
+# layer with vocab_size outputs, which would be the first MLP's.
 GENAI = {"full": dict(families=("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2"), prompt=32,
                       model=dict(num_hidden_layers=8, hidden_size=256, intermediate_size=1024, num_attention_heads=4,
-                                 num_key_value_heads=4, head_dim=64, vocab_size=1024, max_position_embeddings=512)),
+                                 num_key_value_heads=4, head_dim=64, vocab_size=1000, max_position_embeddings=512)),
          "quick": dict(families=("llama",), prompt=8, model={})}
 
 

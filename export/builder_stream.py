@@ -19,16 +19,31 @@ sites (one branch each) of the same kinds in the same order, then the final aggr
 raises :class:`attnres_fx.StreamMismatchError` naming the node, before anything is written.
 
 The rewrite, per site ``j`` (branch output ``f_j``): the partial sum of the current block (``f_j`` itself
-at a block start, the completed block joining the stacked ones), then the aggregation read by the next
-sublayer (or by the final norm) over the completed blocks and the partial, then that norm without the
-skip. The sources are kept stacked ``[batch, sequence, sources, hidden]`` (a block is stacked once, when
-its last partial is): each aggregation is one ``Concat``, the key RMSNorm, a ``MatMul`` with the
-pseudo-query, a ``Softmax`` over sources (weights below ``NEGLIGIBLE_WEIGHT`` of the largest zeroed, as
-in every implementation: Note [negligible weights] in :mod:`attnres_fx.op.aggregation`) and the weighted sum (``Mul``, ``ReduceSum``). The sources are
-scored afresh at every site rather than in the two-phase schedule: a decoding step's few sources cost
-onnxruntime less in arithmetic than the extra nodes the schedule's merge would add (each node costs a
-kernel launch). Softmax and sums run in fp32; an fp16 graph casts each branch output up and each
-aggregate down.
+at a block start), the aggregation read by the next sublayer (or by the final norm) over the completed
+blocks and the partial, then that norm without the skip. Two forms (``rewrite(form=...)``):
+
+- ``"attention"`` (the CPU's, fp32 activations: fp32 and int4 graphs): the aggregation is one
+  default-domain ``Attention`` (opset 23) per site, each token a batch row of one head: its query the
+  site's pseudo-query (times the key norm's gain), its new key and value the partial sum's RMSNorm and
+  the partial sum, its past keys and values the completed blocks'. Each attention's ``present`` is its
+  past with the partial appended: a block's last one gives the next block's past, so a completed block's
+  key is normalised once and shared (as in the two-phase schedule).
+  Adding the branch to the partial and normalising it is one ``SkipSimplifiedLayerNormalization``. The
+  op needs ``[tokens, 1, hidden]`` rows: a sublayer of row-by-row ops (an MLP) runs on them as they
+  are, others (attention) read the norm reshaped back to ``[batch, sequence, hidden]`` and give their
+  branch reshaped to rows. 3-4 nodes per site where the builder has one. Its softmax keeps the weights
+  below ``NEGLIGIBLE_WEIGHT`` (Note [negligible weights] in :mod:`attnres_fx.op.aggregation`): their terms
+  are below fp32's round-off of the sum, as that note shows, and inference has no backward they slow.
+- ``"per_site"`` (any precision; CUDA's, where fp16 graphs are written): the sources kept stacked
+  ``[batch, sequence, sources, hidden]`` (a block is stacked once, when its last partial is), each
+  aggregation one ``Concat``, the key RMSNorm, a ``MatMul`` with the pseudo-query, a ``Softmax`` over
+  sources (weights below ``NEGLIGIBLE_WEIGHT`` of the largest zeroed) and the weighted sum (``Mul``,
+  ``ReduceSum``): 8-9 nodes per site. Softmax and sums run in fp32; an fp16 graph casts each branch
+  output up and each aggregate down.
+
+Both compute the same function to fp32 round-off (tests/test_genai_builder.py). The attention form is
+the faster on the CPU (``benchmarks/bench.py``'s genai section: fewer nodes, and onnxruntime's CPU cost
+per decoding step is mostly per node at these sizes).
 """
 
 from __future__ import annotations
@@ -49,6 +64,14 @@ NORMS = {"SimplifiedLayerNormalization", "LayerNormalization"}
 MATMULS = {"MatMul", "MatMulNBits", "Gemm"}
 ATTENTIONS = {"GroupQueryAttention", "Attention", "MultiHeadAttention", "PagedAttention"}
 SKIP_STREAM_OUTPUT = 3      # Skip*LayerNormalization's input + skip (+ bias) output
+# The default domain's Attention (softmax(q k^T * scale) v over a past and new keys) arrived in opset 23, with IR 11.
+ATTENTION_OPSET = 23
+ATTENTION_IR_VERSION = 11
+# Ops that compute each row (the last axis) from the same row of their inputs: a sublayer made of them runs
+# on the aggregate's [tokens, 1, hidden] layout as on [batch, sequence, hidden].
+ROW_OPS = MATMULS - {"Gemm"} | NORMS | set(SKIP_NORMS) | {
+    "Add", "Sub", "Mul", "Div", "Sigmoid", "Tanh", "Relu", "Gelu", "FastGelu", "QuickGelu", "BiasGelu", "Erf",
+    "Softplus", "Neg", "Cast", "Identity", "Pow", "Sqrt", "Clip"}
 
 
 @dataclass(frozen=True)
@@ -99,6 +122,15 @@ def find_stream(graph: onnx.GraphProto) -> GraphStream:
         where = f"after node {sites[-1].node}" if sites else f"at {start}"
         raise StreamMismatchError(f"the residual stream {where} reaches no final norm through a residual add: the "
                                   "graph is not a pre-norm decoder this pass can rewrite")
+    final = sites[-1]
+    if not consumers.get(final.norm_out):
+        head = next((node for node in graph.node if graph.output and graph.output[0].name in node.output), None)
+        reads = f"node {head.name} computes {graph.output[0].name} from {head.input[0]}" if head is not None else \
+            "nothing reads it"
+        raise StreamMismatchError(
+            f"the final norm {final.node} feeds no head ({reads}): the graph's head does not read its residual "
+            "stream. onnxruntime-genai 0.18's builder takes the first linear layer with vocab_size outputs for "
+            "the head, so a model whose intermediate_size equals its vocab_size gets a head on its first MLP")
     return GraphStream(start, tuple(sites))
 
 
@@ -197,17 +229,198 @@ class Aggregation:
     preserve_scale: bool
 
 
-def rewrite(model: onnx.ModelProto, plan: Plan, aggregations: list[Aggregation]) -> tuple[onnx.ModelProto, int]:
+FORMS = ("attention", "per_site")
+
+
+def rewrite(model: onnx.ModelProto, plan: Plan, aggregations: list[Aggregation], *,
+            form: str = "attention") -> tuple[onnx.ModelProto, int]:
     """``model`` (the builder's graph, external data not loaded) with Block AttnRes in place of its residual
-    adds, and the number of sites rewritten; ``aggregations`` in plan order (``plan.sites``)."""
+    adds, and the number of sites rewritten; ``aggregations`` in plan order (``plan.sites``). ``form``:
+    ``"attention"`` (fp32 activations; for the CPU provider) or ``"per_site"`` (any precision; see the
+    module's docstring). Everything is checked before the graph is changed."""
+    if form not in FORMS:
+        raise ValueError(f"form must be one of {', '.join(map(repr, FORMS))}, got {form!r}")
     graph = model.graph
     stream = find_stream(graph)
     check_against_plan(stream, plan)
     block_size = plan.streams[0].block_size
-    by_name = {node.name: node for node in graph.node}
+    for position, found in enumerate(stream.sites):
+        site = aggregations[position + 1].site
+        if _sources(position + 1, block_size) != site.num_sources:
+            raise StreamMismatchError(f"{site.name} attends over {site.num_sources} sources in the plan, over "
+                                      f"{_sources(position + 1, block_size)} at node {found.node} with block size "
+                                      f"{block_size}")
     stream_type = _stream_type(graph, stream)
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
-    builder = _Builder(stream_type, opset)
+    if form == "attention":
+        if stream_type != TensorProto.FLOAT:
+            raise ValueError("form='attention' rewrites graphs of fp32 activations (fp32 and int4 weights); "
+                             f"this one's stream is {TensorProto.DataType.Name(stream_type)}: use form='per_site'")
+        if len({a.eps for a in aggregations}) != 1:
+            raise ValueError("form='attention' normalises each source's key once, so every aggregation must have "
+                             f"the same key-norm eps, not {sorted({a.eps for a in aggregations})}: use "
+                             "form='per_site'")
+        replacements, initializers = _depth_attention(graph, stream, block_size, aggregations)
+        _require_opset(model, ATTENTION_OPSET)
+    else:
+        opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
+        replacements, initializers = _per_site(graph, stream, block_size, aggregations, _Builder(stream_type, opset))
+    nodes = []
+    for node in graph.node:
+        nodes.extend(replacements.get(node.name, [node]))
+    del graph.node[:]
+    graph.node.extend(nodes)
+    graph.initializer.extend(initializers)
+    return model, len(stream.sites)
+
+
+def _depth_attention(graph: onnx.GraphProto, stream: GraphStream, block_size: int,
+                     aggregations: list[Aggregation]) -> tuple[dict, list]:
+    """The replacements of the attention form (see the module's docstring), keyed by site node name, and
+    the new initializers."""
+    by_name = {node.name: node for node in graph.node}
+    producers = {out: node for node in graph.node for out in node.output if out}
+    rows = _row_sublayers(graph, stream, producers, _consumers(graph))
+    builder = _Builder(TensorProto.FLOAT, ATTENTION_OPSET)
+    eps = aggregations[0].eps
+    hidden = aggregations[0].query.size
+    # Each pseudo-query carries its key norm's gain: w . (g * k) = (w * g) . k, so a source's normalised key
+    # serves every later aggregation.
+    queries = np.stack([(a.query.reshape(-1) * a.key_norm).astype(np.float32) for a in aggregations[1:]])
+    builder.begin("/attnres")
+    unit = builder.constant(np.ones(hidden, np.float32), "unit_gain")
+    row_shape = builder.shape([-1, 1, hidden], "row_shape")
+    # The embedding is the first completed block: the attention's past, [tokens, 1 head, 1 source, hidden].
+    past_values = builder.node("Reshape", [stream.start, builder.shape([-1, 1, 1, hidden], "past_shape")],
+                               "embedding_past")
+    past_keys = builder.node("SimplifiedLayerNormalization", [past_values, unit], "embedding_key", axis=-1,
+                             epsilon=eps)
+    # [1, sites, hidden] broadcast to [tokens, sites, hidden], then one [tokens, 1, hidden] query per site.
+    expanded = builder.node("Expand", [builder.constant(queries[None], "queries"),
+                                       builder.node("Shape", [past_values], "tokens_shape", end=3)],
+                            "queries_per_token")
+    query_rows = builder.node_outputs("Split", [expanded], "query", len(queries), axis=1, num_outputs=len(queries)) \
+        if len(queries) > 1 else [expanded]
+    stream_shape = builder.node("Shape", [stream.start], "stream_shape")
+    replacements = {stream.sites[0].node: builder.end()}
+    partial = present = None
+    for position, found in enumerate(stream.sites):
+        aggregation = aggregations[position + 1]
+        builder.begin(f"/attnres/{aggregation.site.name}")
+        branch = found.branch if position > 0 and rows[position - 1] else \
+            builder.node("Reshape", [found.branch, row_shape], "branch_rows")
+        if position % block_size == 0:
+            if present is not None:
+                past_keys, past_values = present
+            partial = branch
+            key = builder.node("SimplifiedLayerNormalization", [partial, unit], "partial_key", axis=-1, epsilon=eps)
+        else:
+            # The partial sum and its key in one node: the input + skip sum is its fourth output.
+            key, _, _, partial = builder.node_outputs("SkipSimplifiedLayerNormalization", [partial, branch, unit],
+                                                      "partial_key", 4, unused=(1, 2), domain="com.microsoft",
+                                                      epsilon=eps)
+        total, *present = builder.node_outputs("Attention", [query_rows[position], key, partial, "", past_keys,
+                                                              past_values], "aggregate", 3, scale=1.0,
+                                               q_num_heads=1, kv_num_heads=1)
+        if aggregation.preserve_scale:
+            count = builder.constant(np.array(aggregation.site.num_sources, np.float32), "count")
+            total = builder.node("Mul", [total, count], "scaled")
+        node = by_name[found.node]
+        if node.op_type == "Add":
+            # The norm after the add (and nothing else the rewrite keeps) reads its output: now the aggregate.
+            builder.node("Reshape", [total, stream_shape], "aggregate_stream", output=node.output[0])
+            nodes = builder.end()
+        elif position < len(rows) and rows[position]:
+            nodes = builder.end() + [_norm_without_skip(node, total, found.norm_out)]
+        else:
+            normed = f"/attnres/{aggregation.site.name}/normed_rows"
+            nodes = builder.end() + [_norm_without_skip(node, total, normed)]
+            builder.begin(f"/attnres/{aggregation.site.name}")
+            builder.node("Reshape", [normed, stream_shape], "normed", output=found.norm_out)
+            nodes += builder.end()
+        replacements[found.node] = replacements.get(found.node, []) + nodes
+    _forget_shapes(graph, {out for position, found in enumerate(stream.sites[:-1]) if rows[position]
+                           for node in _sublayer(stream, position, producers) for out in [*node.output, found.norm_out]})
+    return replacements, builder.initializers
+
+
+def _row_sublayers(graph: onnx.GraphProto, stream: GraphStream, producers: dict, consumers: dict) -> list[bool]:
+    """Per site but the last: whether the sublayer reading its norm (the next site's branch) computes row by
+    row, so that it runs unchanged on the aggregate's ``[tokens, 1, hidden]`` layout and gives its
+    branch in it (no reshape on either side): only ops of ``ROW_OPS``, norms over the last axis, every
+    input the norm's output, another node of the sublayer or an initializer (a weight), nothing of it read
+    elsewhere."""
+    initializers = {i.name: i for i in graph.initializer}
+    outputs = {o.name for o in graph.output}
+    found = []
+    for position, site in enumerate(stream.sites[:-1]):
+        nodes = _sublayer(stream, position, producers)
+        names = {node.name for node in nodes}
+        inside = {out for node in nodes for out in node.output if out}
+        following = stream.sites[position + 1]
+
+        def kept_inside(node: onnx.NodeProto) -> bool:
+            return node.op_type == "Constant" or all(
+                reader.name in names or (out == following.branch and reader.name == following.node)
+                for out in node.output if out for reader in consumers.get(out, []))
+
+        found.append(site.op != "Add" and bool(nodes) and not inside & outputs and all(
+            _row_op(node, inside | {site.norm_out}, initializers) and kept_inside(node) for node in nodes))
+    return found
+
+
+def _sublayer(stream: GraphStream, position: int, producers: dict) -> list[onnx.NodeProto]:
+    """The nodes of the sublayer between site ``position``'s norm and the next site's branch."""
+    following = stream.sites[position + 1]
+    return _upstream(following.branch, following.stream, producers)[0]
+
+
+def _row_op(node: onnx.NodeProto, inside: set[str], initializers: dict) -> bool:
+    if node.op_type == "Constant":
+        return all(len(a.t.dims) <= 1 for a in node.attribute if a.name == "value")
+    if node.op_type not in ROW_OPS:
+        return False
+    axis = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "axis"), -1)
+    if node.op_type in NORMS | set(SKIP_NORMS) and axis != -1:
+        return False
+    for index, name in enumerate(node.input):
+        if not name or name in inside:
+            continue
+        weight = initializers.get(name)
+        # A matmul's weights are any initializer; an elementwise operand broadcasts over rows only when it
+        # has at most one axis.
+        if weight is None or (index == 0 or node.op_type not in MATMULS) and len(weight.dims) > 1:
+            return False
+    return True
+
+
+def _forget_shapes(graph: onnx.GraphProto, names: set[str]) -> None:
+    """Drop the declared shapes of ``names`` (now of another rank)."""
+    kept = [info for info in graph.value_info if info.name not in names]
+    del graph.value_info[:]
+    graph.value_info.extend(kept)
+
+
+def _require_opset(model: onnx.ModelProto, version: int) -> None:
+    """Import the default domain at ``version`` at least (the ops the builder writes keep their meaning
+    from opset 22 to 23; 23 adds ``Attention``), with the IR version that opset needs."""
+    for opset in model.opset_import:
+        if opset.domain in ("", "ai.onnx"):
+            opset.version = max(opset.version, version)
+    model.ir_version = max(model.ir_version, ATTENTION_IR_VERSION)
+
+
+def _consumers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    return consumers
+
+
+def _per_site(graph: onnx.GraphProto, stream: GraphStream, block_size: int, aggregations: list[Aggregation],
+              builder: "_Builder") -> tuple[dict, list]:
+    """The replacements of the per-site form (see the module's docstring) and the new initializers."""
+    by_name = {node.name: node for node in graph.node}
     builder.begin("/attnres")
     partial = builder.to_fp32(stream.start, "embedding")
     committed = stacked = None
@@ -225,10 +438,6 @@ def rewrite(model: onnx.ModelProto, plan: Plan, aggregations: list[Aggregation])
             partial = builder.node("Add", [partial, branch], "partial")
         partial_stacked = builder.node("Unsqueeze", [partial, builder.axes()], "partial_stacked")
         stacked = builder.node("Concat", [committed, partial_stacked], "sources", axis=2)
-        sources = _sources(position + 1, block_size)
-        if sources != site.num_sources:
-            raise StreamMismatchError(f"{site.name} attends over {site.num_sources} sources in the plan, over "
-                                      f"{sources} at node {found.node} with block size {block_size}")
         keys = builder.node("SimplifiedLayerNormalization", [stacked, builder.constant(aggregation.key_norm, "key_norm")],
                             "keys", axis=-1, epsilon=aggregation.eps)
         logits = builder.node("MatMul", [keys, builder.constant(aggregation.query.reshape(-1, 1), "query")], "logits")
@@ -236,7 +445,8 @@ def rewrite(model: onnx.ModelProto, plan: Plan, aggregations: list[Aggregation])
         weighted = builder.node("Mul", [stacked, weights], "weighted")
         total = builder.node("ReduceSum", [weighted, builder.axes()], "aggregate", keepdims=0)
         if aggregation.preserve_scale:
-            total = builder.node("Mul", [total, builder.constant(np.array(sources, np.float32), "count")], "scaled")
+            total = builder.node("Mul", [total, builder.constant(np.array(site.num_sources, np.float32), "count")],
+                                 "scaled")
         node = by_name[found.node]
         if node.op_type == "Add":
             # The norm after the add (and nothing else the rewrite keeps) reads its output: now the aggregate.
@@ -244,14 +454,8 @@ def rewrite(model: onnx.ModelProto, plan: Plan, aggregations: list[Aggregation])
             replacements[found.node] = builder.end()
         else:
             total = builder.from_fp32(total, "aggregate_cast")
-            replacements[found.node] = builder.end() + [_norm_without_skip(node, total, found)]
-    nodes = []
-    for node in graph.node:
-        nodes.extend(replacements.get(node.name, [node]))
-    del graph.node[:]
-    graph.node.extend(nodes)
-    graph.initializer.extend(builder.initializers)
-    return model, len(stream.sites)
+            replacements[found.node] = builder.end() + [_norm_without_skip(node, total, found.norm_out)]
+    return replacements, builder.initializers
 
 
 def _sources(site: int, block_size: int) -> int:
@@ -260,12 +464,12 @@ def _sources(site: int, block_size: int) -> int:
     return -(-site // block_size) + 1
 
 
-def _norm_without_skip(node: onnx.NodeProto, aggregate: str, found: GraphSite) -> onnx.NodeProto:
-    """The norm the site's fused node applied, now to the aggregate."""
+def _norm_without_skip(node: onnx.NodeProto, aggregate: str, output: str) -> onnx.NodeProto:
+    """The norm the site's fused node applied, now to the aggregate, written to ``output``."""
     op = SKIP_NORMS[node.op_type]
     scale = list(node.input[2:4]) if op == "LayerNormalization" else [node.input[2]]
     attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute if a.name == "epsilon"}
-    return helper.make_node(op, [aggregate, *scale], [found.norm_out], name=f"{node.name}/without_skip", axis=-1,
+    return helper.make_node(op, [aggregate, *scale], [output], name=f"{node.name}/without_skip", axis=-1,
                             **attributes)
 
 
@@ -303,6 +507,18 @@ class _Builder:
         output = output or f"{self.prefix}/{name}"
         self.pending.append(helper.make_node(op, inputs, [output], name=f"{self.prefix}/{name}", **attributes))
         return output
+
+    def node_outputs(self, op: str, inputs: list[str], name: str, count: int, unused: tuple[int, ...] = (),
+                     **attributes) -> list[str]:
+        """The ``count`` outputs of a new node, those at ``unused`` not computed (``""``)."""
+        outputs = ["" if index in unused else f"{self.prefix}/{name}_{index}" for index in range(count)]
+        self.pending.append(helper.make_node(op, inputs, outputs, name=f"{self.prefix}/{name}", **attributes))
+        return outputs
+
+    def shape(self, dims: list[int], name: str) -> str:
+        tensor = numpy_helper.from_array(np.array(dims, np.int64), f"{self.prefix}/{name}")
+        self.initializers.append(tensor)
+        return tensor.name
 
     def constant(self, value: np.ndarray, name: str) -> str:
         tensor = numpy_helper.from_array(np.asarray(value, dtype=np.float32), f"{self.prefix}/{name}")

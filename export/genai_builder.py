@@ -35,9 +35,13 @@ from .builder_stream import Aggregation, rewrite
 from .failures import reraise_as_export_error
 
 # The architectures whose builder graph the pass is checked on (tests/test_genai_builder.py); others take
-# the torch.onnx path. Mistral's builder graph keeps a sliding window in its cache, which onnxruntime-genai
-# 0.18 fails on once the window slides: only a window no shorter than the context takes the builder.
-ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"}
+# the torch.onnx path. Mistral's and Gemma 2's builder graphs keep a sliding window in their cache, which
+# onnxruntime-genai 0.18 fails on once the window slides: only a window no shorter than the context takes
+# the builder. Not taken: Gemma 3 (0.18's builder cannot read transformers' config, a rope per layer type),
+# OLMo (0.18's builder writes its weightless LayerNorm as an RMSNorm: the original's logits are 0.15 off),
+# Phi-2 (parallel attention and MLP, which the pass refuses).
+ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM",
+                 "GemmaForCausalLM", "Gemma2ForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM"}
 # precision -> execution providers the builder writes it for (its own list of valid combinations).
 PRECISIONS = {"fp32": {"cpu", "cuda"}, "fp16": {"cuda"}, "int4": {"cpu", "cuda"}}
 MODEL_NAME = "model.onnx"
@@ -77,13 +81,22 @@ def write_builder_folder(model: nn.Module, folder: Path, precision: str, executi
         graph = onnx.load(str(built / MODEL_NAME), load_external_data=False)
         rewritten = 0
         if is_converted(model):
-            graph, rewritten = rewrite(graph, plan_of(model), aggregations(model))
+            found = aggregations(model)
+            graph, rewritten = rewrite(graph, plan_of(model), found, form=form_for(execution_provider, found))
         folder.mkdir(parents=True, exist_ok=True)
         with reraise_as_export_error(f"writing {folder / MODEL_NAME}"):
             onnx.save(graph, str(folder / MODEL_NAME))
             for name in (f"{MODEL_NAME}.data", "genai_config.json"):
                 shutil.move(str(built / name), str(folder / name))
     return rewritten
+
+
+def form_for(execution_provider: str, found: list[Aggregation]) -> str:
+    """The pass's form: the depth ``Attention`` op on the CPU (fp32 activations, fp32 and int4 weights),
+    where it costs the fewest instructions per decoding step; per-site plain ops on CUDA, whose fp16
+    graphs and kernels for ``Attention`` over a head of the model's hidden size are not checked here, and
+    for aggregations of differing key-norm eps."""
+    return "attention" if execution_provider == "cpu" and len({a.eps for a in found}) == 1 else "per_site"
 
 
 def aggregations(model: nn.Module) -> list[Aggregation]:

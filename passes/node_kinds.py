@@ -14,6 +14,9 @@ import operator
 from torch import fx, nn
 
 from attnres_fx import compat
+from attnres_fx.errors import UnsupportedArchitectureError
+
+from . import provenance
 
 NORM_MODULES = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, compat.NormBase,
                 nn.LocalResponseNorm)
@@ -240,6 +243,33 @@ def _computed_only_from(node: fx.Node, source: fx.Node, depth: int) -> bool:
     return all(_computed_only_from(i, source, depth - 1) for i in inputs)
 
 
+def writes_first_argument(node: fx.Node) -> bool:
+    """Whether ``node`` changes its first argument in place (``x.add_(v)``, ``x += v``, an aten op whose
+    schema writes its first argument)."""
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.endswith("__")
+    if node.op != "call_function":
+        return False
+    if node.target in IN_PLACE_OPERATORS:
+        return True
+    if isinstance(node.target, compat.OpOverload):
+        arguments = node.target._schema.arguments
+        alias = arguments[0].alias_info if arguments else None
+        return alias is not None and alias.is_write
+    return False
+
+
+def in_place_edit_error(user: fx.Node) -> UnsupportedArchitectureError:
+    """The refusal of ``user``, an op that changes the residual stream in place between two residual sites."""
+    path = provenance.owner_path(user)
+    return UnsupportedArchitectureError(
+        f"{op_name(user)} changes the residual stream in place between two residual sites"
+        f"{f' in {path}' if path else ''} (a forward hook that edits a layer's output, out.add_(v), does), "
+        "which a graph of the whole call cannot hand on to the AttnRes sources. The layer route takes "
+        "such an edit of a layer's output into the stream's partial sum: convert with route='layer' "
+        "(or the default 'auto').")
+
+
 def is_stream_op(node: fx.Node, gm: fx.GraphModule) -> bool:
     """What the residual stream may pass through between two sites and stay the same stream: identities
     on values, dropout (in either mode), reshapes of the leading dimensions and clamps bounded by the
@@ -265,9 +295,26 @@ def is_parameterised_compute(node: fx.Node, gm: fx.GraphModule, param_derived: s
     if module is not None:
         has_params = any(True for _ in module.parameters())
         return has_params and not is_norm_module(module) and not isinstance(module, nn.Embedding)
+    if is_custom_op(node):
+        # An opaque layer (an inference engine's GEMM on a packed weight): one that reads the model's state.
+        return any(i in param_derived or compat.dynamo_module_state(i) for i in node.all_input_nodes)
     if op_name(node) not in MATMUL_OPS and op_name(node) not in FUSED_LAYER_OPS:
         return False
     return any(i in param_derived for i in node.all_input_nodes)
+
+
+# Operator namespaces of torch itself; any other is a library's custom operator.
+TORCH_NAMESPACES = {"aten", "prims", "_c10d_functional", "c10d_functional", "higher_order"}
+
+
+def is_custom_op(node: fx.Node) -> bool:
+    """A call of an operator another library registered (``torch.ops.<namespace>.<op>``), opaque to torch."""
+    target = node.target if node.op == "call_function" else None
+    if isinstance(target, compat.OpOverload):
+        return target.namespace not in TORCH_NAMESPACES
+    if isinstance(target, compat.OpOverloadPacket):
+        return target._qualified_op_name.split("::")[0] not in TORCH_NAMESPACES
+    return False
 
 
 def is_attention_op(node: fx.Node, gm: fx.GraphModule) -> bool:

@@ -40,6 +40,7 @@ from torch import nn
 from attnres_fx.errors import StreamMismatchError, UnsupportedArchitectureError
 from attnres_fx.text import format_table
 
+from . import node_kinds as nk
 from .detect import Detection, ResidualStream, require_dim
 from .layers import CONTAINERS, LayerSpan, Refusal, layer_spans
 from .provenance import owner_path
@@ -192,6 +193,9 @@ def match_streams(detection: Detection, plan: Plan, *, prefix: str = "", within:
         kinds = _kinds(stream)
         match = next((m for m in (_subsequence(found, kinds, p) for p in plan.streams) if m is not None), None)
         if match is None:
+            edit = _edited_in_place(stream)
+            if edit is not None:
+                raise nk.in_place_edit_error(edit)
             raise StreamMismatchError(_mismatch(found, plan, where))
         matched.append(match)
     if not matched:
@@ -253,6 +257,13 @@ def _positions(found: StreamSignature, found_kinds: list[tuple[str, ...]], expec
         offsets.append(j - 1)
         j -= 1
     return offsets[::-1]
+
+
+def _edited_in_place(stream: ResidualStream):
+    """An op changing the stream in place after one of its sites (where such an edit ends the stream as
+    detected: a forward hook returning ``out.add_(v)``), or ``None``."""
+    return next((user for site in stream.sites for user in site.add.users
+                 if user.args and user.args[0] is site.add and nk.writes_first_argument(user)), None)
 
 
 def _kinds(stream: ResidualStream) -> list[tuple[str, ...]]:

@@ -509,9 +509,15 @@ def _first(graph: fx.Graph, nodes: list[fx.Node]) -> fx.Node:
 
 
 def _external_users(value_nodes: list[fx.Node], skip: set[fx.Node]) -> list[tuple[fx.Node, fx.Node]]:
-    """(user, value) pairs that read the stream value, except ``skip`` (the site's adds) and the chain."""
+    """(user, value) pairs that read the stream value, except ``skip`` (the site's adds) and the chain.
+    Refuses a user that changes the value in place (``h.add_(v)`` between two sites, as a forward hook
+    that steers a layer's output does): rewired, it would change only what one branch reads."""
     skip = skip | set(value_nodes)
-    return [(user, value) for value in value_nodes for user in list(value.users) if user not in skip]
+    users = [(user, value) for value in value_nodes for user in list(value.users) if user not in skip]
+    for user, value in users:
+        if user.args and user.args[0] is value and nk.writes_first_argument(user):
+            raise nk.in_place_edit_error(user)
+    return users
 
 
 def _separate_shared_reads(graph: fx.Graph, site: ResidualSite) -> list[frozenset[fx.Node]]:

@@ -52,7 +52,8 @@ def test_a_typed_config_is_the_same_call_as_its_keyword_options(model, untouched
     attnres_fx.attnresify(twin, (ids,), block_size=2, preserve_scale=True, allow_partial=True)
     assert attnres_fx.config_of(model) == attnres_fx.config_of(twin) == config
     assert attnres_fx.conversion_options(model) == {"num_blocks": None, "block_size": 2, "preserve_scale": True,
-                                                     "eps": 1e-6, "allow_partial": True, "route": "auto"}
+                                                     "eps": 1e-6, "allow_partial": True, "route": "auto",
+                                                     "trace_cache_size": 256}
     assert attnres_fx.plan_of(model).block_sizes == attnres_fx.plan_of(twin).block_sizes
     # Keyword options beside a config replace its fields.
     other = TinyTransformer(num_layers=2, dim=32).eval()

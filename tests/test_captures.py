@@ -94,16 +94,23 @@ class Branching(nn.Module):
         return x + self.lin(self.ln(x))
 
 
-def test_a_block_trace_calls_its_sublayers_and_bakes_in_its_constants():
+def test_a_block_trace_calls_its_sublayers_and_takes_python_numbers_as_inputs():
+    """Constants (``None``, booleans, strings) are baked in; a Python number is an input, so that another
+    value runs the same graph. Code that needs the number's value is traced with it baked in."""
     block = Branching()
     x = torch.randn(2, 3, 8)
-    shape, inputs = call_shape((x,), {"scale": 2.0}, (block,))
-    assert shape == ((TENSOR,), (("scale", (float, 2.0)),), True) and inputs == [x]   # the block trains
-    traced = trace_block(block, type(block).forward, (x,), {"scale": 2.0}, frozenset(), shape)
+    shape, inputs = call_shape((x,), {"scale": 2.0, "cache": None}, (block,))
+    assert shape == ((TENSOR,), (("scale", float), ("cache", (type(None), None))), True)   # the block trains
+    assert inputs == [x, 2.0]
+    traced = trace_block(block, type(block).forward, (x,), {"scale": 2.0, "cache": None}, frozenset(), shape)
     called = [n.target for n in traced.graph_module.graph.nodes if n.op == "call_module"]
     assert called == ["block.ln", "block.lin"]
     forward = compiled_forward(traced.graph_module.graph, "test")
-    torch.testing.assert_close(forward(Bound(block), x), block(x, scale=2.0), rtol=0, atol=0)
+    torch.testing.assert_close(forward(Bound(block), x, 3.0), block(x, scale=3.0), rtol=0, atol=0)
+    baked = trace_block(block, type(block).forward, (x,), {"scale": 2.0, "cache": None}, frozenset(), shape,
+                        baked=True)
+    forward = compiled_forward(baked.graph_module.graph, "test")
+    torch.testing.assert_close(forward(Bound(block), x, 3.0), block(x, scale=2.0), rtol=0, atol=0)
 
 
 def test_objects_are_inputs_that_answer_isinstance_as_themselves():

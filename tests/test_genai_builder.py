@@ -2,12 +2,14 @@
 ``export.to_genai`` writes with it (export/genai_builder.py).
 
 Fast: on small graphs shaped as the builder writes them, the stream is found by data flow and checked
-against a plan; every difference is refused naming the node. Slow: a converted Llama's builder folder
+against a plan; every difference is refused naming the node; each form of the rewrite has its structure,
+and onnxruntime on the rewritten graph of a small decoder computes Block AttnRes (numpy, float64). Slow: a converted Llama's builder folder
 computes the torch model's logits (prompt and 8 decoding steps, random pseudo-queries) and generates its
 tokens on a padded batch; a builder graph of another depth is refused before anything is written.
 Also slow (a second each): the fp16 graph written for CUDA keeps the aggregation in fp32 and computes
 the prompt's logits (on the CPU provider); int4 agrees with the torch model as closely as the builder's
-int4 of the original agrees with the original; Qwen2 and Qwen3 logits.
+int4 of the original agrees with the original; the logits of Qwen2, Qwen3, Phi-3, Gemma, Gemma 2,
+Granite and SmolLM3.
 """
 
 import json
@@ -72,7 +74,9 @@ def plan_of_kinds(kinds: list[str], block_size: int = 2, branch: int | None = No
     sites = []
     for position, kind in enumerate(kinds):
         sources = -(-position // block_size) + 1 if position else 1
-        sites.append(Site(position, f"layers.{position // 2}.{kind}_res", kind, position // block_size + 1, 0,
+        # Named as in a model of attn, mlp layers (unique whatever the kinds).
+        name = f"layers.{position // 2}.{('attn', 'mlp')[position % 2]}_res"
+        sites.append(Site(position, name, kind, position // block_size + 1, 0,
                           f"layers.{position // 2}", sources, True, position, branch))
     final = -(-len(kinds) // block_size) + 1
     sites.append(Site(len(kinds), "final_res", "final", None, 0, "model", final, None))
@@ -119,13 +123,21 @@ def test_parallel_branches_and_graphs_without_a_stream_are_refused():
         builder_stream.find_stream(graph)
 
 
-def test_rewrite_puts_one_aggregation_before_each_sublayer_and_the_head():
+def as_model(graph: onnx.GraphProto) -> onnx.ModelProto:
+    """The builder's opsets (onnxruntime-genai 0.18)."""
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+
+
+def unit_aggregations(plan: Plan, eps: float = 1e-6) -> list[builder_stream.Aggregation]:
+    return [builder_stream.Aggregation(site, np.ones((1, HIDDEN), np.float32), np.ones(HIDDEN, np.float32), eps, False)
+            for site in plan.sites]
+
+
+def test_per_site_form_puts_one_aggregation_before_each_sublayer_and_the_head():
     kinds = ["attn", "mlp", "attn", "mlp"]
     plan = plan_of_kinds(kinds)
-    aggregations = [builder_stream.Aggregation(site, np.ones((1, HIDDEN), np.float32), np.ones(HIDDEN, np.float32),
-                                               1e-6, False) for site in plan.sites]
-    model = helper.make_model(builder_like_graph(kinds))
-    model, rewritten = builder_stream.rewrite(model, plan, aggregations)
+    model, rewritten = builder_stream.rewrite(helper.make_model(builder_like_graph(kinds)), plan,
+                                              unit_aggregations(plan), form="per_site")
     assert rewritten == 4
     ops = [n.op_type for n in model.graph.node]
     assert "SkipSimplifiedLayerNormalization" not in ops
@@ -138,6 +150,141 @@ def test_rewrite_puts_one_aggregation_before_each_sublayer_and_the_head():
     concat_inputs = [len(n.input) for n in model.graph.node if n.op_type == "Concat"]
     assert concat_inputs == [2] * 4
     assert [s.num_sources for s in plan.sites[1:]] == [2, 2, 3, 3]
+
+
+def test_attention_form_is_one_attention_per_site_over_the_completed_blocks():
+    kinds = ["attn", "mlp", "attn", "mlp"]
+    plan = plan_of_kinds(kinds)
+    model, rewritten = builder_stream.rewrite(as_model(builder_like_graph(kinds)), plan, unit_aggregations(plan),
+                                              form="attention")
+    assert rewritten == 4
+    assert {o.version for o in model.opset_import if o.domain in ("", "ai.onnx")} == {builder_stream.ATTENTION_OPSET}
+    nodes = model.graph.node
+    attentions = [n for n in nodes if n.op_type == "Attention"]
+    assert [n.name for n in attentions] == [f"/attnres/{site.name}/aggregate" for site in plan.sites[1:]]
+    # A block's first partial is normalised alone, a later one added and normalised in one node.
+    skips = [n for n in nodes if n.op_type == "SkipSimplifiedLayerNormalization"]
+    assert [n.name for n in skips] == [f"/attnres/{plan.sites[i].name}/partial_key" for i in (2, 4)]
+    # The past of each attention: the embedding's for the first block, the first attention of the
+    # block before's present (past + that block's sum) after.
+    embedding = ["/attnres/embedding_key", "/attnres/embedding_past"]
+    assert [list(n.input[4:6]) for n in attentions] == [embedding, embedding, *[
+        [attentions[1].output[1], attentions[1].output[2]]] * 2]
+    # The sublayer after an attention sublayer (an mlp: row by row) reads the aggregate's rows as they
+    # are; the attention sublayer reads them reshaped back to [batch, sequence, hidden].
+    writers = {out: n for n in nodes for out in n.output}
+    assert [writers[f"n{i}"].op_type for i in range(1, 5)] == ["SimplifiedLayerNormalization", "Reshape"] * 2
+    assert not any(n.op_type == "Reshape" and n.input[0] == "f1" for n in nodes)
+
+
+def test_attention_form_refuses_fp16_streams_and_differing_key_norm_eps():
+    kinds = ["attn", "mlp"]
+    plan = plan_of_kinds(kinds)
+    aggregations = unit_aggregations(plan)
+    mixed = [*aggregations[:-1], builder_stream.Aggregation(plan.sites[-1], aggregations[-1].query,
+                                                            aggregations[-1].key_norm, 1e-5, False)]
+    with pytest.raises(ValueError, match="the same key-norm eps.*form='per_site'"):
+        builder_stream.rewrite(helper.make_model(builder_like_graph(kinds)), plan, mixed, form="attention")
+    graph = builder_like_graph(kinds)
+    graph.initializer[0].data_type = TensorProto.FLOAT16
+    with pytest.raises(ValueError, match="this one's stream is FLOAT16: use form='per_site'"):
+        builder_stream.rewrite(helper.make_model(graph), plan, aggregations, form="attention")
+    with pytest.raises(ValueError, match="form must be one of 'attention', 'per_site'"):
+        builder_stream.rewrite(helper.make_model(graph), plan, aggregations, form="two_phase")
+
+
+def test_a_head_that_does_not_read_the_final_norm_is_refused():
+    """onnxruntime-genai's builder puts its int4 head on the first linear layer with vocab_size outputs:
+    with intermediate_size == vocab_size, the first MLP's."""
+    graph = builder_like_graph(["attn", "mlp"])
+    next(n for n in graph.node if n.name == "/lm_head/MatMul").input[0] = "n1"
+    with pytest.raises(StreamMismatchError, match="final norm /s1/SkipLayerNorm feeds no head .*computes logits from n1"):
+        builder_stream.find_stream(graph)
+
+
+# --- the rewritten graph computes Block AttnRes (onnxruntime, against numpy) -----------------------------
+
+WIDTH, INNER, TOKENS, VOCAB_ROWS, EPS = 16, 24, 5, 11, 1e-6
+
+
+def runnable_graph(rng: np.random.Generator, sublayers: int, row_by_row: list[bool]) -> onnx.ModelProto:
+    """A pre-norm decoder of MLP sublayers as the builder writes one (Skip norms), with random weights:
+    sublayer i is ``W2 relu(W1 x)``, or with ``row_by_row[i]`` false ``W2 softmax(W1 x)`` (an op the
+    attention form does not run on its rows layout, so its input and branch are reshaped)."""
+    weights = {"embed": rng.standard_normal((VOCAB_ROWS, WIDTH)), "head": rng.standard_normal((WIDTH, VOCAB_ROWS))}
+    nodes = [helper.make_node("Gather", ["embed", "input_ids"], ["h0"], name="/embed/Gather"),
+             helper.make_node("SimplifiedLayerNormalization", ["h0", "g0"], ["n0"], name="/norm0", epsilon=EPS)]
+    weights["g0"] = 1 + 0.1 * rng.standard_normal(WIDTH)
+    for i in range(sublayers):
+        weights.update({f"w1_{i}": rng.standard_normal((WIDTH, INNER)) / 4, f"w2_{i}": rng.standard_normal((INNER, WIDTH)) / 4,
+                        f"g{i + 1}": 1 + 0.1 * rng.standard_normal(WIDTH)})
+        act = helper.make_node("Relu", [f"a{i}"], [f"b{i}"], name=f"/s{i}/act") if row_by_row[i] else \
+            helper.make_node("Softmax", [f"a{i}"], [f"b{i}"], name=f"/s{i}/act", axis=-1)
+        last = i == sublayers - 1
+        nodes += [helper.make_node("MatMul", [f"n{i}", f"w1_{i}"], [f"a{i}"], name=f"/s{i}/in/MatMul"), act,
+                  helper.make_node("MatMul", [f"b{i}", f"w2_{i}"], [f"f{i}"], name=f"/s{i}/out/MatMul"),
+                  helper.make_node("SkipSimplifiedLayerNormalization", [f"h{i}", f"f{i}", f"g{i + 1}"],
+                                   [f"n{i + 1}"] if last else [f"n{i + 1}", "", "", f"h{i + 1}"],
+                                   name=f"/s{i}/SkipLayerNorm", domain="com.microsoft", epsilon=EPS)]
+    nodes.append(helper.make_node("MatMul", [f"n{sublayers}", "head"], ["logits"], name="/lm_head/MatMul"))
+    graph = helper.make_graph(nodes, "decoder", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["b", "s"])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", "s", VOCAB_ROWS])],
+                              [onnx.numpy_helper.from_array(w.astype(np.float32), name) for name, w in weights.items()])
+    return as_model(graph)
+
+
+def reference_logits(model: onnx.ModelProto, ids: np.ndarray, aggregations, block_size: int) -> np.ndarray:
+    """Block AttnRes of the sublayers of :func:`runnable_graph`, in float64."""
+    w = {i.name: onnx.numpy_helper.to_array(i).astype(np.float64) for i in model.graph.initializer}
+
+    def rms(x, gain, eps=EPS):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * gain
+
+    def aggregate(sources, a):
+        stacked = np.stack(sources)
+        logits = rms(stacked, a.key_norm, a.eps) @ a.query.reshape(-1)
+        weights = np.exp(logits - logits.max(0))
+        total = (weights[..., None] * stacked).sum(0) / weights.sum(0)[..., None]
+        return total * len(sources) if a.preserve_scale else total
+
+    blocks, partial = [w["embed"][ids]], None
+    sublayers = sum(n.op_type == "SkipSimplifiedLayerNormalization" for n in model.graph.node)
+    for i in range(sublayers):
+        x = aggregate(blocks + ([partial] if partial is not None else []), aggregations[i])
+        inner = rms(x, w[f"g{i}"]) @ w[f"w1_{i}"]
+        act = next(n.op_type for n in model.graph.node if n.name == f"/s{i}/act")
+        inner = np.maximum(inner, 0) if act == "Relu" else np.exp(inner) / np.exp(inner).sum(-1, keepdims=True)
+        f = inner @ w[f"w2_{i}"]
+        if i % block_size == 0 and partial is not None:
+            blocks.append(partial)
+        partial = f if i % block_size == 0 else partial + f
+    return rms(aggregate(blocks + [partial], aggregations[-1]), w[f"g{sublayers}"]) @ w["head"]
+
+
+@pytest.mark.parametrize("form", builder_stream.FORMS)
+@pytest.mark.parametrize("block_size, row_by_row, preserve_scale", [
+    (2, [True, False, True, True, False], False), (3, [False, True, True, False, True], True)])
+def test_rewritten_graph_computes_block_attnres(form, block_size, row_by_row, preserve_scale):
+    """onnxruntime on the rewritten graph against Block AttnRes in float64, random pseudo-queries of
+    std 1 (softmax weights far from uniform): fp32 round-off of a few sums of 16 terms, ~1e-6 relative."""
+    import onnxruntime as ort
+
+    rng = np.random.default_rng(block_size)
+    sublayers = len(row_by_row)
+    kinds = ["mlp"] * sublayers
+    model = runnable_graph(rng, sublayers, row_by_row)
+    plan = plan_of_kinds(kinds, block_size=block_size)
+    aggregations = [builder_stream.Aggregation(site, rng.standard_normal((1, WIDTH)).astype(np.float32),
+                                               (1 + 0.1 * rng.standard_normal(WIDTH)).astype(np.float32), 1e-6,
+                                               preserve_scale) for site in plan.sites]
+    ids = rng.integers(0, VOCAB_ROWS, (2, TOKENS))
+    want = reference_logits(model, ids, aggregations, block_size)
+    rewritten, count = builder_stream.rewrite(model, plan, aggregations, form=form)
+    assert count == sublayers
+    session = ort.InferenceSession(rewritten.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = session.run(["logits"], {"input_ids": ids})[0]
+    assert got.shape == want.shape
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
 
 
 @pytest.mark.parametrize("opset", [17, 21])
@@ -167,8 +314,8 @@ def test_negligible_softmax_weights_are_zero_in_the_builder_graph(opset):
 
 # --- the builder's folders ----------------------------------------------------------------------------
 
-def converted(family: str = "llama") -> torch.nn.Module:
-    model = serving_model(family, **SIZE)
+def converted(family: str = "llama", **config) -> torch.nn.Module:
+    model = serving_model(family, **SIZE, **config)
     attnres_fx.attnresify(model, (torch.arange(3, 19).reshape(2, 8),), block_size=2)
     return randomise_pseudo_queries(model)
 
@@ -214,6 +361,8 @@ def llama(tmp_path_factory):
 def test_fp32_logits_are_the_converted_models_in_the_prompt_and_decoding(llama):
     model, folder = llama
     assert json.loads((folder / "written_by.json").read_text())["graph"] == "builder"
+    graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
+    assert sum(node.op_type == "Attention" for node in graph.node) == 4, "the CPU's form"
     assert max_relative_error(model, folder, PROMPT) < FP32_LOGITS_RTOL
 
 
@@ -263,10 +412,13 @@ def test_int4_agrees_with_the_model_as_the_builders_int4_of_the_original_does(tm
 @pytest.mark.slow
 @needs_hf
 @needs_genai
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "phi3", "gemma", "gemma2", "granite", "smollm3"])
 def test_family_fp32_logits_are_the_converted_models(family, tmp_path):
-    model = converted(family)
-    folder = export.to_genai(model, tmp_path / family, tokenizer=tiny_tokenizer())
+    # Gemma 2's window as long as the served sequence (len(PROMPT) + DECODE_STEPS + 1): the builder's
+    # windowed cache needs the window within its capacity, and fails once it slides.
+    length = len(PROMPT) + DECODE_STEPS + 1
+    model = converted(family, **({"sliding_window": length} if family == "gemma2" else {}))
+    folder = export.to_genai(model, tmp_path / family, tokenizer=tiny_tokenizer(), context_length=length)
     assert json.loads((folder / "written_by.json").read_text())["graph"] == "builder"
     assert max_relative_error(model, folder, PROMPT) < FP32_LOGITS_RTOL
 
@@ -278,7 +430,7 @@ def test_the_builder_path_is_chosen_where_it_applies():
     assert genai_builder.builder_takes(llama, "int4", "cpu", 128) is None
     assert "fp16 for the cuda provider" in genai_builder.builder_takes(llama, "fp16", "cpu", 128)
     assert "sliding window (8) is shorter" in genai_builder.builder_takes(serving_model("mistral"), "fp32", "cpu", 128)
-    assert "not Phi3ForCausalLM" in genai_builder.builder_takes(serving_model("phi3"), "fp32", "cpu", 128)
+    assert "not Gemma3ForCausalLM" in genai_builder.builder_takes(serving_model("gemma3"), "fp32", "cpu", 128)
 
 
 @pytest.mark.slow

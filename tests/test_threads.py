@@ -123,3 +123,36 @@ def test_training_in_two_threads_gives_the_serial_gradients():
         assert all(torch.equal(g, w) for g, w in zip(got[index], want[index])), f"losses of model {index}"
         for (name, p), q in zip(concurrent[index].named_parameters(), serial[index].parameters()):
             assert torch.equal(p, q), f"model {index}: {name}"
+
+
+@pytest.mark.slow
+def test_a_model_route_call_leaves_other_threads_output_recorders_alone():
+    """transformers records ``output_hidden_states`` through a per-call collector; a converted model's
+    TorchDynamo call makes it traceable for its own thread only: another thread's model (unconverted,
+    or converted on the layer route) collects every hidden state while it runs."""
+    compiled = attnres_fx.attnresify(llama(), route="model")
+    victims = {"unconverted": llama(1), "layer route": attnres_fx.attnresify(llama(2))}
+    x = inputs(1)[0]
+    with torch.no_grad():
+        compiled(x)
+        want = {name: len(model(x, output_hidden_states=True).hidden_states) for name, model in victims.items()}
+    stop = threading.Event()
+
+    def busy(_):
+        with torch.no_grad():
+            while not stop.is_set():
+                compiled(x)
+    runner = threading.Thread(target=busy, args=(0,))
+    runner.start()
+    short = []
+    try:
+        with torch.no_grad():
+            for _ in range(60):
+                for name, model in victims.items():
+                    got = model(x, output_hidden_states=True).hidden_states
+                    if got is None or len(got) != want[name]:
+                        short.append((name, None if got is None else len(got)))
+    finally:
+        stop.set()
+        runner.join()
+    assert not short, f"{len(short)} of 120 calls lost hidden states: {short[:4]}"

@@ -12,10 +12,12 @@ small graph whose nodes are the block's own code and its sublayer calls, so:
 - blocks that run the same code with the same call shape share one trace (:class:`CallShape`);
 - the graph runs at the speed of the original forward: the same module calls, hooks included.
 
-A call is traced as its *shape*: every tensor and every object that is not a plain constant (a cache,
-a config object) becomes a graph input, and constants (``None``, booleans, numbers, strings, dtypes)
-are baked in. :func:`call_shape` computes that shape in one walk over the arguments; two calls with
-the same shape (and the same train/eval flags) run the same graph.
+A call is traced as its *shape*: every tensor, Python number (``int``, ``float``) and object that is not
+a plain constant (a cache, a config object) becomes a graph input, and constants (``None``, booleans,
+strings, dtypes) are baked in. :func:`call_shape` computes that shape in one walk over the arguments;
+two calls with the same shape (and the same train/eval flags) run the same graph. Code that needs a
+number's value (``range(n)``, ``if step > 0``) is traced again with the numbers baked in (``baked``),
+one graph per value.
 
 Inputs are proxies that answer ``isinstance`` as the value they stand for (a tensor, a cache object),
 so that code testing types takes the branch it takes at run time; code that branches on a tensor's
@@ -46,6 +48,7 @@ from ..errors import TraceError
 CONSTANT_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
                   torch.memory_format, enum.Enum, type(Ellipsis), slice, range)
 BLOCK = "block"         # the traced block, as a submodule of the tracer's root
+FINAL = "attnres_final"           # a stream's final aggregation, on a block graph's ``self`` (:class:`Bound`)
 # Functions that draw random values from their arguments' shapes alone.
 RANDOM_DRAWS = frozenset({torch.rand, torch.randn, torch.randint, torch.randperm, torch.normal})
 
@@ -58,19 +61,22 @@ class _Tensor:
 
 
 TENSOR = _Tensor()
-_SIMPLE_CONSTANTS = frozenset({type(None), bool, int, float, str})
+_SIMPLE_CONSTANTS = frozenset({type(None), bool, str})
+# Python numbers are graph inputs, not constants: a value that changes at every call (a decoding step's
+# ``start_pos``) then reuses one graph. Booleans stay constants (flags that select code).
+SCALAR_TYPES = (int, float)
 
 
 # What a block's traced graph is specialised to: ``(args, kwargs, training)``, the structure of the call
-# with tensors as :data:`TENSOR`, other objects as their type and constants as ``(type, value)``, and the
-# train/eval flags of the modules whose code the graph holds. A plain tuple: it is made and hashed at
-# every call.
+# with tensors as :data:`TENSOR`, Python numbers and other objects as their type and constants as
+# ``(type, value)``, and the train/eval flags of the modules whose code the graph holds. A plain tuple:
+# it is made and hashed at every call.
 CallShape = tuple
 
 
 def call_shape(args: tuple, kwargs: dict, traced: tuple[nn.Module, ...]) -> tuple[CallShape, list]:
-    """The call shape of ``module(*args, **kwargs)`` and its graph inputs (tensors and objects, in order),
-    in one walk; ``traced``: the modules whose own code the graph holds (the block, its opened children)."""
+    """The call shape of ``module(*args, **kwargs)`` and its graph inputs (tensors, numbers and objects, in
+    order), in one walk; ``traced``: the modules whose own code the graph holds (the block, its opened children)."""
     inputs: list = []
     positional = []
     for value in args:
@@ -87,6 +93,9 @@ def call_shape(args: tuple, kwargs: dict, traced: tuple[nn.Module, ...]) -> tupl
             keywords.append((key, TENSOR))
         elif kind in _SIMPLE_CONSTANTS:
             keywords.append((key, (kind, value)))
+        elif kind is int or kind is float:
+            inputs.append(value)
+            keywords.append((key, kind))
         else:
             keywords.append((key, _shape_of(value, inputs)))
     training = traced[0].training if len(traced) == 1 else tuple(module.training for module in traced)
@@ -100,6 +109,9 @@ def _shape_of(value: Any, inputs: list) -> Any:
         return TENSOR
     if kind in _SIMPLE_CONSTANTS:
         return kind, value
+    if kind is int or kind is float:
+        inputs.append(value)
+        return kind
     if isinstance(value, torch.Tensor):
         inputs.append(value)
         return TENSOR
@@ -140,9 +152,11 @@ class TracedBlock:
 
 
 def trace_block(block: nn.Module, forward: Callable, args: tuple, kwargs: dict, opened: frozenset[str],
-                shape: CallShape) -> TracedBlock:
+                shape: CallShape, baked: bool = False) -> TracedBlock:
     """Trace ``forward(block, *args, **kwargs)`` (the block's own forward, unbound) with every child
-    module but ``opened`` as a leaf; see the module docstring. Raises :class:`~attnres_fx.TraceError`
+    module but ``opened`` as a leaf; see the module docstring. ``baked``: the call's Python numbers are
+    constants of the graph (it still takes them, and ignores them), for code that needs their values
+    (``range(n)``, ``if step > 0``). Raises :class:`~attnres_fx.TraceError`
     when the block's code cannot be traced this way."""
     root = nn.Module()
     root.add_module(BLOCK, block)
@@ -158,8 +172,8 @@ def trace_block(block: nn.Module, forward: Callable, args: tuple, kwargs: dict, 
 
     def call(self, *proxies):
         supply = iter(proxies)
-        call_args = tuple(_rebuilt(value, supply) for value in args)
-        call_kwargs = {key: _rebuilt(value, supply) for key, value in kwargs.items()}
+        call_args = tuple(_rebuilt(value, supply, baked) for value in args)
+        call_kwargs = {key: _rebuilt(value, supply, baked) for key, value in kwargs.items()}
         result = forward(getattr(self, BLOCK), *call_args, **call_kwargs)
         if isinstance(result, dict) and type(result) is not dict:
             # fx returns any dict as a plain one: the type is put back on each call.
@@ -174,8 +188,12 @@ def trace_block(block: nn.Module, forward: Callable, args: tuple, kwargs: dict, 
     traced_class = type(f"{type(block).__name__}Call", (nn.Module,), {"forward": namespace["forward"]})
     root.__class__ = traced_class
     tracer.value_types = [type(value) for value in values]
+    # The globals of the code the trace runs, where torch.fx may patch math functions (autowrap).
+    code_globals = {id(g): g for g in (getattr(getattr(m, "forward", m), "__globals__", None)
+                                        for m in block.modules()) if g is not None}
     try:
-        with compat.dynamo_compile_lock(), _RandomDrawsAsNodes(tracer):
+        with compat.dynamo_compile_lock(), compat.fx_trace_undone(tuple(code_globals.values())), \
+                _RandomDrawsAsNodes(tracer):
             graph = tracer.trace(root)
     except TraceError:
         raise
@@ -196,9 +214,14 @@ def _inputs(value: Any, name: str, names: list[str], values: list) -> None:
     elif kind is dict:
         for key, item in value.items():
             _inputs(item, f"{name}_{key}", names, values)
-    elif isinstance(value, torch.Tensor) or not (isinstance(value, CONSTANT_TYPES) and _hashable(value)):
+    elif _is_input(value):
         names.append(_identifier(name, names))
         values.append(value)
+
+
+def _is_input(value: Any) -> bool:
+    return (isinstance(value, torch.Tensor) or type(value) in SCALAR_TYPES
+            or not (isinstance(value, CONSTANT_TYPES) and _hashable(value)))
 
 
 def _identifier(name: str, taken: list[str]) -> str:
@@ -211,13 +234,16 @@ def _identifier(name: str, taken: list[str]) -> str:
     return candidate
 
 
-def _rebuilt(value: Any, supply) -> Any:
+def _rebuilt(value: Any, supply, baked: bool) -> Any:
     kind = type(value)
     if kind is tuple or kind is list:
-        return kind(_rebuilt(item, supply) for item in value)
+        return kind(_rebuilt(item, supply, baked) for item in value)
     if kind is dict:
-        return {key: _rebuilt(item, supply) for key, item in value.items()}
-    if isinstance(value, torch.Tensor) or not (isinstance(value, CONSTANT_TYPES) and _hashable(value)):
+        return {key: _rebuilt(item, supply, baked) for key, item in value.items()}
+    if kind in SCALAR_TYPES:
+        proxy = next(supply)
+        return value if baked else proxy
+    if _is_input(value):
         return next(supply)
     return value
 
@@ -309,10 +335,17 @@ def compiled_forward(graph: fx.Graph, name: str) -> Callable:
 
 
 class Bound:
-    """The ``self`` a block graph's code runs with: the block at :data:`BLOCK`, plus what else the graph
-    refers to (a stream's final aggregation, tensor constants)."""
+    """The ``self`` a block graph's code runs with: the block at :data:`BLOCK`, what else the graph refers to
+    (tensor constants), and a stream's final aggregation at :data:`FINAL`, looked up at every call in
+    ``final`` (its parent module and its name there): the module there then."""
 
-    def __init__(self, block: nn.Module, **others: Any):
+    def __init__(self, block: nn.Module, final: tuple[nn.Module, str] | None = None, **others: Any):
         setattr(self, BLOCK, block)
+        self._final = final
         for name, value in others.items():
             setattr(self, name, value)
+
+    @property
+    def attnres_final(self) -> nn.Module:
+        parent, name = self._final
+        return parent._modules[name]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import math
 import threading
 import warnings
 from typing import Callable
@@ -183,6 +184,84 @@ def module_hooks(module: nn.Module) -> bool:
                 or _modules_module._global_backward_pre_hooks)
 
 
+# What torch.fx's symbolic tracing patches for the duration of a trace (torch.fx._symbolic_trace: ``Tracer.trace``
+# patches ``nn.Module.__call__`` and ``__getattr__``, the functions registered with ``torch.fx.wrap``
+# (``_wrapped_fns_to_patch``, ``_wrapped_methods_to_patch``) and ``math`` functions found in the globals of
+# the code it runs (autowrap), each patch a function that wraps the original (``__wrapped__``) and carries
+# ``_Patcher__fx_already_patched``, the name ``_Patcher.patch`` sets, mangled); ``CURRENT_PATCHER`` and
+# ``_is_fx_tracing_flag`` say a trace is in progress). The same from torch 2.11 to 2.14.
+_MODULE_CALL = nn.Module.__dict__["__call__"]
+_MODULE_GETATTR = nn.Module.__dict__["__getattr__"]
+_FX_PATCH_MARK = "_Patcher__fx_already_patched"
+
+
+def _fx_tracing():
+    from torch.fx import _symbolic_trace
+
+    return _symbolic_trace
+
+
+@contextlib.contextmanager
+def fx_trace_undone(globals_dicts: tuple[dict, ...] = ()):
+    """Within: a ``torch.fx`` symbolic trace. However it ends, an interrupt included (one inside
+    torch.fx's own revert of its patches, which leaves every module of the process patched), nothing of
+    it stays: ``nn.Module``'s methods, the wrapped functions (``torch.fx.wrap``'s, and autowrapped ``math``
+    functions in ``globals_dicts``: the globals of the code traced), torch.fx's tracing flags and the torch
+    function modes pushed within are as they were. An interrupt while undoing is taken and undoing
+    resumes (it is idempotent); the interrupt is raised after."""
+    fx_tracing = _fx_tracing()
+    before = (fx_tracing.CURRENT_PATCHER, fx_tracing._is_fx_tracing_flag, torch._C._len_torch_function_stack())
+    try:
+        yield
+    finally:
+        interrupted = None
+        for _ in range(8):
+            try:
+                _undo_fx_trace(fx_tracing, before, globals_dicts)
+                break
+            except BaseException as err:  # noqa: BLE001 - an interrupt while undoing: undo again, raise it after
+                interrupted = interrupted or err
+        if interrupted is not None:
+            raise interrupted
+
+
+def _undo_fx_trace(fx_tracing, before: tuple, globals_dicts: tuple[dict, ...]) -> None:
+    patcher, tracing, modes = before
+    type.__setattr__(nn.Module, "__call__", _MODULE_CALL)
+    type.__setattr__(nn.Module, "__getattr__", _MODULE_GETATTR)
+    frames = [frame for _, frame in fx_tracing._wrapped_fns_to_patch.items()]
+    for frame in (*frames, *globals_dicts, math.__dict__):
+        for name, value in list(frame.items()):
+            if hasattr(value, _FX_PATCH_MARK) and hasattr(value, "__wrapped__"):
+                frame[name] = value.__wrapped__
+    for cls, name in fx_tracing._wrapped_methods_to_patch:
+        value = cls.__dict__.get(name)
+        if hasattr(value, _FX_PATCH_MARK) and hasattr(value, "__wrapped__"):
+            setattr(cls, name, value.__wrapped__)
+    while torch._C._len_torch_function_stack() > modes:
+        torch._C._pop_torch_function_stack()
+    fx_tracing.CURRENT_PATCHER = patcher
+    fx_tracing._is_fx_tracing_flag = tracing
+
+
+def fx_trace_left_behind() -> bool:
+    """Whether ``nn.Module`` is left patched by a torch.fx trace no longer in progress (interrupted where
+    :func:`fx_trace_undone` could not act): every module call of the process would go to that trace."""
+    left = nn.Module.__dict__["__call__"] is not _MODULE_CALL or nn.Module.__dict__["__getattr__"] is not _MODULE_GETATTR
+    return left and _fx_tracing().CURRENT_PATCHER is None
+
+
+def undo_fx_trace_left_behind() -> None:
+    """Put back what :func:`fx_trace_left_behind` found patched."""
+    _undo_fx_trace(_fx_tracing(), (None, False, torch._C._len_torch_function_stack()), ())
+
+
+def global_forward_hooks() -> bool:
+    """Whether forward hooks registered for every module are in place
+    (``torch.nn.modules.module.register_module_forward_hook``; its private dict, no public accessor)."""
+    return bool(_modules_module._global_forward_hooks)
+
+
 def nn_module_hook_guards():
     """Within: TorchDynamo guards the hook dicts of the modules it traces
     (``torch._dynamo.config.skip_nnmodule_hook_guards`` off; read when a trace builds its guards), so that
@@ -340,9 +419,22 @@ def checkpoint_regions_when_run_eagerly(graph_module) -> None:
         graph_module.recompile()
 
 
+def dynamo_module_state(node) -> bool:
+    """Whether a node of a TorchDynamo graph is an input that holds the traced module's own state (a parameter,
+    a buffer, or a tensor kept in one of its attributes, such as an inference engine's packed weight) rather
+    than an argument of the call. Dynamo names a graph input after where it found it, ``L_self_...`` for what
+    the forward's ``self`` reaches (``L_x_``, ``L_kwargs_...`` for arguments), on 2.11-2.14; no public
+    record of an input's origin reaches a backend."""
+    return node.op == "placeholder" and str(node.target).startswith("L_self_")
+
+
 __all__ = [
     "graph_break_release_hint",
     "checkpoint_regions_when_run_eagerly",
+    "global_forward_hooks",
+    "fx_trace_undone",
+    "fx_trace_left_behind",
+    "undo_fx_trace_left_behind",
     "compile_with_recompile_limit",
     "SUPPORTED_TORCH",
     "release",
@@ -379,4 +471,5 @@ __all__ = [
     "unwrapped",
     "wrappers",
     "tracing_for_one_graph",
+    "dynamo_module_state",
 ]

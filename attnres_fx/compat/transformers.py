@@ -18,6 +18,7 @@ import json
 import logging
 import re
 import sys
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -42,24 +43,55 @@ def mark_hf_initialized(module: nn.Module) -> None:
     module.__dict__["_is_hf_initialized"] = True        # a plain value: nn.Module's __setattr__ has nothing to do
 
 
+# What transformers' output recorders read in this thread while one of attnres_fx's own TorchDynamo calls runs:
+# ``(collector,)``, the collector the code around the call set; unset outside such calls.
+_HELD_COLLECTOR = threading.local()
+
+
 @contextlib.contextmanager
 def output_recorders_traceable():
-    """Within: transformers' output-recording hooks (``output_attentions=True``, MoE router logits) read
-    their collector the way transformers itself arranges under ``torch.compile``, as a plain attribute,
-    so that Dynamo can trace them inside a captured layer; it cannot trace the ``ContextVar`` they read
-    otherwise. Relies on ``transformers.utils.output_capturing._active_collector`` (a
-    ``CompileableContextVar``: ``context_var``, ``global_var``, ``compiling``); without it, nothing
-    changes."""
-    module = sys.modules.get("transformers.utils.output_capturing")
-    collector = getattr(module, "_active_collector", None)
-    if collector is None or not hasattr(collector, "context_var") or collector.compiling:
+    """Within, in this thread: transformers' output-recording hooks (``output_hidden_states``,
+    ``output_attentions``, MoE router logits) read the collector the code around the call set from a
+    per-thread value Dynamo can trace (it cannot trace the ``ContextVar`` they read otherwise), so that a
+    captured layer records its outputs. Other threads keep reading their own ``ContextVar``: nothing
+    process-wide changes per call (transformers' own switch for ``torch.compile``, ``compiling`` and
+    ``global_var``, is one per process). Relies on ``transformers.utils.output_capturing._active_collector``
+    (a ``CompileableContextVar``: ``context_var``, ``global_var``, ``compiling``, the same from 5.17 to
+    5.25), given a class that reads the per-thread value first (:func:`_per_thread_collector`); without
+    it, nothing changes."""
+    collector = _per_thread_collector()
+    if collector is None or getattr(_HELD_COLLECTOR, "value", None) is not None:
         yield
         return
-    collector.global_var, collector.compiling = collector.context_var.get(), True
+    _HELD_COLLECTOR.value = (collector.context_var.get(),)
     try:
         yield
     finally:
-        collector.global_var, collector.compiling = None, False
+        del _HELD_COLLECTOR.value
+
+
+def _per_thread_collector():
+    """transformers' output collector, its class made once to read :data:`_HELD_COLLECTOR` first (where a
+    compiled frame set the collector itself, transformers' ``compiling`` switch, that one); ``None``
+    without one."""
+    module = sys.modules.get("transformers.utils.output_capturing")
+    collector = getattr(module, "_active_collector", None)
+    if collector is None or not hasattr(collector, "context_var"):
+        return None
+    cls = type(collector)
+    if not getattr(cls, "reads_held_collector", False):
+        collector.__class__ = type(cls.__name__, (cls,), {"get": _get_collector, "reads_held_collector": True,
+                                                          "__module__": __name__})
+    return collector
+
+
+def _get_collector(self):
+    if self.compiling:                      # set inside a frame Dynamo compiles (transformers' own rule)
+        return self.global_var
+    held = getattr(_HELD_COLLECTOR, "value", None)
+    if held is not None:
+        return held[0]
+    return self.context_var.get()
 
 
 def once_only_logging() -> set:

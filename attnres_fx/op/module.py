@@ -148,15 +148,16 @@ class BlockAttnRes(nn.Module):
 
 def run_site(module: BlockAttnRes, entered, *sources: torch.Tensor) -> torch.Tensor:
     """``module(*entered, *sources)`` (``entered``: the completed blocks a layer's graph received, as one
-    sequence), without ``nn.Module``'s call machinery where the module has no hooks (any hook, its own or
-    global, and the call goes through the module as usual): what a block's graph calls for each
-    aggregation. On the CPU, straight to the C++ operator (its autograd registered in C++ too), which checks
-    its inputs itself (sources of mixed shapes or dtypes take :func:`aggregate`): a decoding step's few
-    microseconds, and no Python at all in a training step's backward."""
+    sequence), without ``nn.Module``'s call machinery where the module is a ``BlockAttnRes`` without hooks
+    (any hook, its own or global, or a module of another class put in its place, and the call goes through
+    the module as usual): what a block's graph calls for each aggregation. On the CPU, straight to the C++
+    operator (its autograd registered in C++ too), which checks its inputs itself (sources of mixed shapes or
+    dtypes take :func:`aggregate`): a decoding step's few microseconds, and no Python at all in a training
+    step's backward."""
     if entered:
         sources = (*entered, *sources)
-    if compat.module_hooks(module):
-        return module(*sources)
+    if type(module) is not BlockAttnRes or compat.module_hooks(module):
+        return module(*sources)         # hooks, or another module put in the site's place (a wrapper)
     proj, norm = module.proj.weight, module.norm.weight
     first = sources[0]
     if type(first) is torch.Tensor and first.device.type == "cpu" and proj.device.type == "cpu" and cpu_kernel():

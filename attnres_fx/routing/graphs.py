@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import operator
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -26,6 +27,7 @@ from torch import fx, nn
 from ..op.module import BlockAttnRes, run_site
 from ..capture.block_tracer import (
     BLOCK,
+    FINAL,
     Bound,
     CONSTANT_TYPES,
     CallShape,
@@ -34,6 +36,8 @@ from ..capture.block_tracer import (
     trace_block,
 )
 from ..capture.tracers import copy_graph_module
+from ..config import DEFAULT_TRACE_CACHE_SIZE
+from ..conversion import RouteStats
 from ..errors import TraceError
 from ..passes.detect import detect_residual_streams
 from ..passes.node_kinds import is_reshape
@@ -45,7 +49,6 @@ from .. import compat
 if TYPE_CHECKING:
     from .router import LayerRouter, Router
 
-FINAL = "attnres_final"           # a stream's final aggregation, on a block graph's ``self``
 
 
 @dataclass(frozen=True)
@@ -96,43 +99,84 @@ class BlockVariant:
 
 
 class TraceCache:
-    """Block traces of one converted model, by kind of block and call shape. A trace only records the
-    block's code and its sublayer calls (the sublayers themselves run as modules), so blocks of one kind
-    (:func:`kind_of`) share it. Thread-safe: a trace is made once, under a lock."""
+    """Block traces and rewritten block graphs of one converted model, by key (kind of block and call
+    shape; place in a stream block for a rewritten graph). A trace only records the block's code and its
+    sublayer calls (the sublayers themselves run as modules), so blocks of one kind (:func:`kind_of`)
+    share it. Bounded: at most ``size`` entries, the least recently made or used dropped first (counted
+    in ``stats.evictions``). Thread-safe: an entry is made once, under a lock.
 
-    def __init__(self):
-        self._traces: dict[tuple, TracedBlock | BaseException] = {}
+    A failure is kept where the block's code refused the trace (torch.fx's refusal of control flow on a
+    traced value, or attnres_fx's own), or where it failed twice in a row: every later trace of that
+    kind and shape would repeat it. A first failure of any other kind (an exception the traced code
+    happened to raise, a resource not ready yet) leaves nothing behind: the next call traces again."""
+
+    def __init__(self, size: int = DEFAULT_TRACE_CACHE_SIZE, stats: RouteStats | None = None):
+        self.size = size
+        self.stats = stats if stats is not None else RouteStats()
+        self._entries: OrderedDict[tuple, Any] = OrderedDict()
+        self._failed_once: OrderedDict[tuple, None] = OrderedDict()        # bounded as the entries
         self._lock = threading.Lock()
 
-    def get(self, kind: tuple, shape: CallShape | None, make: Callable[[], Any]) -> Any:
-        key = (kind, shape)
-        found = self._traces.get(key)
-        if found is None:
-            with self._lock:
-                found = self._traces.get(key)
-                if found is None:
-                    try:
-                        found = make()
-                    except Exception as err:  # noqa: BLE001 - remembered: the kind's calls take the fallback
-                        found = err
-                    self._traces[key] = found
-        if isinstance(found, BaseException):
-            raise found
+    def get(self, key: tuple, make: Callable[[], Any]) -> Any:
+        with self._lock:
+            found = self._entries.get(key)
+            if found is None:
+                try:
+                    found = make()
+                except TraceError as err:
+                    if not (refused_by_code(err) or key in self._failed_once):
+                        self._failed_once[key] = None
+                        if len(self._failed_once) > self.size:
+                            self._failed_once.popitem(last=False)
+                        raise
+                    found = _Kept(err)
+                    err.kept = True
+                self._failed_once.pop(key, None)
+                self._entries[key] = found
+                while len(self._entries) > self.size:
+                    self._entries.popitem(last=False)
+                    self.stats.evictions += 1
+            else:
+                self._entries.move_to_end(key)
+        if isinstance(found, _Kept):
+            raise found.error
         return found
 
     def clear(self) -> None:
-        self._traces.clear()
+        with self._lock:
+            self._entries.clear()
+            self._failed_once.clear()
 
     def __len__(self) -> int:
         """How many block traces (not rewritten graphs) it holds."""
-        return sum(1 for (kind, _), found in self._traces.items()
-                   if kind[0] != "variant" and not isinstance(found, BaseException))
+        return sum(1 for found in list(self._entries.values()) if isinstance(found, TracedBlock))
 
     def __getstate__(self) -> dict:
-        return {}                 # traces hold the model's modules and code: made again after a copy
+        # Traces hold the model's modules and code: made again after a copy.
+        return {"size": self.size, "stats": self.stats}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__()
+        self.__init__(state["size"], state["stats"])
+
+
+class _Kept:
+    """A failed trace, kept (see :class:`TraceCache`)."""
+
+    def __init__(self, error: TraceError):
+        self.error = error
+
+
+def failure_kept(err: TraceError) -> bool:
+    """Whether ``err``, a failed trace :meth:`TraceCache.get` raised, is kept (raised again for every call
+    of that kind and shape), so that the calls may settle on TorchDynamo."""
+    return getattr(err, "kept", False)
+
+
+def refused_by_code(err: TraceError) -> bool:
+    """Whether a failed trace is the block's code refusing it (a refusal of attnres_fx's own, or torch.fx's
+    refusal of control flow on a traced value), not an exception the code happened to raise."""
+    cause = err.causes.get("fx")
+    return cause is None or isinstance(cause, fx.proxy.TraceError)
 
 
 def kind_of(module: nn.Module, forward: Callable, opened: frozenset[str]) -> tuple:
@@ -141,6 +185,13 @@ def kind_of(module: nn.Module, forward: Callable, opened: frozenset[str]) -> tup
     attributes: a trace bakes them in)."""
     traced = [("", module), *((path, module.get_submodule(path)) for path in sorted(opened))]
     return (forward, opened, tuple((path, type(m), _constants(m)) for path, m in traced))
+
+
+def watched_constants(modules) -> tuple:
+    """Per module whose code a trace holds: its attribute dict, that dict's size and the constants
+    :func:`kind_of` read from it, to tell a change by identity at each call."""
+    return tuple((m.__dict__, len(m.__dict__), tuple((name, value) for name, _, value in _constants(m)))
+                 for m in modules)
 
 
 def _constants(module: nn.Module) -> tuple:
@@ -156,21 +207,28 @@ def _constants(module: nn.Module) -> tuple:
     return tuple(sorted(items, key=lambda item: item[0]))
 
 
-def trace(router: LayerRouter, args: tuple, kwargs: dict, shape: CallShape) -> TracedBlock:
-    """The block trace for this call shape, shared by the blocks of ``router``'s kind."""
-    return router.conversion.traces.get(router.kind, shape, lambda: routable_trace(
-        router.module, router.forward_function, args, kwargs, router.opened, shape))
+def trace(router: LayerRouter, args: tuple, kwargs: dict, shape: CallShape, baked: tuple | None = None) -> TracedBlock:
+    """The block trace for this call shape, shared by the blocks of ``router``'s kind; ``baked``: the
+    values of the call's Python numbers, for a trace that bakes them in."""
+    stats = router.conversion.stats
+
+    def make():
+        traced = routable_trace(router.module, router.forward_function, args, kwargs, router.opened, shape,
+                                baked is not None)
+        stats.traces += 1
+        return traced
+    return router.conversion.traces.get((router.kind, shape, baked), make)
 
 
 def routable_trace(block: nn.Module, forward: Callable, args: tuple, kwargs: dict, opened: frozenset[str],
-                   shape: CallShape) -> TracedBlock:
+                   shape: CallShape, baked: bool = False) -> TracedBlock:
     """:func:`~attnres_fx.capture.block_tracer.trace_block`, refused (:class:`~attnres_fx.TraceError`) where the
     stream changes its leading shape inside the block (``h.reshape(-1, d)`` before a sublayer): sources
     of two layouts must then be reshaped to each other, which needs the shapes a trace with sublayers as
     calls does not have; or where it builds its result by concatenating a tuple with a sublayer's result
     (``(h,) + attention_output[1:]``), whose length such a trace does not know: the stream then leaves
     in no place of the graph's output. Such a block runs on TorchDynamo."""
-    traced = trace_block(block, forward, args, kwargs, opened, shape)
+    traced = trace_block(block, forward, args, kwargs, opened, shape, baked)
     for stream in detect_residual_streams(traced.graph_module, min_sites=1).streams:
         if any(is_reshape(op) for site in stream.sites for op in site.inbound):
             raise TraceError(f"the residual stream of {type(block).__name__} changes its leading shape between "
@@ -206,6 +264,50 @@ class BlockModuleCalls(Emitter):
         return graph.call_function(run_site, (graph.get_attr(target), () if entered is None else entered, *sources))
 
 
+class SiteModules(nn.Module):
+    """Where each site's AttnRes module of a converted model is: its parent module and the name there
+    (``parent._modules[name]``), so that a graph looks the module up when it runs and calls what is
+    there then (a module replaced after the graph was made, PEFT's ``modules_to_save`` wrapper). A module
+    on a rewritten graph (``get_attr``) that refers to the model without owning it."""
+
+    def __init__(self, root: nn.Module, names):
+        super().__init__()
+        self.__dict__["places"] = {name: place_of(root, name) for name in names}
+
+    def module(self, name: str) -> nn.Module:
+        parent, attribute = self.places[name]
+        return parent._modules[attribute]
+
+
+def place_of(root: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """The parent of the module at ``name`` in ``root`` and its name there."""
+    parent, _, attribute = name.rpartition(".")
+    return root.get_submodule(parent), attribute
+
+
+def run_site_at(sites: SiteModules, name: str, *sources: torch.Tensor) -> torch.Tensor:
+    """:func:`~attnres_fx.op.module.run_site` of the module at site ``name`` now."""
+    return run_site(sites.module(name), (), *sources)
+
+
+SITES = "attnres_sites"          # a Dynamo graph's SiteModules, on the rewritten copy
+
+
+class SiteModuleCalls(Emitter):
+    """Aggregations of an eagerly run Dynamo graph as calls of the module each site holds when the graph
+    runs (:func:`run_site_at`)."""
+
+    def __init__(self, gm: fx.GraphModule, sites: SiteModules):
+        self.gm = gm
+        self.sites = sites
+
+    def emit(self, graph, site, sources, entered=None):
+        self._no_list(entered)
+        if not hasattr(self.gm, SITES):
+            self.gm.add_submodule(SITES, self.sites)
+        return graph.call_function(run_site_at, (graph.get_attr(SITES), site.name, *sources))
+
+
 def entry_of(layout: Layout | None) -> Entry | None:
     """The rewrite's entry for a block receiving the stream's state in ``layout``: the completed blocks as
     one list, however many."""
@@ -235,7 +337,8 @@ def rewrite_block(traced: TracedBlock, plan, target: LayerTarget, block_path: st
     return gm, signature
 
 
-def variant_key(kind: tuple, shape: CallShape, planned, span, path: str, layout: Layout | None) -> tuple:
+def variant_key(kind: tuple, shape: CallShape, planned, span, path: str, layout: Layout | None,
+                baked: tuple | None = None) -> tuple:
     """What a rewritten block graph is shared by: the kind of block and call shape, its place in a stream
     block (where the state it receives stands), whether it ends the stream, and the names of its
     aggregations below the block (the stream's final one as ``None``)."""
@@ -244,28 +347,31 @@ def variant_key(kind: tuple, shape: CallShape, planned, span, path: str, layout:
     prefix = path + "."
     names = tuple(site.name[len(prefix):] if site.name.startswith(prefix) else None for site in planned.sites
                   if site.position is None or span.start <= site.position < span.stop)
-    return ("variant", kind, shape, place, span.stop == planned.num_positions, names)
+    return ("variant", kind, shape, baked, place, span.stop == planned.num_positions, names)
 
 
-def block_variant(router: LayerRouter, traced: TracedBlock, shape: CallShape, layout: Layout | None) -> BlockVariant:
+def block_variant(router: LayerRouter, traced: TracedBlock, shape: CallShape, layout: Layout | None,
+                  baked: tuple | None = None) -> BlockVariant:
     """``traced`` rewritten for ``router``'s block with the stream's state in ``layout``; see the module
     docstring. The rewritten code is shared by the blocks of one kind that sit at the same place in a
     stream block and name their aggregations alike: it takes the completed blocks as one list and finds
     the block's modules on the ``self`` it is given."""
     planned = router.planned
-    key = variant_key(router.kind, shape, planned, router.span, router.path, layout)
+    key = variant_key(router.kind, shape, planned, router.span, router.path, layout, baked)
 
     def rewrite() -> tuple:
         target = LayerTarget(planned, router.span, entry_of(layout), router.ends)
-        modules = {site.name: router.root.get_submodule(site.name) for site in planned.sites}
+        # The block's own (another block's may be gone: a pipeline stage holds some of the model's blocks).
+        modules = {site.name: router.root.get_submodule(site.name) for site in router.own_sites}
         gm, signature = rewrite_block(traced, router.conversion.plan, target, router.path, modules, router.where)
+        router.conversion.stats.rewrites += 1
         return compiled_forward(gm.graph, f"{type(router.module).__name__} graph"), signature, gm
-    forward, signature, gm = router.conversion.traces.get(key, None, rewrite)
-    others = {FINAL: router.root.get_submodule(planned.final.name)} if FINAL in gm._modules else {}
-    others.update({node.target: getattr(gm, node.target) for node in gm.graph.find_nodes(op="get_attr")
-                   if not node.target.startswith(BLOCK + ".") and node.target != FINAL})
+    forward, signature, gm = router.conversion.traces.get(key, rewrite)
+    others = {node.target: getattr(gm, node.target) for node in gm.graph.find_nodes(op="get_attr")
+              if not node.target.startswith(BLOCK + ".") and node.target != FINAL}
+    final = place_of(router.root, planned.final.name) if FINAL in gm._modules else None
     router.rewritten.append(gm)
-    return BlockVariant(forward, signature, Bound(router.module, **others), gm)
+    return BlockVariant(forward, signature, Bound(router.module, final, **others), gm)
 
 
 def _stream_input(gm: fx.GraphModule, result) -> int | None:
@@ -284,10 +390,12 @@ def rewritten_dynamo_graph(router: Router, gm: fx.GraphModule, example_inputs: l
     or Inductor's compilation with the AttnRes weights as extra inputs (parameters must be inputs there,
     and then get gradients through AOTAutograd). Returns the runnable and what the rewrite did."""
     plan = router.conversion.plan
+    router.conversion.stats.captures += 1
     graph_module = copy_graph_module(gm, type(router.module).__name__)
     modules = {site.name: router.root.get_submodule(site.name) for site in plan.sites}
     if compiler == "eager":
-        result = rewrite_captured(graph_module, plan, lambda g: ModuleCalls(g, modules), where=router.where,
+        sites = SiteModules(router.root, modules)
+        result = rewrite_captured(graph_module, plan, lambda g: SiteModuleCalls(g, sites), where=router.where,
                                   prefix=router.path, layer=layer, carriers=carriers)
         compat.checkpoint_regions_when_run_eagerly(graph_module)
         router.rewritten.append(graph_module)
@@ -314,16 +422,20 @@ def rewritten_dynamo_graph(router: Router, gm: fx.GraphModule, example_inputs: l
 
 
 class WeightReader:
-    """The AttnRes weights a rewritten graph takes as extra inputs, read from the model at every call
-    (so ``.to()``, ``load_state_dict(assign=True)``, optimizer steps and FSDP2's all-gathered parameters
-    are seen)."""
+    """The AttnRes weights a rewritten graph takes as extra inputs (``names``: ``<site>.proj.weight`` and
+    ``<site>.norm.weight``), read at every call from the module each site holds then (so ``.to()``,
+    ``load_state_dict(assign=True)``, optimizer steps, FSDP2's all-gathered parameters and a module
+    replaced after compilation are seen)."""
 
     def __init__(self, root: nn.Module, names: list[str]):
         self.names = names
-        self.holders = [(root.get_submodule(name.rsplit(".", 2)[0]), *name.rsplit(".", 2)[1:]) for name in names]
+        split = [name.rsplit(".", 2) for name in names]
+        self.sites = SiteModules(root, dict.fromkeys(site for site, _, _ in split))
+        self.holders = [(site, child, attr) for site, child, attr in split]
 
     def read(self) -> list[torch.Tensor]:
-        return [getattr(getattr(module, child), attr) for module, child, attr in self.holders]
+        modules = {name: self.sites.module(name) for name in self.sites.places}
+        return [getattr(getattr(modules[site], child), attr) for site, child, attr in self.holders]
 
     def fake(self, example_inputs: list) -> list[torch.Tensor]:
         fake_mode = compat.detect_fake_mode(example_inputs)

@@ -54,7 +54,7 @@ def install(model: nn.Module, plan: Plan, modules: dict[str, BlockAttnRes], conf
                 f"{module.__dict__['forward']!r}); attnres_fx routes calls through forward itself. Convert "
                 "the model before adding such wrappers.")
     conversion = Conversion(plan, config)
-    conversion.traces = TraceCache()
+    conversion.traces = TraceCache(config.trace_cache_size, conversion.stats)
     registered: list[tuple[nn.Module, str]] = []
     handles = []
     try:

@@ -17,6 +17,7 @@ progress marks only its own thread.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import inspect
@@ -30,7 +31,7 @@ import torch
 from torch import fx, nn
 
 from .. import compat
-from ..capture.block_tracer import CallShape, call_shape
+from ..capture.block_tracer import SCALAR_TYPES, CallShape, call_shape
 from ..capture.tracers import in_own_call
 from ..compat import pytree
 from ..conversion import Conversion
@@ -39,9 +40,10 @@ from ..errors import RoutingError, TraceError
 from ..passes.layers import LayerSpan
 from ..passes.pipeline import LayerTarget
 from ..passes.rewrite import Entry
-from . import dynamo, graphs
+from . import dynamo, graphs, host
 from .graphs import Layout, LayerGraphSignature, at_path, replaced_at
-from .state import ATTRIBUTE, StreamState, attach, bundle, remember_for_recomputation, state_of, unbundle
+from .state import (ATTRIBUTE, StreamState, attach, bundle, edited, remember_for_recomputation, restated, returned,
+                    state_of, unbundle)
 from .watch import note_stream_end, note_stream_start, refuse_foreign_fullgraph
 
 LOG = logging.getLogger("attnres_fx")
@@ -63,8 +65,9 @@ class Router:
         self.where = f"{type(module).__name__} at '{path}'" if path else type(module).__name__
         # Dynamo entries by compiler and key: a temporary switch of compiler keeps the other's graphs.
         self._entries: dict[Any, Callable] = {}
-        # The rewritten graphs of this module's calls so far, to read.
-        self.rewritten: list[fx.GraphModule] = []
+        # The rewritten graphs of this module's latest calls, to read (as many as the conversion keeps).
+        self.rewritten: collections.deque[fx.GraphModule] = collections.deque(
+            maxlen=conversion.config.trace_cache_size)
 
     @property
     def __signature__(self) -> inspect.Signature:
@@ -81,7 +84,7 @@ class Router:
         return type(self.module).forward.__code__
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_entries": {}, "rewritten": []}
+        return {**self.__dict__, "_entries": {}, "rewritten": collections.deque(maxlen=self.rewritten.maxlen)}
 
     def __repr__(self) -> str:
         return f"<attnres_fx {self.route_name}-routed forward of {type(self.module).__name__} at {self.path or '<root>'}>"
@@ -92,9 +95,13 @@ class Router:
         return compat.checkpointing_flag_holders(self.module)
 
     def _while_compiling(self, forward: Callable, args: tuple, kwargs: dict):
-        """A call reached by a TorchDynamo trace: attnres_fx's own capture takes the module as written; a
-        foreign ``torch.compile`` (not fullgraph) runs the route between its graphs; fullgraph refuses."""
+        """A call reached by a TorchDynamo trace: attnres_fx's own capture takes the module as written; a host's
+        capture too, the module declaring its sites' parameters (:mod:`attnres_fx.routing.host`); a foreign
+        ``torch.compile`` (not fullgraph) runs the route between its graphs; fullgraph refuses."""
         if dynamo.inside_own_capture():
+            return forward(self.module, *args, **kwargs)
+        if self.conversion.host:
+            host.declare(self.root, self.own_sites)
             return forward(self.module, *args, **kwargs)
         refuse_foreign_fullgraph(self.where)
         return self._under_foreign_compiler(*args, **kwargs)
@@ -105,6 +112,11 @@ class Router:
         "torch.compile(model) works too: this call then runs the AttnRes route)"))
     def _under_foreign_compiler(self, *args, **kwargs):
         return self(*args, **kwargs)
+
+    @property
+    def own_sites(self) -> tuple:
+        """The sites whose aggregations this module's calls compute: all of the model's."""
+        return self.conversion.plan.sites
 
     def _refuse_export(self) -> None:
         raise RoutingError(
@@ -212,12 +224,18 @@ def intercepting(interceptor):
 @dataclass
 class _ShapeRoutes:
     """How calls of one shape run on a block: its trace (``None``: on TorchDynamo), which of the call's
-    graph inputs carries the stream (found at the first call with a state), and its variants by layout."""
+    graph inputs carries the stream (found at the first call with a state), and its variants by layout.
+    Where the block's code needs the values of the call's Python numbers, ``baked`` holds their places
+    among the graph inputs and ``by_value`` the routes of each value (``values``: the one a trace bakes
+    in)."""
 
     shape: CallShape
     traced: Any
     stream_input: int | None
     variants: dict
+    baked: tuple[int, ...] | None = None
+    by_value: dict | None = None
+    values: tuple | None = None
 
 
 class LayerRouter(Router):
@@ -239,9 +257,17 @@ class LayerRouter(Router):
         self.traced_modules = (module, *(module.get_submodule(path) for path in sorted(opened)))
         self._shapes: dict[CallShape, _ShapeRoutes] = {}
         self._forwards: dict[type, tuple] = {}
+        # The constants the kind was read from, to see a change (graphs.watched_constants).
+        self._watched: tuple = ()
 
     def __getstate__(self) -> dict:
-        return {**super().__getstate__(), "_shapes": {}, "_forwards": {}}
+        return {**super().__getstate__(), "_shapes": {}, "_forwards": {}, "_watched": ()}
+
+    @property
+    def own_sites(self) -> tuple:
+        """The sites of this module's span, and the stream's final one where the span ends it."""
+        return tuple(site for site in self.planned.sites if (self.span.start <= site.position < self.span.stop
+                                                               if site.position is not None else self.ends))
 
     def reset(self) -> None:
         super().reset()
@@ -258,7 +284,19 @@ class LayerRouter(Router):
             forward = inner or cls.forward
             found = self._forwards[cls] = (forward, inner is not None,
                                            graphs.kind_of(self.module, forward, self.opened))
+            self._watched = graphs.watched_constants(self.traced_modules)
         return found
+
+    def _constants_changed(self) -> bool:
+        """Whether a constant the block's graphs were traced with changed since (Granite's
+        ``residual_multiplier`` set after the first call): identity checks of the values read."""
+        for attributes, size, constants in self._watched:
+            if len(attributes) != size:
+                return True
+            for name, value in constants:
+                if attributes.get(name) is not value:
+                    return True
+        return False
 
     @property
     def forward_function(self) -> Callable:
@@ -293,22 +331,61 @@ class LayerRouter(Router):
     def proceed(self, *args, **kwargs):
         """Run this call of the block on its route (what an interceptor calls to go ahead)."""
         if self.conversion.compiler == "eager":
+            if compat.fx_trace_left_behind():
+                compat.undo_fx_trace_left_behind()      # an interrupted trace, anywhere in the process
+            if self._constants_changed():
+                # Another kind of block now: its own traces (shared with the blocks of that kind).
+                self._forwards.clear()
+                self._shapes.clear()
             shape, inputs = call_shape(args, kwargs, self.traced_modules)
-            routes = self._shapes.get(shape) or self._routes_for(shape, args, kwargs)
+            routes = self._shapes.get(shape) or self._routes_for(shape, args, kwargs, inputs)
+            if routes.baked is not None:
+                values = tuple([inputs[k] for k in routes.baked])
+                routes = routes.by_value.get(values) or self._value_routes_for(routes, values, args, kwargs)
             if routes.traced is not None and not (self.opened and self._opened_hooks()):
                 return self._run_block_graph(routes, inputs)
         return self._run_dynamo(args, kwargs)
 
     # -- block graphs --------------------------------------------------------------------------------
 
-    def _routes_for(self, shape: CallShape, args: tuple, kwargs: dict) -> _ShapeRoutes:
-        traced = None
-        if not self._opened_hooks():
-            try:
-                traced = graphs.trace(self, args, kwargs, shape)
-            except TraceError as err:
-                LOG.info("%s runs on TorchDynamo for this call shape: %s", self.where, first_line(err))
-        routes = self._shapes[shape] = _ShapeRoutes(shape, traced, None, {})
+    def _routes_for(self, shape: CallShape, args: tuple, kwargs: dict, inputs: list) -> _ShapeRoutes:
+        if self._opened_hooks():
+            return self._kept(self._shapes, shape, _ShapeRoutes(shape, None, None, {}))
+        try:
+            traced = graphs.trace(self, args, kwargs, shape)
+        except TraceError as err:
+            numbers = tuple(k for k, value in enumerate(inputs) if type(value) in SCALAR_TYPES)
+            if numbers:
+                # Perhaps the code needs the numbers' values: a graph per value (bounded), if that traces.
+                routes = _ShapeRoutes(shape, None, None, {}, numbers, {})
+                values = tuple([inputs[k] for k in numbers])
+                found = self._value_routes_for(routes, values, args, kwargs)
+                if found.traced is not None:
+                    return self._kept(self._shapes, shape, routes)
+            LOG.info("%s runs on TorchDynamo for this call shape: %s", self.where, first_line(err))
+            routes = _ShapeRoutes(shape, None, None, {})
+            # A failure the traced code happened to raise (not its refusal) is tried again at the next call.
+            return self._kept(self._shapes, shape, routes) if graphs.failure_kept(err) else routes
+        return self._kept(self._shapes, shape, _ShapeRoutes(shape, traced, None, {}))
+
+    def _value_routes_for(self, routes: _ShapeRoutes, values: tuple, args: tuple, kwargs: dict) -> _ShapeRoutes:
+        """The routes of calls of ``routes``' shape whose Python numbers have ``values``, traced with them
+        baked in."""
+        try:
+            traced = graphs.trace(self, args, kwargs, routes.shape, values)
+        except TraceError as err:
+            LOG.info("%s runs on TorchDynamo for this call shape: %s", self.where, first_line(err))
+            found = _ShapeRoutes(routes.shape, None, None, {}, values=values)
+            return self._kept(routes.by_value, values, found) if graphs.failure_kept(err) else found
+        return self._kept(routes.by_value, values, _ShapeRoutes(routes.shape, traced, None, {}, values=values))
+
+    def _kept(self, cache: dict, key, routes: _ShapeRoutes) -> _ShapeRoutes:
+        """``routes`` stored in ``cache`` under ``key``, the oldest entry dropped beyond the conversion's
+        ``trace_cache_size``."""
+        if len(cache) >= self.conversion.config.trace_cache_size:
+            del cache[next(iter(cache))]
+            self.conversion.stats.evictions += 1
+        cache[key] = routes
         return routes
 
     def _opened_hooks(self) -> bool:
@@ -318,13 +395,14 @@ class LayerRouter(Router):
 
     def _run_block_graph(self, routes: _ShapeRoutes, inputs: list):
         carrier, state, via = self._entering(routes, inputs)
+        changed = via == "carrier" and edited(carrier, state)
         # The state made at the stream's start (for reentrant checkpointing's recomputation) holds nothing.
         layout = None if state is None or not (state.position or state.tensors) else (
-            state.position, len(state.blocks), state.partial is not None)
+            state.position, len(state.blocks), changed or state.partial is not None)
         variant = routes.variants.get(layout)
         if variant is None:
             variant = routes.variants[layout] = graphs.block_variant(
-                self, routes.traced, routes.shape, layout if layout is None else Layout(*layout))
+                self, routes.traced, routes.shape, layout if layout is None else Layout(*layout), routes.values)
             if routes.stream_input is None:
                 routes.stream_input = variant.signature.stream_input
         signature = variant.signature
@@ -335,6 +413,8 @@ class LayerRouter(Router):
         state_inputs: tuple = ()
         if layout is not None:
             view, tensors = unbundle(state, carrier)
+            if changed:
+                tensors = (*tensors[:layout[1]], restated(view, tensors[:layout[1]]))
             inputs[routes.stream_input] = view
             # The graph takes the completed blocks as one list, then the partial sum.
             count = layout[1]
@@ -418,6 +498,7 @@ class LayerRouter(Router):
             return bundle(carrier, after.tensors, grads_from=before.successor)
         carrier_out = bundle(carrier, after.tensors, grads_from=after)
         attach(carrier_out, after)
+        returned(carrier_out, after, bool(self.module._forward_hooks) or compat.global_forward_hooks())
         if reentrant:
             before.successor = after
         return carrier_out
@@ -430,9 +511,12 @@ class LayerRouter(Router):
         tensors: tuple[torch.Tensor, ...] = ()
         if state is not None and state.tensors:
             view, tensors = unbundle(state, carrier)
+            if via == "carrier" and edited(carrier, state):
+                tensors = (*tensors[:len(state.blocks)], restated(view, tensors[:len(state.blocks)]))
             args, kwargs = _replaced((args, kwargs), carrier, view)
         layout = None if state is None or not (state.position or state.tensors) else _DynamoLayout(
-            state.position, len(state.blocks), state.partial is not None, tuple(_described(t, carrier) for t in tensors))
+            state.position, len(state.blocks), len(tensors) > len(state.blocks),
+            tuple(_described(t, carrier) for t in tensors))
         call = _DynamoCall(tensors)
         with _active(call):
             out = self.run_dynamo(self.entry(layout, lambda compiler: self._dynamo_backend(compiler, layout),
@@ -469,10 +553,11 @@ class LayerRouter(Router):
                 "carries the completed block sums. Causes: the module was called on its own or with a tensor "
                 "the previous module did not return (a copy, a cast, a tensor computed from it: the code "
                 "that calls them may do that in a mode, train or eval, other than the conversion's, such as "
-                "a scaling of the stream in eval mode; a conversion in this mode names the op), or "
-                "reentrant activation checkpointing recomputes it on inputs it cannot trace back (use "
-                "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)). Call the stream's modules in "
-                "order with what each returns, or convert with route='model'.")
+                "a scaling of the stream in eval mode; a conversion in this mode names the op; a new result "
+                "a forward hook returned: a hook that edits the result in place, out.add_(v), is taken into "
+                "the stream), or reentrant activation checkpointing recomputes it on inputs it cannot trace "
+                "back (use torch.utils.checkpoint.checkpoint(..., use_reentrant=False)). Call the stream's "
+                "modules in order with what each returns, or convert with route='model'.")
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,10 @@ class StreamState:
     grads: list = field(default_factory=list)
     successor: StreamState | None = None      # the state a block made from this one, kept for reentrant
                                               # checkpointing's recomputation only
+    # How the carrier was when the block returned it, to tell an in-place edit (:func:`edited`): its
+    # version counter, or a copy where it has none (an inference tensor) and a hook may edit it.
+    version: int | None = None
+    snapshot: torch.Tensor | None = None
 
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -71,6 +75,32 @@ class StreamState:
 def attach(carrier: torch.Tensor, state: StreamState) -> None:
     """Make ``state`` travel with ``carrier``."""
     setattr(carrier, ATTRIBUTE, state)
+
+
+def returned(carrier: torch.Tensor, state: StreamState, hooked: bool) -> None:
+    """Note how ``carrier`` is as its block returns it with ``state`` (``hooked``: whether a forward hook
+    may see it before the next block does), so that the next block can tell an in-place edit."""
+    if not carrier.is_inference():
+        state.version = carrier._version
+    elif hooked:
+        state.snapshot = carrier.clone()
+
+
+def edited(carrier: torch.Tensor, state: StreamState) -> bool:
+    """Whether ``carrier`` was changed in place since its block returned it with ``state`` (a forward hook's
+    ``out.add_(v)``, activation steering)."""
+    if state.version is not None:
+        return carrier._version != state.version
+    return state.snapshot is not None and not torch.equal(carrier, state.snapshot)
+
+
+def restated(carrier: torch.Tensor, blocks: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The partial sum of a carrier edited in place: the carrier is the sum of the completed blocks and the
+    partial sum, so the edit joins the partial sum, as a branch output added to the stream would."""
+    partial = carrier
+    for block in blocks:
+        partial = partial - block
+    return partial
 
 
 def state_of(tensor: torch.Tensor, owner: object, stream: int) -> tuple[StreamState | None, str]:
