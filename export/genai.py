@@ -7,8 +7,8 @@ batches).
 
 Two ways to the graph; ``written_by.json`` in the folder records which one wrote it:
 
-- ``graph="builder"`` (the default where it applies: Llama, Qwen2, Qwen3, Mistral without a binding sliding
-  window; fp32 and int4 on the CPU, fp32, fp16 and int4 on CUDA): onnxruntime-genai's own model builder
+- ``graph="builder"`` (the default where it applies: Llama, Qwen2, Qwen3, Phi-3, Gemma, Granite, SmolLM3,
+  Mistral and Gemma 2 without a binding sliding window; fp32 and int4 on the CPU, fp32, fp16 and int4 on CUDA): onnxruntime-genai's own model builder
   writes the stock graph from the model's base weights, and :mod:`attnres_fx.export.builder_stream`
   rewrites its residual stream into the converted model's Block AttnRes
   (:mod:`attnres_fx.export.genai_builder`). The folder is then the builder's (its config, its

@@ -35,9 +35,13 @@ from .builder_stream import Aggregation, rewrite
 from .failures import reraise_as_export_error
 
 # The architectures whose builder graph the pass is checked on (tests/test_genai_builder.py); others take
-# the torch.onnx path. Mistral's builder graph keeps a sliding window in its cache, which onnxruntime-genai
-# 0.18 fails on once the window slides: only a window no shorter than the context takes the builder.
-ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"}
+# the torch.onnx path. Mistral's and Gemma 2's builder graphs keep a sliding window in their cache, which
+# onnxruntime-genai 0.18 fails on once the window slides: only a window no shorter than the context takes
+# the builder. Not taken: Gemma 3 (0.18's builder cannot read transformers' config, a rope per layer type),
+# OLMo (0.18's builder writes its weightless LayerNorm as an RMSNorm: the original's logits are 0.15 off),
+# Phi-2 (parallel attention and MLP, which the pass refuses).
+ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM",
+                 "GemmaForCausalLM", "Gemma2ForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM"}
 # precision -> execution providers the builder writes it for (its own list of valid combinations).
 PRECISIONS = {"fp32": {"cpu", "cuda"}, "fp16": {"cuda"}, "int4": {"cpu", "cuda"}}
 MODEL_NAME = "model.onnx"

@@ -8,7 +8,8 @@ computes the torch model's logits (prompt and 8 decoding steps, random pseudo-qu
 tokens on a padded batch; a builder graph of another depth is refused before anything is written.
 Also slow (a second each): the fp16 graph written for CUDA keeps the aggregation in fp32 and computes
 the prompt's logits (on the CPU provider); int4 agrees with the torch model as closely as the builder's
-int4 of the original agrees with the original; Qwen2 and Qwen3 logits.
+int4 of the original agrees with the original; the logits of Qwen2, Qwen3, Phi-3, Gemma, Gemma 2,
+Granite and SmolLM3.
 """
 
 import json
@@ -313,8 +314,8 @@ def test_negligible_softmax_weights_are_zero_in_the_builder_graph(opset):
 
 # --- the builder's folders ----------------------------------------------------------------------------
 
-def converted(family: str = "llama") -> torch.nn.Module:
-    model = serving_model(family, **SIZE)
+def converted(family: str = "llama", **config) -> torch.nn.Module:
+    model = serving_model(family, **SIZE, **config)
     attnres_fx.attnresify(model, (torch.arange(3, 19).reshape(2, 8),), block_size=2)
     return randomise_pseudo_queries(model)
 
@@ -411,10 +412,13 @@ def test_int4_agrees_with_the_model_as_the_builders_int4_of_the_original_does(tm
 @pytest.mark.slow
 @needs_hf
 @needs_genai
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "phi3", "gemma", "gemma2", "granite", "smollm3"])
 def test_family_fp32_logits_are_the_converted_models(family, tmp_path):
-    model = converted(family)
-    folder = export.to_genai(model, tmp_path / family, tokenizer=tiny_tokenizer())
+    # Gemma 2's window as long as the served sequence (len(PROMPT) + DECODE_STEPS + 1): the builder's
+    # windowed cache needs the window within its capacity, and fails once it slides.
+    length = len(PROMPT) + DECODE_STEPS + 1
+    model = converted(family, **({"sliding_window": length} if family == "gemma2" else {}))
+    folder = export.to_genai(model, tmp_path / family, tokenizer=tiny_tokenizer(), context_length=length)
     assert json.loads((folder / "written_by.json").read_text())["graph"] == "builder"
     assert max_relative_error(model, folder, PROMPT) < FP32_LOGITS_RTOL
 
@@ -426,7 +430,7 @@ def test_the_builder_path_is_chosen_where_it_applies():
     assert genai_builder.builder_takes(llama, "int4", "cpu", 128) is None
     assert "fp16 for the cuda provider" in genai_builder.builder_takes(llama, "fp16", "cpu", 128)
     assert "sliding window (8) is shorter" in genai_builder.builder_takes(serving_model("mistral"), "fp32", "cpu", 128)
-    assert "not Phi3ForCausalLM" in genai_builder.builder_takes(serving_model("phi3"), "fp32", "cpu", 128)
+    assert "not Gemma3ForCausalLM" in genai_builder.builder_takes(serving_model("gemma3"), "fp32", "cpu", 128)
 
 
 @pytest.mark.slow

@@ -27,7 +27,7 @@ def prompts(seed: int) -> list[list[int]]:
     return [torch.randint(3, VOCAB, (length,), generator=generator).tolist() for length in (12, 3, 7)]
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "phi3", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "phi3", "gemma", "granite", "smollm3", "gemma3"])
 def test_served_folder_generates_what_generate_does(family, tmp_path):
     model = serving_model(family)
     attnres_fx.attnresify(model, (torch.tensor(prompts(0)[:1] * 2),), block_size=2)

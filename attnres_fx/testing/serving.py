@@ -38,6 +38,13 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     # Its fused qkv and gate/up projections; eager attention (the others take transformers' default, sdpa).
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"original_max_position_embeddings": 128,
                                                "attn_implementation": "eager"}),
+    # RMSNorm scaled by 1 + weight, embeddings scaled by sqrt(hidden).
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {}),
+    # Multipliers on the embeddings, attention scores, residual branches and logits.
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {"embedding_multiplier": 2.0, "attention_multiplier": 0.3,
+                                                        "residual_multiplier": 0.5, "logits_scaling": 2.0}),
+    # Rotary embeddings left out of every fourth layer.
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {}),
     # Sliding-window and full layers alternating, logit soft-capping, norms before and after each sublayer.
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"sliding_window": SLIDING_WINDOW, "query_pre_attn_scalar": 16}),
     # One sliding-window layer and one full one; query and key norms, embeddings scaled by sqrt(hidden).
