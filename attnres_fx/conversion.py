@@ -73,6 +73,8 @@ class Conversion:
     compile_options: dict[str, Any] = field(default_factory=dict)
     installed: Any = None
     traces: Any = None
+    host: str = ""            # a host compiler that captures the model's calls whole (attnres_fx.routing.host)
+    host_graphs: int = 0      # the host's graphs rewritten so far
     stats: RouteStats = field(default_factory=RouteStats)
 
 

@@ -1,18 +1,21 @@
 """Converted against original folder in the same vLLM (make venv-vllm's venv): throughput of 16 concurrent
 requests of 64 new tokens, and time to first token of one request, Llama with hidden 512 and 8 layers, fp32,
-greedy. Each folder is served by its own engine, in its own process (original, converted, in turn, ROUNDS
-times); the ratios are medians over the rounds.
+greedy, every engine on vLLM's default (compiled) path.
 
-    $(bash .ci/vllm-venv)/bin/python benchmarks/vllm_bench.py [--rounds N]
+    $(bash .ci/vllm-venv)/bin/python benchmarks/vllm_bench.py [--repeats N]
 
-vLLM serves the original with its own Llama implementation on its default (compiled) path, the converted
-folder with the attnres_fx plugin's class (its Transformers backend, eager)."""
+Variants, each an engine of its own (``vllm.LLM``, its engine core in a process of its own), all started
+first, then measured in turn, REPEATS times: ``original``, the original folder as vLLM serves it by default
+(its own Llama implementation); ``original_transformers``, the same folder on vLLM's Transformers backend
+(``model_impl="transformers"``), which serves the converted folder too; ``converted``, the converted folder
+(the attnres_fx plugin's class: the Transformers backend, its graph rewritten by the conversion's plan).
+The ratios are medians of each repeat's ratios: converted / original is what a user gets, converted /
+original_transformers what AttnRes itself costs."""
 
 import argparse
 import json
+import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -20,6 +23,8 @@ from pathlib import Path
 SIZE = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
             num_key_value_heads=4, head_dim=64, max_position_embeddings=512)
 REQUESTS, NEW_TOKENS, PROMPT = 16, 64, 32
+VARIANTS = {"original": ("original", {}), "original_transformers": ("original", {"model_impl": "transformers"}),
+            "converted": ("converted", {})}
 
 
 def folders(root: Path) -> dict[str, Path]:
@@ -38,51 +43,49 @@ def folders(root: Path) -> dict[str, Path]:
     return written
 
 
-def measure(folder: str) -> dict:
-    """One engine on ``folder``: tokens/s of the batch and seconds to the first token (medians of 3)."""
-    from vllm import LLM, SamplingParams
+def measure(llm, repeat: int) -> dict:
+    """Tokens/s of the batch, then seconds to the first token of a prompt no engine has seen."""
+    from vllm import SamplingParams
 
-    llm = LLM(model=folder, dtype="float32", gpu_memory_utilization=0.1, max_model_len=256, seed=0)
     prompts = [{"prompt_token_ids": [3 + (i * 7 + j) % 300 for j in range(PROMPT)]} for i in range(REQUESTS)]
-    batch = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    first = SamplingParams(temperature=0, max_tokens=1)
-    llm.generate(prompts[:2], batch, use_tqdm=False)              # warm-up
-    throughput, ttft = [], []
-    for repeat in range(3):
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, batch, use_tqdm=False)
-        throughput.append(sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - start))
-        # A prompt not seen before, so the prefix cache does not answer it.
-        fresh = {"prompt_token_ids": [3 + (repeat * 11 + j * 5) % 350 for j in range(PROMPT)]}
-        start = time.perf_counter()
-        llm.generate([fresh], first, use_tqdm=False)
-        ttft.append(time.perf_counter() - start)
-    return {"tokens_per_s": statistics.median(throughput), "ttft_s": statistics.median(ttft)}
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
+                           use_tqdm=False)
+    tokens_per_s = sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - start)
+    # A new prompt at each repeat, so that the prefix cache does not answer it.
+    fresh = {"prompt_token_ids": [3 + (repeat * 11 + j * 5) % 350 for j in range(PROMPT)]}
+    start = time.perf_counter()
+    llm.generate([fresh], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    return {"tokens_per_s": tokens_per_s, "ttft_s": time.perf_counter() - start}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--measure", help=argparse.SUPPRESS)
+    parser.add_argument("--repeats", type=int, default=21)
     args = parser.parse_args()
-    if args.measure:
-        print("RESULT " + json.dumps(measure(args.measure)))
-        return
+    # Three engines side by side: each keeps a KV cache of 1 GiB on the CPU build.
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM
+
     with tempfile.TemporaryDirectory() as tmp:
         written = folders(Path(tmp))
-        rounds = []
-        for _ in range(args.rounds):
-            row = {}
-            for name, folder in written.items():
-                run = subprocess.run([sys.executable, __file__, "--measure", str(folder)], capture_output=True,
-                                     text=True, check=True)
-                row[name] = json.loads(next(l for l in run.stdout.splitlines() if l.startswith("RESULT "))[7:])
-            rounds.append(row)
-            print(json.dumps(row))
-    throughput = statistics.median(r["converted"]["tokens_per_s"] / r["original"]["tokens_per_s"] for r in rounds)
-    ttft = statistics.median(r["converted"]["ttft_s"] / r["original"]["ttft_s"] for r in rounds)
-    print(f"converted / original: throughput {throughput:.2f}, time to first token {ttft:.2f} "
-          f"({args.rounds} rounds)")
+        engines = {name: LLM(model=str(written[folder]), dtype="float32", gpu_memory_utilization=0.1,
+                              max_model_len=256, seed=0, **engine)
+                   for name, (folder, engine) in VARIANTS.items()}
+        for llm in engines.values():
+            measure(llm, -1)                                             # warm-up
+        rows = []
+        for repeat in range(args.repeats):
+            rows.append({name: measure(llm, repeat) for name, llm in engines.items()})
+            print(json.dumps(rows[-1]), flush=True)
+    for name in VARIANTS:
+        print(f"{name}: {statistics.median(r[name]['tokens_per_s'] for r in rows):.0f} tokens/s, time to first "
+              f"token {1000 * statistics.median(r[name]['ttft_s'] for r in rows):.1f} ms (medians)")
+    for baseline in ("original", "original_transformers"):
+        throughput = statistics.median(r["converted"]["tokens_per_s"] / r[baseline]["tokens_per_s"] for r in rows)
+        ttft = statistics.median(r["converted"]["ttft_s"] / r[baseline]["ttft_s"] for r in rows)
+        print(f"converted / {baseline}: throughput {throughput:.3f}, time to first token {ttft:.3f} "
+              f"(medians of {args.repeats} repeats' ratios)")
 
 
 if __name__ == "__main__":

@@ -295,9 +295,26 @@ def is_parameterised_compute(node: fx.Node, gm: fx.GraphModule, param_derived: s
     if module is not None:
         has_params = any(True for _ in module.parameters())
         return has_params and not is_norm_module(module) and not isinstance(module, nn.Embedding)
+    if is_custom_op(node):
+        # An opaque layer (an inference engine's GEMM on a packed weight): one that reads the model's state.
+        return any(i in param_derived or compat.dynamo_module_state(i) for i in node.all_input_nodes)
     if op_name(node) not in MATMUL_OPS and op_name(node) not in FUSED_LAYER_OPS:
         return False
     return any(i in param_derived for i in node.all_input_nodes)
+
+
+# Operator namespaces of torch itself; any other is a library's custom operator.
+TORCH_NAMESPACES = {"aten", "prims", "_c10d_functional", "c10d_functional", "higher_order"}
+
+
+def is_custom_op(node: fx.Node) -> bool:
+    """A call of an operator another library registered (``torch.ops.<namespace>.<op>``), opaque to torch."""
+    target = node.target if node.op == "call_function" else None
+    if isinstance(target, compat.OpOverload):
+        return target.namespace not in TORCH_NAMESPACES
+    if isinstance(target, compat.OpOverloadPacket):
+        return target._qualified_op_name.split("::")[0] not in TORCH_NAMESPACES
+    return False
 
 
 def is_attention_op(node: fx.Node, gm: fx.GraphModule) -> bool:

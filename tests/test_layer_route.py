@@ -415,3 +415,33 @@ def test_a_block_result_of_any_container_keeps_its_type_and_its_values(wrap, blo
     with torch.no_grad():
         result = layer.blocks[0](layer.embed(ids))
     assert type(result) is (BlockOutput if wrap is RecordBlock else tuple)
+
+
+def test_a_stream_continues_in_another_process_from_its_block_sums():
+    """What an inference engine's pipeline stages do (vLLM's, under ``torch.inference_mode()``, where a view
+    does not know its base): the first stage's last block leaves the completed block sums and the partial
+    sum on its carrier (``routing.stream_state``); the next stage holds only its own blocks (the others
+    replaced by placeholders) and continues the stream from a tensor of its own with that state
+    (``routing.enter_stream``). The result is the whole model's."""
+    torch.manual_seed(0)
+    model = attnres_fx.attnresify(TinyTransformer(TinyConfig(dim=32, num_layers=4)).eval(), block_size=3)
+    randomise_pseudo_queries(model)
+    ids = example_ids(model.config)
+    planned = conversion_of(model).plan.streams[0]
+    with torch.inference_mode():
+        expected = model(ids)
+        carrier = model.blocks[1](model.blocks[0](model.embed(ids)))
+        blocks, partial = routing.stream_state(model, 0, carrier)
+        assert len(blocks) == planned.completed_before(planned.layer("blocks.2").start)
+        second = copy.deepcopy(model)
+        second.blocks[0] = second.blocks[1] = torch.nn.Identity()
+        assert [routing.is_routed(block) for block in second.blocks] == [False, False, True, True]
+        received = carrier.clone()
+        routing.enter_stream(second, 0, received, planned.layer("blocks.2").start,
+                             [b.clone() for b in blocks], partial.clone())
+        x = received
+        for block in second.blocks[2:]:
+            x = block(x)
+        torch.testing.assert_close(second.head(second.ln_f(x)), expected, rtol=0, atol=0)
+    with pytest.raises(attnres_fx.RoutingError, match="carries no AttnRes state"):
+        routing.stream_state(model, 0, carrier.clone())

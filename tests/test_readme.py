@@ -28,7 +28,20 @@ def _nanogpt():
     from toy_models import NanoGPT, make_inputs
 
     torch.manual_seed(0)
-    return {"model": NanoGPT(dropout=0.0), "idx": make_inputs(), "targets": make_inputs(seed=1)}
+    return {"model": NanoGPT(dropout=0.0, mask_buffer=True), "idx": make_inputs(), "targets": make_inputs(seed=1)}
+
+
+def test_the_intro_models_mask_needs_the_example_inputs_and_the_error_says_so():
+    """nanoGPT's causal-mask buffer sliced to the sequence length: torch.fx, the only capture without
+    example inputs, cannot trace it; the refusal says to pass them (as the intro block does) and leaves
+    the model as it was."""
+    namespace = _nanogpt()
+    model = namespace["model"]
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    with pytest.raises(attnres_fx.TraceError, match=r"pass example_inputs"):
+        attnres_fx.attnresify(model)
+    assert not attnres_fx.is_converted(model)
+    assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
 
 
 def _converted_tiny():
@@ -91,7 +104,8 @@ SNIPPETS = {
         _pipeline, {'["model.layers.4", "model.layers.8", "model.layers.12"]': '["model.layers.2"]',
                     "n_microbatches=4": "n_microbatches=4"}, lambda ns: len(ns["stages"]) == 2),
     "import onnxruntime_genai as og": (
-        _served, {}, lambda ns: ns["generator"].is_done() and Path("served/genai_config.json").is_file()
+        _served, {}, lambda ns: ns["generator"].is_done() and len(ns["generator"].get_sequence(0)) == 32
+        and Path("served/genai_config.json").is_file()
         and '"precision": "int4"' in Path("served-int4/written_by.json").read_text()),
     "from attnres_fx import export": (_converted_tiny, {}, lambda ns: ns["path"].is_file()),
     "from vllm import LLM, SamplingParams": (_run_in_the_vllm_venv, {}, lambda ns: False),

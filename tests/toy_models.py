@@ -244,11 +244,29 @@ __all__ = ["EncoderDecoder", "NestedModel", "RopeModel", "PostNormModel", "NoRes
            "DataDependentModel", "RawBranchModel", "make_inputs", "F"]
 
 
+class MaskedSelfAttention(nn.Module):
+    """nanoGPT's attention without flash: the causal mask a buffer sliced to the sequence length
+    (``self.bias[:, :, :T, :T]``), which torch.fx cannot trace without example inputs."""
+
+    def __init__(self, dim, heads, block_size):
+        super().__init__()
+        self.c_attn, self.c_proj, self.heads = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim), heads
+        self.register_buffer("bias", torch.tril(torch.ones(block_size, block_size)).view(1, 1, block_size, block_size))
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in self.c_attn(x).split(C, dim=2))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = F.softmax(att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf")), dim=-1)
+        return self.c_proj((att @ v).transpose(1, 2).contiguous().view(B, T, C))
+
+
 class NanoBlock(nn.Module):
-    def __init__(self, dim, heads, dropout, checkpoint):
+    def __init__(self, dim, heads, dropout, checkpoint, mask_buffer=False, block_size=32):
         super().__init__()
         cfg = TinyConfig(dim=dim, num_heads=heads)
-        self.ln_1, self.attn, self.ln_2, self.mlp = nn.LayerNorm(dim), CausalSelfAttention(cfg), nn.LayerNorm(dim), MLP(cfg)
+        attn = MaskedSelfAttention(dim, heads, block_size) if mask_buffer else CausalSelfAttention(cfg)
+        self.ln_1, self.attn, self.ln_2, self.mlp = nn.LayerNorm(dim), attn, nn.LayerNorm(dim), MLP(cfg)
         self.drop = nn.Dropout(dropout)
         self.checkpoint = checkpoint
 
@@ -260,15 +278,17 @@ class NanoBlock(nn.Module):
 class NanoGPT(nn.Module):
     """A nanoGPT-style model as people write them: ``forward(idx, targets=None)`` returning ``(logits,
     loss)``, dropout, a frozen positional table computed under ``no_grad``, the head under autocast
-    (bf16 on CPU), optional activation checkpointing of every block, and a method of its own."""
+    (bf16 on CPU), optional activation checkpointing of every block, and a method of its own;
+    ``mask_buffer``: attention with nanoGPT's causal-mask buffer instead of SDPA's ``is_causal``."""
 
     def __init__(self, vocab=64, dim=32, layers=2, heads=4, block_size=32, dropout=0.1, checkpoint=False,
-                 autocast_head=False):
+                 autocast_head=False, mask_buffer=False):
         super().__init__()
         self.wte = nn.Embedding(vocab, dim)
         self.wpe = nn.Embedding(block_size, dim)
         self.drop = nn.Dropout(dropout)
-        self.h = nn.ModuleList(NanoBlock(dim, heads, dropout, checkpoint) for _ in range(layers))
+        self.h = nn.ModuleList(NanoBlock(dim, heads, dropout, checkpoint, mask_buffer, block_size)
+                               for _ in range(layers))
         self.ln_f = nn.LayerNorm(dim)
         self.lm_head = nn.Linear(dim, vocab, bias=False)
         self.checkpoint = checkpoint

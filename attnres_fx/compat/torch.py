@@ -419,6 +419,15 @@ def checkpoint_regions_when_run_eagerly(graph_module) -> None:
         graph_module.recompile()
 
 
+def dynamo_module_state(node) -> bool:
+    """Whether a node of a TorchDynamo graph is an input that holds the traced module's own state (a parameter,
+    a buffer, or a tensor kept in one of its attributes, such as an inference engine's packed weight) rather
+    than an argument of the call. Dynamo names a graph input after where it found it, ``L_self_...`` for what
+    the forward's ``self`` reaches (``L_x_``, ``L_kwargs_...`` for arguments), on 2.11-2.14; no public
+    record of an input's origin reaches a backend."""
+    return node.op == "placeholder" and str(node.target).startswith("L_self_")
+
+
 __all__ = [
     "graph_break_release_hint",
     "checkpoint_regions_when_run_eagerly",
@@ -462,4 +471,5 @@ __all__ = [
     "unwrapped",
     "wrappers",
     "tracing_for_one_graph",
+    "dynamo_module_state",
 ]

@@ -185,7 +185,8 @@ def loading_code(model: nn.Module) -> str:
     cls = compat.hf_model_class(model)
     return (f'''"""The converted {cls.__name__} of this folder, for transformers alone:
 ``AutoModel...from_pretrained(folder, trust_remote_code=True)``. Written by attnres_fx {__version__}:
-importing it converts every model built from a config with an "attnres" entry (pip install attnres-fx)."""
+importing it converts every model built from a config with an "attnres" entry (pip install attnres-fx,
+from a checkout or a wheel built from one)."""
 
 import attnres_fx  # noqa: F401 - converts the model built from this folder's config, checks its weights
 from {cls.__module__} import {cls.__name__} as _Saved

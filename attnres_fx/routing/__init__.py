@@ -38,8 +38,10 @@ from torch import nn
 from ..conversion import Conversion, conversion_of
 from .install import install, routers, uninstall, whole_call
 from .router import COMPILERS, LayerRouter, ModelRouter, Router, WholeCallRouter, intercepting
+from .state import StreamState, attach, state_of
 
 __all__ = ["COMPILERS", "LayerRouter", "ModelRouter", "Router", "WholeCallRouter", "compiler_route", "eager_route",
+           "enter_stream", "is_routed", "stream_state",
            "install", "intercepting", "routers", "set_compiler", "uninstall"]
 
 
@@ -80,3 +82,28 @@ def set_compiler(model: nn.Module, conversion: Conversion, compiler: str, option
     whole_call(model, conversion, compiler == "inductor")
     for router in routers(model):
         router.reset()
+
+
+def is_routed(module: nn.Module) -> bool:
+    """Whether ``module`` runs a route of its converted model (a block on the layer route, a stream owner on
+    the model route)."""
+    return isinstance(module.__dict__.get("forward"), Router)
+
+
+def enter_stream(model: nn.Module, stream: int, carrier, position: int, blocks, partial) -> None:
+    """Make the layer-routed ``stream`` of the converted ``model`` continue from ``carrier`` before residual site
+    ``position``, with the completed block sums ``blocks`` and the partial sum ``partial`` (what
+    :func:`stream_state` gave where another process left the stream: a pipeline stage's)."""
+    attach(carrier, StreamState(conversion_of(model), stream, position, tuple(blocks), partial))
+
+
+def stream_state(model: nn.Module, stream: int, carrier) -> tuple[tuple, Any]:
+    """The completed block sums and the partial sum that ``carrier`` (what a block of ``stream`` returned, or a
+    view of it) carries on; :class:`~attnres_fx.RoutingError` where it carries none."""
+    from ..errors import RoutingError
+
+    state, _ = state_of(carrier, conversion_of(model), stream)
+    if state is None:
+        raise RoutingError(f"stream {stream} of {type(model).__name__}: the tensor carries no AttnRes state; it must "
+                           "be what a block of the stream returned, before its last")
+    return state.blocks, state.partial

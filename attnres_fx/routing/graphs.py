@@ -361,7 +361,8 @@ def block_variant(router: LayerRouter, traced: TracedBlock, shape: CallShape, la
 
     def rewrite() -> tuple:
         target = LayerTarget(planned, router.span, entry_of(layout), router.ends)
-        modules = {site.name: router.root.get_submodule(site.name) for site in planned.sites}
+        # The block's own (another block's may be gone: a pipeline stage holds some of the model's blocks).
+        modules = {site.name: router.root.get_submodule(site.name) for site in router.own_sites}
         gm, signature = rewrite_block(traced, router.conversion.plan, target, router.path, modules, router.where)
         router.conversion.stats.rewrites += 1
         return compiled_forward(gm.graph, f"{type(router.module).__name__} graph"), signature, gm

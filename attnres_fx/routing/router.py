@@ -40,7 +40,7 @@ from ..errors import RoutingError, TraceError
 from ..passes.layers import LayerSpan
 from ..passes.pipeline import LayerTarget
 from ..passes.rewrite import Entry
-from . import dynamo, graphs
+from . import dynamo, graphs, host
 from .graphs import Layout, LayerGraphSignature, at_path, replaced_at
 from .state import (ATTRIBUTE, StreamState, attach, bundle, edited, remember_for_recomputation, restated, returned,
                     state_of, unbundle)
@@ -95,9 +95,13 @@ class Router:
         return compat.checkpointing_flag_holders(self.module)
 
     def _while_compiling(self, forward: Callable, args: tuple, kwargs: dict):
-        """A call reached by a TorchDynamo trace: attnres_fx's own capture takes the module as written; a
-        foreign ``torch.compile`` (not fullgraph) runs the route between its graphs; fullgraph refuses."""
+        """A call reached by a TorchDynamo trace: attnres_fx's own capture takes the module as written; a host's
+        capture too, the module declaring its sites' parameters (:mod:`attnres_fx.routing.host`); a foreign
+        ``torch.compile`` (not fullgraph) runs the route between its graphs; fullgraph refuses."""
         if dynamo.inside_own_capture():
+            return forward(self.module, *args, **kwargs)
+        if self.conversion.host:
+            host.declare(self.root, self.own_sites)
             return forward(self.module, *args, **kwargs)
         refuse_foreign_fullgraph(self.where)
         return self._under_foreign_compiler(*args, **kwargs)
@@ -108,6 +112,11 @@ class Router:
         "torch.compile(model) works too: this call then runs the AttnRes route)"))
     def _under_foreign_compiler(self, *args, **kwargs):
         return self(*args, **kwargs)
+
+    @property
+    def own_sites(self) -> tuple:
+        """The sites whose aggregations this module's calls compute: all of the model's."""
+        return self.conversion.plan.sites
 
     def _refuse_export(self) -> None:
         raise RoutingError(
@@ -253,6 +262,12 @@ class LayerRouter(Router):
 
     def __getstate__(self) -> dict:
         return {**super().__getstate__(), "_shapes": {}, "_forwards": {}, "_watched": ()}
+
+    @property
+    def own_sites(self) -> tuple:
+        """The sites of this module's span, and the stream's final one where the span ends it."""
+        return tuple(site for site in self.planned.sites if (self.span.start <= site.position < self.span.stop
+                                                               if site.position is not None else self.ends))
 
     def reset(self) -> None:
         super().reset()

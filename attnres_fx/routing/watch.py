@@ -48,7 +48,8 @@ class StreamWatch:
         if torch.compiler.is_dynamo_compiling():
             from .dynamo import inside_own_capture
 
-            if not inside_own_capture():
+            # A host's capture (attnres_fx.routing.host) rewrites the whole stream in its graph.
+            if not inside_own_capture() and not self.conversion.host:
                 refuse_foreign_fullgraph(f"{type(module).__name__} (the owner of residual stream {self.stream})")
             return None
         self._enter()
@@ -73,7 +74,7 @@ class StreamWatch:
 
     def leave(self, module, args, output):
         if torch.compiler.is_dynamo_compiling():
-            return None            # in attnres_fx's own capture of the owner's call (enter refused others)
+            return None            # in attnres_fx's own capture or a host's (enter refused others)
         return self._leave(module)
 
     @torch.compiler.disable

@@ -5,51 +5,84 @@ attention, paged KV cache and layers, with the model converted by attnres_fx fro
 model, so every family the backend serves is served converted; the AttnRes weights load with the others
 from the folder's safetensors.
 
-vLLM's compiled path (its ``torch.compile`` capture of the whole decoder as one graph) cannot take a
-converted model: attnres_fx routes each block's call through its own rewritten graph, which a single-graph
-capture reaches as :class:`~attnres_fx.ForeignCompileError`. The converted classes run eager instead, with a
-warning (what ``enforce_eager=True`` asks for).
+vLLM's default, compiled path captures the decoder's forward as one TorchDynamo graph, dynamic on the token
+count, and compiles it with its backend (Inductor on the CPU; its piecewise backend, split at the attention
+ops, on GPUs). The converted decoder takes that path as a host capture (:mod:`attnres_fx.routing.host`):
+its layers run as written while vLLM traces them and declare their AttnRes parameters, and vLLM's backend
+is wrapped so that each graph it gets is first rewritten by the conversion's plan, the streams found in
+vLLM's graph by data flow, the aggregations as plain ops its compiler fuses. With ``enforce_eager=True``
+the layers take attnres_fx's eager layer route instead.
 
 AttnRes mixes each token's own hidden states over depth, so it adds no state to the KV cache: continuous
 batching, chunked prefill and prefix caching see the model they see without it."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 from vllm.logger import init_logger
+from vllm.sequence import IntermediateTensors
 from vllm.model_executor.models.transformers import TransformersForCausalLM, TransformersMoEForCausalLM
 
 from .. import api
 from ..integrations import hf
 from ..conversion import plan_of
 from ..compat import vllm as compat_vllm
+from .. import routing
+from ..routing import host
 from ..errors import CheckpointMismatchError, UnsupportedArchitectureError
 
-logger = init_logger(__name__)
+# Under vLLM's logger, whose handlers print its processes' INFO lines (a logger outside it prints only warnings).
+logger = init_logger("vllm.attnres_fx")
 
 
 class _Converted:
     """What the converted classes add to vLLM's Transformers-backend classes."""
 
     def __init__(self, *, vllm_config, prefix: str = ""):
-        _check_parallelism(vllm_config)
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        _check_compilation(vllm_config)
+        # The decoder's compiled forward is made while the Hugging Face model is built, before it is converted:
+        # its backend rewrites each graph with the conversion the model has by the time it is compiled.
+        with compat_vllm.backends_wrapped(vllm_config, self._rewriting):
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self.stage = _Stage(self.model, str(self.model_config.model)) if self.pp_group.world_size > 1 else None
+        if self.stage is not None:
+            self.make_empty_intermediate_tensors = compat_vllm.intermediate_tensors_factory(
+                ["hidden_states", *self.stage.received], self.text_config.hidden_size)
+            if compat_vllm.never_compile(self.model):
+                logger.warning("%s: a pipeline stage runs the converted decoder eager: its graph would hold part of "
+                               "the residual stream, whose block sums it takes from and hands to the other stages; "
+                               "vLLM's capture takes no inputs or outputs besides the hidden states",
+                               self.model_config.model)
 
-    def _decorate_for_torch_compile(self):
-        # The decoder class is left undecorated: vLLM's capture would take the converted forward as one graph.
-        if compat_vllm.compiles(self.vllm_config):
-            logger.warning("%s: the converted model runs eager. vLLM's torch.compile capture takes the decoder's "
-                           "forward as one graph (fullgraph), which attnres_fx's per-block routing cannot join "
-                           "(ForeignCompileError); pass enforce_eager=True to silence this.", self.model_config.model)
+    def _rewriting(self, backend):
+        """``backend`` (what vLLM compiles the decoder's graph with) after the AttnRes rewrite of the graph."""
+        rewriting = host.rewriting_backend(lambda: self.model, backend)
+
+        def compile_graph(graph, example_inputs):
+            start = time.perf_counter()
+            compiled = rewriting(graph, example_inputs)
+            logger.info("%s: vLLM's graph of the decoder compiled with AttnRes in %.1f s", self.model_config.model,
+                        time.perf_counter() - start)
+            return compiled
+        return compile_graph
 
     def _create_hf_to_vllm_mapper(self):
         # The first step after the Hugging Face model is built: it is converted here, while its layers are
         # still its own (vLLM's replace them next) and before the weight-name mapper lists its children,
         # final_res among them.
         _convert(self.model, self.text_config, self.config.attnres, str(self.model_config.model))
-        # The class may have been decorated by a plain model built earlier in this process.
-        compat_vllm.never_compile(self.model)
+        host.host(self.model, "vLLM")
         super()._create_hf_to_vllm_mapper()
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
+        if self.stage is not None and intermediate_tensors is not None:
+            self.stage.enter(self.model, intermediate_tensors)
+        hidden = super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
+        if self.stage is not None and isinstance(hidden, IntermediateTensors):
+            self.stage.leave(self.model, hidden)
+        return hidden
 
 
 class AttnResForCausalLM(_Converted, TransformersForCausalLM):
@@ -60,16 +93,56 @@ class AttnResMoEForCausalLM(_Converted, TransformersMoEForCausalLM):
     """A converted mixture of experts: ``TransformersMoEForCausalLM`` with the AttnRes conversion."""
 
 
-def _check_parallelism(vllm_config) -> None:
-    parallel = vllm_config.parallel_config
-    sizes = {"pipeline_parallel_size": parallel.pipeline_parallel_size,
-             "tensor_parallel_size": parallel.tensor_parallel_size}
-    wider = {name: size for name, size in sizes.items() if size > 1}
-    if wider:
+class _Stage:
+    """This process's pipeline stage of the stream: where its first block begins (``entry``, residual site;
+    ``None`` on the first stage) and the block sums it receives there, as ``IntermediateTensors`` keys
+    (``received``) beside vLLM's ``hidden_states`` (the carrier: the plain residual sum), then the partial
+    sum; the same keys for what it hands on where the next stage begins. vLLM runs the model under
+    ``torch.inference_mode()``, where a view does not know the tensor it was made from: the carrier is found
+    as the stage's last block returned it (``left``, set by a hook on that block) and handed to the first
+    one with its batch dimension (the backend adds one only to a tensor that has none)."""
+
+    def __init__(self, model: torch.nn.Module, folder: str):
+        plan = plan_of(model)
+        if len(plan.streams) != 1 or plan.streams[0].route != "layer":
+            raise UnsupportedArchitectureError(
+                f"{folder}: pipeline parallelism hands one residual stream on the layer route from stage to stage; "
+                f"this model has {len(plan.streams)} stream(s), routes {plan.routes}")
+        planned = plan.streams[0]
+        # vLLM replaced the blocks of the other stages (their routed modules are gone).
+        here = [span for span in planned.layers if routing.is_routed(model.get_submodule(span.owner))]
+        self.stream = planned.index
+        self.entry = here[0].start if here[0].start > 0 else None
+        blocks = planned.completed_before(self.entry) if self.entry is not None else 0
+        self.received = (*(f"attnres_block_{k}" for k in range(blocks)), "attnres_partial") if blocks else ()
+        self.left: list[torch.Tensor] = []
+        if here[-1].stop < planned.num_positions:
+            model.get_submodule(here[-1].owner).register_forward_hook(
+                lambda module, args, output: self.left.append(output))
+
+    def enter(self, model: torch.nn.Module, received: IntermediateTensors) -> None:
+        """Attach the state received to the carrier the decoder takes."""
+        if self.entry is None:
+            return
+        carrier = received.tensors["hidden_states"] = received["hidden_states"][None]
+        tensors = [received[key][None] for key in self.received]
+        routing.enter_stream(model, self.stream, carrier, self.entry, tensors[:-1], tensors[-1])
+
+    def leave(self, model: torch.nn.Module, handed: IntermediateTensors) -> None:
+        """Add the stream's state, which the last block of this stage left on its carrier, to what vLLM hands
+        the next stage."""
+        blocks, partial = routing.stream_state(model, self.stream, self.left.pop())
+        self.left.clear()
+        keys = (*(f"attnres_block_{k}" for k in range(len(blocks))), "attnres_partial")
+        handed.tensors.update({key: tensor[0] for key, tensor in zip(keys, (*blocks, partial))})
+
+
+def _check_compilation(vllm_config) -> None:
+    if compat_vllm.compiles_whole_model(vllm_config):
         raise UnsupportedArchitectureError(
-            f"{vllm_config.model_config.model}: the attnres_fx plugin serves a converted model in one process "
-            f"({', '.join(f'{k}={v}' for k, v in wider.items())} asked): a pipeline stage would need the "
-            "completed block sums of the stages before it. Serve it with both sizes 1.")
+            f"{vllm_config.model_config.model}: compilation mode STOCK_TORCH_COMPILE compiles the whole vLLM model "
+            "with a backend the attnres_fx plugin does not see, so the AttnRes rewrite could not be applied. Use "
+            "vLLM's default compilation mode, or enforce_eager=True.")
 
 
 def _convert(model: torch.nn.Module, text_config, entry: dict, folder: str) -> None:
