@@ -517,6 +517,30 @@ def test_layers_wrapped_after_conversion_run_as_converted_and_wrapped_out_of_ord
             model(IDS)
 
 
+@needs_hf
+def test_checkpointed_compiled_layers_refuse_a_kv_cache_in_training():
+    """A compiled, non-reentrant-checkpointed Llama layer given the key/value cache that a training call
+    makes by default: the recomputation would find the cache the first run filled (longer keys), a new
+    graph whose saved activations the first graph's Inductor backward cannot take. Refused at the call,
+    naming the layer and ``use_cache=False``, before anything is compiled; the model untouched."""
+    import transformers
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                      num_attention_heads=2, num_key_value_heads=2, vocab_size=128)
+    model = attnres_fx.attnresify(transformers.LlamaForCausalLM(config), num_blocks=2)
+    layers = model.model.layers
+    for index, block in enumerate(layers):
+        layers[index] = checkpoint_wrapper(block)
+    attnres_fx.compile(model)
+    ids = torch.randint(0, 128, (2, 8))
+    before = snapshot(model)
+    with pytest.raises(attnres_fx.RoutingError, match=r"at 'model\.layers\.0'.*use_cache=False"):
+        model(ids, labels=ids)
+    assert_untouched(model, before)
+
+
 # -- on disk: one consistent checkpoint, written whole or not at all -----------------------------------------
 
 def _files(directory: Path) -> dict[str, bytes]:

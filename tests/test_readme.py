@@ -5,6 +5,7 @@ that shrink it (model sizes, steps) are listed here. A block of the README this 
 the test, so a new snippet gets a setup when it is written.
 """
 
+import copy
 import os
 import re
 from pathlib import Path
@@ -62,6 +63,32 @@ def _llama():
     return {"model": transformers.LlamaForCausalLM(config), "torch": torch, "attnres_fx": attnres_fx}
 
 
+def _llama_to_train():
+    namespace = _llama()
+    namespace["reference"] = copy.deepcopy(namespace["model"])
+    namespace["input_ids"] = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+    return namespace
+
+
+def _gradients_as_unwrapped(ns) -> bool:
+    """The checkpointed, compiled, sharded model's gradients are those of the same conversion run as it is
+    (eager, fp32), up to the recipe's bf16 parameters: 3e-2 of the largest gradient (bf16 keeps 8 bits)."""
+    reference = attnres_fx.attnresify(ns["reference"], num_blocks=2)
+    ids = ns["input_ids"]
+    reference(ids, labels=ids, use_cache=False).loss.backward()
+    want = {name: p.grad for name, p in reference.named_parameters()}
+    got = {name.replace("._checkpoint_wrapped_module", ""): p.grad.full_tensor()
+           for name, p in ns["model"].named_parameters()}
+    assert got.keys() == want.keys()
+    scale = max(float(g.abs().max()) for g in want.values())
+    gaps = {name: float((got[name] - want[name]).abs().max()) / scale for name in want}
+    worst = max(gaps, key=gaps.get)
+    print("largest gradient gap", worst, gaps[worst])
+    assert gaps[worst] < 3e-2, (worst, gaps[worst])
+    assert any(float(g.abs().max()) > 0 for name, g in got.items() if "attn_res" in name)
+    return True
+
+
 def _pipeline():
     namespace = _llama()
     attnres_fx.attnresify(namespace["model"], block_size=2)
@@ -99,7 +126,7 @@ SNIPPETS = {
     "optimizer = torch.optim.AdamW(attnres_fx.param_groups(": (_converted_tiny, {},
                                                                lambda ns: len(ns["optimizer"].param_groups) >= 3),
     "from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper": (
-        _llama, {"num_blocks=8": "num_blocks=2"}, lambda ns: attnres_fx.is_converted(ns["model"])),
+        _llama_to_train, {"num_blocks=8": "num_blocks=2"}, lambda ns: _gradients_as_unwrapped(ns)),
     "from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B": (
         _pipeline, {'["model.layers.4", "model.layers.8", "model.layers.12"]': '["model.layers.2"]',
                     "n_microbatches=4": "n_microbatches=4"}, lambda ns: len(ns["stages"]) == 2),

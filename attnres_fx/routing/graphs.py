@@ -280,9 +280,16 @@ class SiteModules(nn.Module):
 
 
 def place_of(root: nn.Module, name: str) -> tuple[nn.Module, str]:
-    """The parent of the module at ``name`` in ``root`` and its name there."""
-    parent, _, attribute = name.rpartition(".")
-    return root.get_submodule(parent), attribute
+    """The module that holds the module at ``name`` in ``root`` and its name there. A wrapper on the path
+    (``checkpoint_wrapper``) forwards attribute reads to the layer it holds, so ``name`` reaches the
+    module through it, but the module is held by the wrapped layer: that layer is its place."""
+    path, _, attribute = name.rpartition(".")
+    parent = root.get_submodule(path)
+    module = root.get_submodule(name)
+    for holder in parent.modules():
+        if holder._modules.get(attribute) is module:
+            return holder, attribute
+    raise AssertionError(f"{name} is not held by {path} or a module inside it")
 
 
 def run_site_at(sites: SiteModules, name: str, *sources: torch.Tensor) -> torch.Tensor:

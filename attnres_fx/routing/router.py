@@ -506,6 +506,7 @@ class LayerRouter(Router):
     # -- TorchDynamo ---------------------------------------------------------------------------------
 
     def _run_dynamo(self, args: tuple, kwargs: dict):
+        self._refuse_checkpointed_cache(args, kwargs)
         carrier, state, via = _find_state((args, kwargs), self.conversion, self.stream)
         self._check_entry(state)
         tensors: tuple[torch.Tensor, ...] = ()
@@ -527,6 +528,20 @@ class LayerRouter(Router):
             return out
         carrier_out = self._leaving(call.carrier, after, before, via, reentrant)
         return _replaced(out, call.carrier, carrier_out, what=f"the result of {self.where}")
+
+    def _refuse_checkpointed_cache(self, args: tuple, kwargs: dict) -> None:
+        """Non-reentrant activation checkpointing recomputes this call in the backward, where a key/value
+        cache passed to it holds what the call itself stored: the recomputation is another function (longer
+        keys), so Dynamo compiles another graph, whose saved activations the first graph's Inductor backward
+        cannot take. Refused before anything runs (transformers' own checkpointing turns the cache off)."""
+        if self.conversion.compiler == "eager" or not torch.is_grad_enabled() or not compat.saved_tensor_hooks_active():
+            return
+        if any(compat.is_hf_cache(value) for value in (*args, *kwargs.values())):
+            raise RoutingError(
+                f"{self.where} is compiled by attnres_fx.compile and activation-checkpointed, and this call passes "
+                "it a key/value cache: the checkpoint's recomputation would find the cache this call fills and "
+                "compute another function. Train without a cache (model(..., use_cache=False), as transformers' "
+                "gradient_checkpointing_enable() does), or compile with attnres_fx.compile(model, backend=\"eager\").")
 
     def _dynamo_backend(self, compiler: str, layout: _DynamoLayout | None):
         def backend(gm: fx.GraphModule, example_inputs: list):
