@@ -64,13 +64,14 @@ def builder_takes(model: nn.Module, precision: str, execution_provider: str, con
 
 
 def write_builder_folder(model: nn.Module, folder: Path, precision: str, execution_provider: str,
-                         tokenizer: Any = None) -> int:
+                         tokenizer: Any = None, form: str = "per_site") -> int:
     """The builder's ``model.onnx``, ``model.onnx.data`` and ``genai_config.json`` of ``model`` in ``folder``,
     the graph rewritten into Block AttnRes when ``model`` is converted; returns the number of sites
     rewritten (0 for a model that is not converted). A graph whose stream does not match the model's plan
     raises :class:`attnres_fx.StreamMismatchError` and ``folder`` gets no model. The builder reads a
     tokenizer beside the weights (``tokenizer``, or a placeholder of one token: the folder's tokenizer
-    files are written by the caller)."""
+    files are written by the caller). ``form``: the rewrite's (:func:`~attnres_fx.export.builder_stream.rewrite`;
+    ``export.to_genai`` writes the per-site form, whose prompt memory stays near the builder's)."""
     model = unwrapped(model)
     with tempfile.TemporaryDirectory(prefix="attnres-builder-") as tmp:
         source, built = Path(tmp) / "hf", Path(tmp) / "built"
@@ -81,22 +82,13 @@ def write_builder_folder(model: nn.Module, folder: Path, precision: str, executi
         graph = onnx.load(str(built / MODEL_NAME), load_external_data=False)
         rewritten = 0
         if is_converted(model):
-            found = aggregations(model)
-            graph, rewritten = rewrite(graph, plan_of(model), found, form=form_for(execution_provider, found))
+            graph, rewritten = rewrite(graph, plan_of(model), aggregations(model), form=form)
         folder.mkdir(parents=True, exist_ok=True)
         with reraise_as_export_error(f"writing {folder / MODEL_NAME}"):
             onnx.save(graph, str(folder / MODEL_NAME))
             for name in (f"{MODEL_NAME}.data", "genai_config.json"):
                 shutil.move(str(built / name), str(folder / name))
     return rewritten
-
-
-def form_for(execution_provider: str, found: list[Aggregation]) -> str:
-    """The pass's form: the depth ``Attention`` op on the CPU (fp32 activations, fp32 and int4 weights),
-    where it costs the fewest instructions per decoding step; per-site plain ops on CUDA, whose fp16
-    graphs and kernels for ``Attention`` over a head of the model's hidden size are not checked here, and
-    for aggregations of differing key-norm eps."""
-    return "attention" if execution_provider == "cpu" and len({a.eps for a in found}) == 1 else "per_site"
 
 
 def aggregations(model: nn.Module) -> list[Aggregation]:

@@ -362,8 +362,21 @@ def test_fp32_logits_are_the_converted_models_in_the_prompt_and_decoding(llama):
     model, folder = llama
     assert json.loads((folder / "written_by.json").read_text())["graph"] == "builder"
     graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
-    assert sum(node.op_type == "Attention" for node in graph.node) == 4, "the CPU's form"
+    assert sum(node.op_type == "Softmax" for node in graph.node) == 4, "the per-site form"
     assert max_relative_error(model, folder, PROMPT) < FP32_LOGITS_RTOL
+
+
+@pytest.mark.slow
+@needs_hf
+@needs_genai
+def test_attention_form_of_the_builders_graph_computes_the_converted_models_logits(llama, tmp_path):
+    model, built = llama
+    assert genai_builder.write_builder_folder(model, tmp_path, "fp32", "cpu", form="attention") == 4
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((built / name).read_bytes())
+    graph = onnx.load(str(tmp_path / "model.onnx"), load_external_data=False).graph
+    assert sum(node.op_type == "Attention" for node in graph.node) == 4
+    assert max_relative_error(model, tmp_path, PROMPT) < FP32_LOGITS_RTOL
 
 
 @pytest.mark.slow

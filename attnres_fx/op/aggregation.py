@@ -37,7 +37,7 @@ STACKED_MAX_ELEMENTS = 16_384
 # ~~~~~~~~~~~~~~~~~~~~~~~~~
 # Inside every softmax over sources, an exponential exp(z_i - max_j z_j) below NEGLIGIBLE_WEIGHT (the
 # weight relative to the largest of that softmax) is exactly zero, in every implementation (C++, Triton,
-# these ops, ONNX) but onnxruntime's Attention op in the serving graph's attention form
+# these ops, ONNX) but onnxruntime's Attention op in the serving graph's optional attention form
 # (export/builder_stream.py: inference only, no gradients to slow down). Why: with pseudo-queries of std 1 and more the softmax saturates, weights such as
 # e^-100 are subnormal floats, and so are the gradients they scale (p_i * g); CPUs compute on subnormals
 # some 6x slower, and the backward matmuls of a whole model slow down with them. Flushing the global

@@ -11,7 +11,7 @@ from torch import nn
 
 from . import aggregation, ops
 from .. import compat
-from .kernels.cpu import loaded as cpu_kernel
+from .kernels.cpu import aggregate_op as cpu_aggregate
 from ..compat import is_fake
 
 if TYPE_CHECKING:
@@ -158,11 +158,18 @@ def run_site(module: BlockAttnRes, entered, *sources: torch.Tensor) -> torch.Ten
         sources = (*entered, *sources)
     if type(module) is not BlockAttnRes or compat.module_hooks(module):
         return module(*sources)         # hooks, or another module put in the site's place (a wrapper)
-    proj, norm = module.proj.weight, module.norm.weight
+    # The weights by dict look-ups (nn.Module's __getattr__ is a Python call each), by attribute where the
+    # parameter is not a plain entry (a parametrization's property).
+    proj = module._modules["proj"]._parameters.get("weight")
+    norm = module._modules["norm"]._parameters.get("weight")
+    if proj is None or norm is None:
+        proj, norm = module.proj.weight, module.norm.weight
     first = sources[0]
-    if type(first) is torch.Tensor and first.device.type == "cpu" and proj.device.type == "cpu" and cpu_kernel():
-        try:
-            return torch.ops.attnres_cpu.aggregate(list(sources), proj, norm, module.eps, module.preserve_scale)
-        except RuntimeError:
-            pass
+    if type(first) is torch.Tensor and first.device.type == "cpu" and proj.device.type == "cpu":
+        kernel = cpu_aggregate()
+        if kernel:
+            try:
+                return kernel(list(sources), proj, norm, module.eps, module.preserve_scale)
+            except RuntimeError:
+                pass
     return aggregate(proj, norm, sources, eps=module.eps, preserve_scale=module.preserve_scale)
