@@ -14,6 +14,7 @@ tests do) unless said otherwise:
 - Qwen3, Mistral (a sliding window of 8), Gemma 2 (sliding and full layers, soft-capping), Qwen3-MoE,
   OLMo 2 (norms after the sublayers, none before) and Starcoder2 (LayerNorm with biases, a plain GELU MLP):
   a batch of prompts through ``LLM.generate`` (tests/vllm_serve.py);
+- Llama with ``enforce_eager=True`` (attnres_fx's eager layer route);
 - Llama with tensor parallelism 2, and with pipeline parallelism 2 (its stages run eager: the
   ``enforce_eager=True`` path), each rank a process bound to one core (gloo).
 
@@ -282,6 +283,15 @@ def test_family_generates_what_generate_does(family, tmp_path):
     served = serve(tmp_path, tmp_path / family, batch, 12, env=CAPTURE_ONLY, max_model_len=128)
     assert served["batched"] == references(model, batch, 12)
     assert COMPILED in served["log"]
+
+
+def test_enforce_eager_generates_what_generate_does(tmp_path):
+    """enforce_eager=True: no capture, the layers take attnres_fx's eager layer route."""
+    model = converted_folder("llama", tmp_path / "llama")
+    batch = prompts((12, 3, 30, 7), seed=3)
+    served = serve(tmp_path, tmp_path / "llama", batch, 12, max_model_len=128, enforce_eager=True)
+    assert served["batched"] == references(model, batch, 12)
+    assert COMPILED not in served["log"]
 
 
 # -- tensor and pipeline parallelism, two processes over gloo ---------------------------------------------------
