@@ -89,7 +89,7 @@ import routes  # noqa: E402 - the routes' own sections, beside this script
 import traffic  # noqa: E402 - the memory-traffic model beside this script
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
-SECTIONS = ("llama", "query_sizes", "deep_train", "startup", "load", "overhead", "threads", "demo", "forward", "train", "first_call",
+SECTIONS = ("llama", "handwritten", "query_sizes", "deep_train", "startup", "load", "overhead", "threads", "demo", "forward", "train", "first_call",
             "decode", "genai", "stages", "memory", "op", "op_train", "choices")
 BACKENDS = ("eager", "compiled", "onnx")
 
@@ -163,6 +163,10 @@ TARGETS = {   # (section path, entry, bound, sense): the targets the README's pe
     "Llama compiled forward": ("llama/compiled", "converted", 1.02, "<="),
     "Llama decode tokens/s, eager, batch 1": ("llama/decode", "converted", 0.95, ">="),
     "Llama decode tokens/s, compiled, batch 1": ("llama/decode_compiled", "converted", 0.97, ">="),
+    "Hand-written Llama eager forward": ("handwritten/mid/forward", "converted", 1.03, "<="),
+    "Hand-written Llama eager training step": ("handwritten/mid/train", "converted", 1.05, "<="),
+    "Hand-written Llama eager training step, deep narrow": ("handwritten/deep/train", "converted", 1.10, "<="),
+    "Hand-written Llama decode tokens/s, eager, one thread": ("handwritten/mid/decode", "converted", 0.95, ">="),
     "Llama eager forward, default / model route": ("llama/forward", "versus_model_route", 1.02, "<="),
     "Llama training step, default / model route": ("llama/train", "versus_model_route", 1.02, "<="),
     "Llama compiled forward, default / model route": ("llama/compiled", "versus_model_route", 1.02, "<="),
@@ -1131,6 +1135,19 @@ def routes_markdown(results: dict) -> list[str]:
             cells = [_cell(entries[v]) for v in ("original", "converted", "model_route")]
             lines.append(f"| {title} | {' | '.join(cells)} | {entries['versus_model_route']['ratio']:.3f} |")
         lines.append("")
+    hand = results.get("handwritten")
+    if hand:
+        mid, deep = hand["mid"], hand["deep"]
+        lines += [f"## A Llama written by hand, default route ({mid['model']}; deep narrow: {deep['model']}; batch "
+                  f"{hand['batch']})", "",
+                  "Cells: median ms (ratio to the original, median / minimum); decoding: tokens/s (batch 1, greedy, "
+                  "a new start_pos each step, one thread, thread CPU time).", "",
+                  "| measure | original | converted |", "|---|---|---|"]
+        for title, entries in (("eager forward", mid["forward"]), ("eager training step", mid["train"]),
+                               ("eager training step, deep narrow", deep["train"]), ("decode, eager", mid["decode"])):
+            lines.append(f"| {title} | {_cell(entries['original'])} | {_cell(entries['converted'])} |")
+        lines += ["", f"Added per block: {mid['forward_us_per_block']['value']:.0f} us of a forward, "
+                      f"{mid['decode_us_per_block']['value']:.1f} us of a decoding step.", ""]
     sizes = results.get("query_sizes")
     if sizes:
         names = [name for name in sizes["train"] if name != "original"]
@@ -1231,6 +1248,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     results: dict = {"quick": args.quick, "settings": asdict(settings), "environment": environment(args.threads)}
     quick = config_name == "quick"
     runners = {"llama": lambda: routes.llama_section(quick, settings.runs, settings.warmup, summarise, progress),
+               "handwritten": lambda: routes.handwritten_section(quick, settings.runs, settings.warmup, summarise,
+                                                                 progress),
                "query_sizes": lambda: routes.query_sizes_section(quick, settings.runs, settings.warmup, summarise,
                                                                  progress),
                "startup": lambda: routes.startup_section(quick, progress),

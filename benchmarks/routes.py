@@ -102,6 +102,70 @@ def llama_section(quick: bool, runs: int, warmup: int, summarise, progress) -> d
     return result
 
 
+# A Llama written by hand (attnres_fx.testing.handwritten): the issue's shapes, d=256 x 8 and a deep narrow
+# d=128 x 24.
+HANDWRITTEN = {"mid": dict(dim=256, layers=8, heads=8, vocab=512), "deep": dict(dim=128, layers=24, heads=4, vocab=512)}
+HANDWRITTEN_QUICK = {"mid": dict(dim=32, layers=2, heads=2, vocab=128), "deep": dict(dim=32, layers=4, heads=2, vocab=128)}
+
+
+def handwritten_section(quick: bool, runs: int, warmup: int, summarise, progress) -> dict:
+    """A Llama written by hand, as people write their own (one ``Block`` class, ``start_pos`` a Python int),
+    beside transformers' Llama: eager forward, training step (at both shapes), decoding with a new
+    ``start_pos`` at every step (one thread, thread CPU time: a step is milliseconds), and what the
+    conversion adds per block, in microseconds (median over median, divided by the layers)."""
+    from attnres_fx.testing.handwritten import HandwrittenConfig, Transformer
+
+    batch, length, new_tokens = (2, 16, 4) if quick else (2, 128, 32)
+    result: dict = {"batch": f"{batch} x {length}"}
+    for name, fields in (HANDWRITTEN_QUICK if quick else HANDWRITTEN).items():
+        config = HandwrittenConfig(**fields, max_batch=batch, max_seq=length + new_tokens)
+        torch.manual_seed(0)
+        base = Transformer(config).eval()
+        ids = torch.randint(1, config.vocab, (batch, length), generator=torch.Generator().manual_seed(0))
+        models = {"original": base,
+                  "converted": randomise_pseudo_queries(attnres_fx.attnresify(copy.deepcopy(base), (ids,)))}
+        entry: dict = {"model": f"hand-written Llama {fields}"}
+        if name == "mid":
+            progress("hand-written Llama forward, eager")
+            with torch.no_grad():
+                entry["forward"] = summarise(interleaved({v: functools.partial(m, ids) for v, m in models.items()},
+                                                         runs, warmup), "original")
+            progress("hand-written Llama decoding, eager, one thread")
+            with single_thread():
+                times = interleaved({v: functools.partial(_decode_by_hand, m, ids[:1], new_tokens)
+                                     for v, m in models.items()}, runs, warmup, clock=time.thread_time)
+            entry["decode"] = summarise(times, "original", per_call=new_tokens)
+            entry["decode_us_per_block"] = {"value": 1e3 * (entry["decode"]["converted"]["median_ms"] -
+                                                            entry["decode"]["original"]["median_ms"])
+                                            / new_tokens / config.layers}
+            entry["forward_us_per_block"] = {"value": 1e3 * (entry["forward"]["converted"]["median_ms"] -
+                                                             entry["forward"]["original"]["median_ms"]) / config.layers}
+        progress(f"hand-written Llama training step ({name}), eager")
+        steps = {v: _train_step_by_hand(copy.deepcopy(m).train(), ids) for v, m in models.items()}
+        entry["train"] = summarise(interleaved(steps, runs, warmup), "original")
+        result[name] = entry
+    return result
+
+
+def _decode_by_hand(model, prompt, new_tokens: int) -> None:
+    """Greedy decoding the way Meta's reference generates: the prompt, then one token per call at its
+    ``start_pos``."""
+    with torch.no_grad():
+        token = model(prompt, 0)[:, -1:].argmax(-1)
+        for position in range(prompt.shape[1], prompt.shape[1] + new_tokens - 1):
+            token = model(token, position).argmax(-1)
+
+
+def _train_step_by_hand(model, ids):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(model(ids).flatten(0, 1), ids.flatten()).backward()
+        optimizer.step()
+    return step
+
+
 QUERY_STDS = (0.0, 0.1, 1.0, 3.0)
 
 
