@@ -40,10 +40,10 @@ blocks and the partial, then that norm without the skip. Two forms (``rewrite(fo
   so onnxruntime frees it (one it never reads it holds through the step). Adding the branch to the partial and
   normalising it is one ``SkipSimplifiedLayerNormalization``. The op needs ``[tokens, 1, hidden]`` rows:
   a sublayer of row-by-row ops (an MLP) runs on them as they are, others (attention) read the norm
-  reshaped back to ``[batch, sequence, hidden]`` and give their branch reshaped to rows. 3-4 nodes per
+  reshaped back to ``[batch, sequence, hidden]`` and give their branch reshaped to rows. 4-5 nodes per
   site, and onnxruntime 1.32's CPU decodes faster with it (Llama of hidden 256, 8 layers, batch 1:
-  0.93 of the builder's original tokens/s at fp32 and 0.83 at int4, against the per-site form's 0.85 and
-  0.68), but takes more memory through a prompt: batch 8 after 128-token prompts at hidden 1024 x 16
+  0.94 of the builder's original tokens/s at fp32 and 0.79 at int4, against the per-site form's 0.87 and
+  0.67), but takes more memory through a prompt: batch 8 after 128-token prompts at hidden 1024 x 16
   layers, int4, 1.59x the builder's original's peak over the process (1.24x after 32-token prompts), the
   per-site form 1.16x (1.08x). Its softmax keeps the weights below ``NEGLIGIBLE_WEIGHT``: their
   terms are below fp32's round-off of the sum (the note above), and inference has no backward they slow.
