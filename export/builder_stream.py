@@ -33,17 +33,19 @@ blocks and the partial, then that norm without the skip. Two forms (``rewrite(fo
 - ``"attention"`` (fp32 activations: fp32 and int4 graphs): the aggregation is one default-domain
   ``Attention`` (opset 23) per site, each token a batch row of one head: its query the site's
   pseudo-query (times the key norm's gain), its new key and value the partial sum's RMSNorm and the
-  partial sum, its past keys and values the completed blocks'. Each attention's ``present`` is its past
-  with the partial appended: a block's last one gives the next block's past, so a completed block's key
-  is normalised once and shared (as in the two-phase schedule). Adding the branch to the partial and
+  partial sum, its past keys and values the completed blocks' (a completed block's key normalised once
+  and shared, as in the two-phase schedule). Each attention's past is the one before's ``present`` (its
+  past with its partial appended), the block's earlier partials masked out, and a block starts from the
+  completed blocks gathered out of the last ``present`` of the block before: every ``present`` is read,
+  so onnxruntime frees it (one it never reads it holds through the step). Adding the branch to the partial and
   normalising it is one ``SkipSimplifiedLayerNormalization``. The op needs ``[tokens, 1, hidden]`` rows:
   a sublayer of row-by-row ops (an MLP) runs on them as they are, others (attention) read the norm
-  reshaped back to ``[batch, sequence, hidden]`` and give their branch reshaped to rows. 3-4 nodes per
+  reshaped back to ``[batch, sequence, hidden]`` and give their branch reshaped to rows. 4-5 nodes per
   site, and onnxruntime 1.32's CPU decodes faster with it (Llama of hidden 256, 8 layers, batch 1:
-  0.93 of the builder's original tokens/s at fp32 and 0.83 at int4, against the per-site form's 0.85 and
-  0.68), but a prompt holds every site's ``present`` (its sources, keys and values) until the step ends:
-  batch 8 x 128 prompt tokens took 1.34 GB more than the builder's original at hidden 1024 x 16 layers
-  int4, the per-site form 0.10 GB. Its softmax keeps the weights below ``NEGLIGIBLE_WEIGHT``: their
+  0.94 of the builder's original tokens/s at fp32 and 0.79 at int4, against the per-site form's 0.87 and
+  0.67), but takes more memory through a prompt: batch 8 after 128-token prompts at hidden 1024 x 16
+  layers, int4, 1.59x the builder's original's peak over the process (1.24x after 32-token prompts), the
+  per-site form 1.16x (1.08x). Its softmax keeps the weights below ``NEGLIGIBLE_WEIGHT``: their
   terms are below fp32's round-off of the sum (the note above), and inference has no backward they slow.
 
 Both compute Block AttnRes to fp32 round-off (tests/test_genai_builder.py).
@@ -296,23 +298,25 @@ def _depth_attention(graph: onnx.GraphProto, stream: GraphStream, block_size: in
                                "embedding_past")
     past_keys = builder.node("SimplifiedLayerNormalization", [past_values, unit], "embedding_key", axis=-1,
                              epsilon=eps)
-    # [1, sites, hidden] broadcast to [tokens, sites, hidden], then one [tokens, 1, hidden] query per site.
-    expanded = builder.node("Expand", [builder.constant(queries[None], "queries"),
-                                       builder.node("Shape", [past_values], "tokens_shape", end=3)],
-                            "queries_per_token")
-    query_rows = builder.node_outputs("Split", [expanded], "query", len(queries), axis=1, num_outputs=len(queries)) \
-        if len(queries) > 1 else [expanded]
+    query_shape = builder.node("Shape", [past_values], "tokens_shape", end=3)
     stream_shape = builder.node("Shape", [stream.start], "stream_shape")
     replacements = {stream.sites[0].node: builder.end()}
-    partial = present = None
+    partial = None
+    blocks = 1
     for position, found in enumerate(stream.sites):
         aggregation = aggregations[position + 1]
         builder.begin(f"/attnres/{aggregation.site.name}")
         branch = found.branch if position > 0 and rows[position - 1] else \
             builder.node("Reshape", [found.branch, row_shape], "branch_rows")
-        if position % block_size == 0:
-            if present is not None:
-                past_keys, past_values = present
+        in_block = position % block_size
+        if in_block == 0:
+            if partial is not None:
+                # The completed blocks and the block just completed (the last partial): the stale
+                # partials before it dropped.
+                kept = builder.shape([*range(blocks), blocks + block_size - 1], "completed")
+                past_keys = builder.node("Gather", [past_keys, kept], "completed_keys", axis=2)
+                past_values = builder.node("Gather", [past_values, kept], "completed_values", axis=2)
+                blocks += 1
             partial = branch
             key = builder.node("SimplifiedLayerNormalization", [partial, unit], "partial_key", axis=-1, epsilon=eps)
         else:
@@ -320,9 +324,14 @@ def _depth_attention(graph: onnx.GraphProto, stream: GraphStream, block_size: in
             key, _, _, partial = builder.node_outputs("SkipSimplifiedLayerNormalization", [partial, branch, unit],
                                                       "partial_key", 4, unused=(1, 2), domain="com.microsoft",
                                                       epsilon=eps)
-        total, *present = builder.node_outputs("Attention", [query_rows[position], key, partial, "", past_keys,
-                                                              past_values], "aggregate", 3, scale=1.0,
-                                               q_num_heads=1, kv_num_heads=1)
+        # The past holds this block's earlier partials after the completed blocks: masked out.
+        mask = np.zeros((1, blocks + in_block + 1), np.float32)
+        mask[0, blocks:blocks + in_block] = np.finfo(np.float32).min
+        query = builder.node("Expand", [builder.constant(queries[position][None, None], "query"), query_shape],
+                             "query_rows")
+        total, past_keys, past_values = builder.node_outputs(
+            "Attention", [query, key, partial, builder.constant(mask, "stale_partials") if in_block else "",
+                          past_keys, past_values], "aggregate", 3, scale=1.0, q_num_heads=1, kv_num_heads=1)
         if aggregation.preserve_scale:
             count = builder.constant(np.array(aggregation.site.num_sources, np.float32), "count")
             total = builder.node("Mul", [total, count], "scaled")

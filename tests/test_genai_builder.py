@@ -165,11 +165,18 @@ def test_attention_form_is_one_attention_per_site_over_the_completed_blocks():
     # A block's first partial is normalised alone, a later one added and normalised in one node.
     skips = [n for n in nodes if n.op_type == "SkipSimplifiedLayerNormalization"]
     assert [n.name for n in skips] == [f"/attnres/{plan.sites[i].name}/partial_key" for i in (2, 4)]
-    # The past of each attention: the embedding's for the first block, the first attention of the
-    # block before's present (past + that block's sum) after.
-    embedding = ["/attnres/embedding_key", "/attnres/embedding_past"]
-    assert [list(n.input[4:6]) for n in attentions] == [embedding, embedding, *[
-        [attentions[1].output[1], attentions[1].output[2]]] * 2]
+    # The past of each attention is the one before's present (its past and partial); at a block start
+    # the completed blocks gathered from it (the stale partials dropped), the embedding's at the first.
+    # The stale partials in a block's later pasts are masked.
+    site = plan.sites[3].name
+    assert [list(n.input[4:6]) for n in attentions] == [
+        ["/attnres/embedding_key", "/attnres/embedding_past"], list(attentions[0].output[1:]),
+        [f"/attnres/{site}/completed_keys", f"/attnres/{site}/completed_values"], list(attentions[2].output[1:])]
+    gathers = {n.output[0]: n for n in nodes if n.op_type == "Gather" and n.name.startswith("/attnres/")}
+    assert gathers[f"/attnres/{site}/completed_keys"].input[0] == attentions[1].output[1]
+    masks = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
+    assert [n.input[3] and masks[n.input[3]].tolist() for n in attentions] == [
+        "", [[0.0, np.finfo(np.float32).min, 0.0]], "", [[0.0, 0.0, np.finfo(np.float32).min, 0.0]]]
     # The sublayer after an attention sublayer (an mlp: row by row) reads the aggregate's rows as they
     # are; the attention sublayer reads them reshaped back to [batch, sequence, hidden].
     writers = {out: n for n in nodes for out in n.output}

@@ -3,7 +3,9 @@
 (the tokens then differ from the original model's). Engines run in processes of their own, started from
 commands that import nothing of attnres_fx: vLLM loads the plugin through its entry point.
 
-One engine per model, on vLLM's default, compiled path unless said otherwise:
+One engine per model, on vLLM's compiled path (its capture of the decoder, the graph rewritten with AttnRes; for
+Llama compiled by Inductor, vLLM's default, for the others run by TorchDynamo's eager backend, as vLLM's own CPU
+tests do) unless said otherwise:
 
 - Llama: `vllm serve` on a loopback port, answering ``/v1/completions`` for 16 prompts of 1 to
   200 tokens in one request (continuous batching), then prompts again alone with prefix caching (hits read
@@ -12,6 +14,7 @@ One engine per model, on vLLM's default, compiled path unless said otherwise:
 - Qwen3, Mistral (a sliding window of 8), Gemma 2 (sliding and full layers, soft-capping), Qwen3-MoE,
   OLMo 2 (norms after the sublayers, none before) and Starcoder2 (LayerNorm with biases, a plain GELU MLP):
   a batch of prompts through ``LLM.generate`` (tests/vllm_serve.py);
+- Llama with ``enforce_eager=True`` (attnres_fx's eager layer route);
 - Llama with tensor parallelism 2, and with pipeline parallelism 2 (its stages run eager: the
   ``enforce_eager=True`` path), each rank a process bound to one core (gloo).
 
@@ -267,13 +270,28 @@ def test_readme_block_serves_the_folder_as_written(llama, tmp_path):
 
 # -- other families (one engine each) ----------------------------------------------------------------------------
 
+# vLLM's capture and the rewrite of its graph, its compiled code run by TorchDynamo's eager backend: what vLLM's
+# own CPU tests set (VLLM_CPU_CI_ENV), to spare each engine Inductor's C++ builds; Llama's engines above
+# compile with Inductor.
+CAPTURE_ONLY = {"VLLM_CPU_CI_ENV": "1"}
+
+
 @pytest.mark.parametrize("family", ["qwen3", "mistral", "gemma2", "qwen3_moe", "olmo2", "starcoder2"])
 def test_family_generates_what_generate_does(family, tmp_path):
     model = converted_folder(family, tmp_path / family)
     batch = prompts((12, 3, 30, 7), seed=1)
-    served = serve(tmp_path, tmp_path / family, batch, 12, max_model_len=128)
+    served = serve(tmp_path, tmp_path / family, batch, 12, env=CAPTURE_ONLY, max_model_len=128)
     assert served["batched"] == references(model, batch, 12)
     assert COMPILED in served["log"]
+
+
+def test_enforce_eager_generates_what_generate_does(tmp_path):
+    """enforce_eager=True: no capture, the layers take attnres_fx's eager layer route."""
+    model = converted_folder("llama", tmp_path / "llama")
+    batch = prompts((12, 3, 30, 7), seed=3)
+    served = serve(tmp_path, tmp_path / "llama", batch, 12, max_model_len=128, enforce_eager=True)
+    assert served["batched"] == references(model, batch, 12)
+    assert COMPILED not in served["log"]
 
 
 # -- tensor and pipeline parallelism, two processes over gloo ---------------------------------------------------
@@ -290,7 +308,9 @@ def test_two_ranks_generate_what_generate_does(parallel, tmp_path):
     partial sum to the next stage beside the hidden states, in vLLM's IntermediateTensors."""
     model = converted_folder("llama", tmp_path / "llama")
     batch = prompts((12, 3, 30, 7), seed=2)
-    served = serve(tmp_path, tmp_path / "llama", batch, 12, env=TWO_RANKS, max_model_len=128,
+    # The stages run eager: no capture to spare Inductor's builds.
+    env = {**TWO_RANKS, **CAPTURE_ONLY} if parallel == "tensor_parallel_size" else TWO_RANKS
+    served = serve(tmp_path, tmp_path / "llama", batch, 12, env=env, max_model_len=128,
                    distributed_executor_backend="mp", **{parallel: 2})
     assert served["batched"] == references(model, batch, 12)
     marker = COMPILED if parallel == "tensor_parallel_size" else EAGER
