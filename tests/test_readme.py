@@ -83,7 +83,6 @@ def _gradients_as_unwrapped(ns) -> bool:
     scale = max(float(g.abs().max()) for g in want.values())
     gaps = {name: float((got[name] - want[name]).abs().max()) / scale for name in want}
     worst = max(gaps, key=gaps.get)
-    print("largest gradient gap", worst, gaps[worst])
     assert gaps[worst] < 3e-2, (worst, gaps[worst])
     assert any(float(g.abs().max()) > 0 for name, g in got.items() if "attn_res" in name)
     return True
