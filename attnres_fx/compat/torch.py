@@ -189,7 +189,8 @@ def module_hooks(module: nn.Module) -> bool:
 # (``_wrapped_fns_to_patch``, ``_wrapped_methods_to_patch``) and ``math`` functions found in the globals of
 # the code it runs (autowrap), each patch a function that wraps the original (``__wrapped__``) and carries
 # ``_Patcher__fx_already_patched``, the name ``_Patcher.patch`` sets, mangled); ``CURRENT_PATCHER`` and
-# ``_is_fx_tracing_flag`` say a trace is in progress). The same from torch 2.11 to 2.14.
+# the tracing flag say a trace is in progress: the module global ``_is_fx_tracing_flag`` up to torch 2.13, a
+# thread-local behind ``_get_is_fx_tracing`` / ``_set_is_fx_tracing`` in 2.14). The rest the same from 2.11 to 2.14.
 _MODULE_CALL = nn.Module.__dict__["__call__"]
 _MODULE_GETATTR = nn.Module.__dict__["__getattr__"]
 _FX_PATCH_MARK = "_Patcher__fx_already_patched"
@@ -210,7 +211,7 @@ def fx_trace_undone(globals_dicts: tuple[dict, ...] = ()):
     function modes pushed within are as they were. An interrupt while undoing is taken and undoing
     resumes (it is idempotent); the interrupt is raised after."""
     fx_tracing = _fx_tracing()
-    before = (fx_tracing.CURRENT_PATCHER, fx_tracing._is_fx_tracing_flag, torch._C._len_torch_function_stack())
+    before = (fx_tracing.CURRENT_PATCHER, _fx_tracing_flag(fx_tracing), torch._C._len_torch_function_stack())
     try:
         yield
     finally:
@@ -241,7 +242,16 @@ def _undo_fx_trace(fx_tracing, before: tuple, globals_dicts: tuple[dict, ...]) -
     while torch._C._len_torch_function_stack() > modes:
         torch._C._pop_torch_function_stack()
     fx_tracing.CURRENT_PATCHER = patcher
-    fx_tracing._is_fx_tracing_flag = tracing
+    if hasattr(fx_tracing, "_set_is_fx_tracing"):
+        fx_tracing._set_is_fx_tracing(tracing)
+    else:
+        fx_tracing._is_fx_tracing_flag = tracing
+
+
+def _fx_tracing_flag(fx_tracing) -> bool:
+    if hasattr(fx_tracing, "_get_is_fx_tracing"):
+        return fx_tracing._get_is_fx_tracing()
+    return fx_tracing._is_fx_tracing_flag
 
 
 def fx_trace_left_behind() -> bool:
