@@ -21,13 +21,17 @@ ARCHITECTURES = {
     "TransformersMoEForCausalLM": ("AttnResMoEForCausalLM", "attnres_fx.serving.vllm_model:AttnResMoEForCausalLM"),
 }
 
+# The prefix of the names the converted classes on vLLM's own implementations are registered under
+# (attnres_fx.serving.vllm_native): AttnResLlamaForCausalLM.
+NATIVE_PREFIX = "AttnRes"
+
 
 def register() -> None:
     from vllm import ModelRegistry
 
     from ..compat import vllm as compat_vllm
 
-    for name, target in ARCHITECTURES.values():
+    for name, target in [*ARCHITECTURES.values(), *_native_targets()]:
         if name not in ModelRegistry.get_supported_archs():
             ModelRegistry.register_model(name, target)
     compat_vllm.route_model_lookups(architectures_for)
@@ -42,8 +46,15 @@ def architectures_for(architectures: list[str], model_config) -> list[str]:
     return [check_servable(architectures, model_config)]
 
 
+def _native_targets() -> list[tuple[str, str]]:
+    from ..compat import vllm as compat_vllm
+
+    return [(NATIVE_PREFIX + name, f"attnres_fx.serving.vllm_native:{NATIVE_PREFIX}{name}")
+            for name in compat_vllm.NATIVE_CLASSES]
+
+
 def _registered_names() -> set[str]:
-    return {name for name, _ in ARCHITECTURES.values()}
+    return {name for name, _ in [*ARCHITECTURES.values(), *_native_targets()]}
 
 
 def check_servable(architectures: list[str], model_config) -> str:
@@ -73,4 +84,6 @@ def check_servable(architectures: list[str], model_config) -> str:
         raise UnsupportedArchitectureError(
             f"{folder}: vLLM would serve {architectures[0]} with {backend}; the attnres_fx plugin serves converted "
             f"text generation models only ({', '.join(ARCHITECTURES)}).")
+    if architectures[0] in compat_vllm.NATIVE_CLASSES:
+        return NATIVE_PREFIX + architectures[0]
     return ARCHITECTURES[backend][0]
