@@ -223,11 +223,12 @@ def match_in_order(detection: Detection, plan: Plan, *, where: str) -> tuple[Mat
     expected = _planned_kinds(planned)
     if found != expected:
         differs = next((k for k, (a, b) in enumerate(zip(found, expected)) if a != b), min(len(found), len(expected)))
+        now = found[differs] if differs < len(found) else "no site"
+        planned_there = f"{expected[differs]} at {_listed(planned, [differs])}" if differs < len(expected) else "no site"
         raise StreamMismatchError(
             f"{where}: the residual stream of the graph differs from the one the model was converted with: "
-            f"{len(found)} sites, planned {len(expected)}; first difference at site {differs} "
-            f"(found {found[differs] if differs < len(found) else 'none'}, planned "
-            f"{expected[differs] if differs < len(expected) else 'none'}: {_listed(planned, [differs])})")
+            f"{len(found)} sites, planned {len(expected)}; first difference at site {differs} (found {now}, "
+            f"planned {planned_there})")
     return (MatchedStream(planned, tuple(range(len(found)))),)
 
 

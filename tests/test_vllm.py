@@ -5,7 +5,7 @@ commands that import nothing of attnres_fx: vLLM loads the plugin through its en
 
 One engine per model, on vLLM's compiled path (its capture of the decoder, the graph rewritten with AttnRes; for
 Llama compiled by Inductor, vLLM's default, for the others run by TorchDynamo's eager backend, as vLLM's own CPU
-tests do) unless said otherwise. Llama, Qwen3 and Mistral are served on vLLM's own implementations (the graph of
+tests do) unless said otherwise. Llama, Qwen3, Mistral and Qwen3-MoE are served on vLLM's own implementations (the graph of
 vLLM's class matched to the saved plan site by site), the others on vLLM's Transformers backend:
 
 - Llama: `vllm serve` on a loopback port, answering ``/v1/completions`` for 16 prompts of 1 to
@@ -123,7 +123,8 @@ COMPILED = "compiled with AttnRes"
 EAGER = "runs the converted decoder eager"
 FALLBACK = "served on vLLM's Transformers backend"
 # The families served on vLLM's own implementations, by their architecture.
-NATIVE = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
+NATIVE = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
+          "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def resolved(log: str) -> str:
@@ -294,8 +295,7 @@ def test_family_generates_what_generate_does(family, tmp_path):
     served = serve(tmp_path, tmp_path / family, batch, 12, env=CAPTURE_ONLY, max_model_len=128)
     assert served["batched"] == references(model, batch, 12)
     assert COMPILED in served["log"]
-    backend = "AttnResMoEForCausalLM" if family == "qwen3_moe" else "AttnResForCausalLM"
-    assert resolved(served["log"]) == ("AttnRes" + NATIVE[family] if family in NATIVE else backend)
+    assert resolved(served["log"]) == ("AttnRes" + NATIVE[family] if family in NATIVE else "AttnResForCausalLM")
 
 
 def test_enforce_eager_generates_what_generate_does(tmp_path):

@@ -3,8 +3,10 @@
 ``save_pretrained`` converted, with nothing imported by the user.
 
 vLLM calls :func:`register` in each of its processes. It registers the converted models' classes
-(:mod:`.vllm_model`: vLLM's Transformers backend, the Hugging Face model converted by attnres_fx) and
-routes every config with an ``"attnres"`` entry to them (:func:`architectures_for`). What the plugin
+(:mod:`.vllm_native`: vLLM's own implementations, ``AttnResLlamaForCausalLM``, where vLLM has one the plugin
+serves on; :mod:`.vllm_model`: vLLM's Transformers backend, the Hugging Face model converted by attnres_fx,
+for every other architecture, and where vLLM's own class cannot take the folder) and routes every config
+with an ``"attnres"`` entry to them (:func:`architectures_for`). What the plugin
 cannot serve converted is refused there, before an engine starts, naming what to change: a folder is
 never served as its plain model."""
 
@@ -72,8 +74,9 @@ def check_servable(architectures: list[str], model_config) -> str:
     if model_config.model_impl != "auto":
         raise UnsupportedArchitectureError(
             f"{folder}: model_impl={model_config.model_impl!r}, but a converted model is served only by the "
-            "attnres_fx plugin's own class (vLLM's Transformers backend with the AttnRes conversion; vLLM's "
-            "own implementations have no AttnRes). Leave model_impl at 'auto'.")
+            "attnres_fx plugin's own classes (vLLM's own implementation with the AttnRes rewrite where the plugin "
+            "serves on it, else vLLM's Transformers backend with the AttnRes conversion), which it picks itself. "
+            "Leave model_impl at 'auto'.")
     model_class = getattr(transformers, architectures[0], None) if architectures else None
     if model_class is None or not (model_class.is_backend_compatible() or model_class._can_set_attn_implementation()):
         raise UnsupportedArchitectureError(
