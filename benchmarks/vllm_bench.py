@@ -6,12 +6,12 @@ greedy, every engine on vLLM's default (compiled) path.
 
 Variants, each an engine of its own (``vllm.LLM``, its engine core in a process of its own), all started
 first, then measured in turn (each repeat starting with the next engine), REPEATS times: ``original``, the
-original folder as vLLM serves it by default (its own Llama implementation); ``original_transformers``, the same folder on vLLM's Transformers backend
-(``model_impl="transformers"``), which serves converted folders of the architectures vLLM's own classes do
-not take; ``converted``, the converted folder on its default route (the attnres_fx plugin's
-``AttnResLlamaForCausalLM``: vLLM's own Llama, its graph rewritten by the saved plan). The ratios are
-medians of each repeat's ratios: converted / original is what a user gets and what AttnRes itself costs,
-converted / original_transformers compares with the Transformers backend."""
+original folder as vLLM serves it by default (its own Llama implementation); ``original_transformers``, the
+same folder on vLLM's Transformers backend (``model_impl="transformers"``), which serves converted folders of
+the architectures vLLM's own classes do not take; ``converted``, the converted folder on its default route
+(the attnres_fx plugin's ``AttnResLlamaForCausalLM``: vLLM's own Llama, its graph rewritten by the saved
+plan). The ratios are medians of each repeat's ratios: converted / original is what a user gets and what
+AttnRes itself costs, converted / original_transformers compares with the Transformers backend."""
 
 import argparse
 import json

@@ -224,7 +224,8 @@ def match_in_order(detection: Detection, plan: Plan, *, where: str) -> tuple[Mat
     if found != expected:
         differs = next((k for k, (a, b) in enumerate(zip(found, expected)) if a != b), min(len(found), len(expected)))
         now = found[differs] if differs < len(found) else "no site"
-        planned_there = f"{expected[differs]} at {_listed(planned, [differs])}" if differs < len(expected) else "no site"
+        planned_there = (f"{expected[differs]} at {_listed(planned, [differs])}" if differs < len(expected)
+                         else "no site")
         raise StreamMismatchError(
             f"{where}: the residual stream of the graph differs from the one the model was converted with: "
             f"{len(found)} sites, planned {len(expected)}; first difference at site {differs} (found {now}, "

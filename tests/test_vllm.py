@@ -5,8 +5,8 @@ commands that import nothing of attnres_fx: vLLM loads the plugin through its en
 
 One engine per model, on vLLM's compiled path (its capture of the decoder, the graph rewritten with AttnRes; for
 Llama compiled by Inductor, vLLM's default, for the others run by TorchDynamo's eager backend, as vLLM's own CPU
-tests do) unless said otherwise. Llama, Qwen3, Mistral and Qwen3-MoE are served on vLLM's own implementations (the graph of
-vLLM's class matched to the saved plan site by site), the others on vLLM's Transformers backend:
+tests do) unless said otherwise. Llama, Qwen3, Mistral and Qwen3-MoE are served on vLLM's own implementations
+(the graph of vLLM's class matched to the saved plan site by site), the others on vLLM's Transformers backend:
 
 - Llama: `vllm serve` on a loopback port, answering ``/v1/completions`` for 16 prompts of 1 to
   200 tokens in one request (continuous batching), then prompts again alone with prefix caching (hits read
