@@ -37,8 +37,8 @@ STACKED_MAX_ELEMENTS = 16_384
 # ~~~~~~~~~~~~~~~~~~~~~~~~~
 # Inside every softmax over sources, an exponential exp(z_i - max_j z_j) below NEGLIGIBLE_WEIGHT (the
 # weight relative to the largest of that softmax) is exactly zero, in every implementation (C++, Triton,
-# these ops, ONNX) but onnxruntime's Attention op in the serving graph's optional attention form
-# (export/builder_stream.py: inference only, no gradients to slow down). Why: with pseudo-queries of std 1 and more the softmax saturates, weights such as
+# these ops, ONNX) but the pass on onnxruntime-genai's builder graph (export/builder_stream.py: inference
+# only, no gradients to slow down, and 4 nodes per site cost its decoding 5-10%). Why: with pseudo-queries of std 1 and more the softmax saturates, weights such as
 # e^-100 are subnormal floats, and so are the gradients they scale (p_i * g); CPUs compute on subnormals
 # some 6x slower, and the backward matmuls of a whole model slow down with them. Flushing the global
 # floating-point mode (torch.set_flush_denormal) would change every other computation of the process.
