@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast test-integration test-compat coverage fuzz bench bench-quick gpu-check gpu-check-dry gpu-wheels compare compare-quick clean
+.PHONY: venv demo lint test test-fast test-integration test-compat coverage fuzz bench bench-quick gpu-check gpu-check-dry gpu-wheels compare compare-quick clean
 
 venv: $(STAMP)
 
@@ -23,12 +23,16 @@ demo: venv
 # Two workers (one per CI core); tests of one file share a worker, and the file's cached models.
 PYTEST := $(PY) -m pytest -q -n 2 --dist loadfile
 
+# ruff's findings (the rules in pyproject.toml) fail test and test-fast before a test runs.
+lint: venv
+	$(PY) -m ruff check .
+
 # The tiers (pyproject.toml): test-fast, the edit loop; test, what a release needs (test-fast included);
 # test-integration, what needs other venvs or engines (.ci/run runs it after test).
-test: venv
+test: lint
 	$(PYTEST) -m "not integration"
 
-test-fast: venv
+test-fast: lint
 	$(PYTEST) -m "not slow and not integration"
 
 # Each part runs, also after an earlier one failed; the target fails if any did.

@@ -37,7 +37,7 @@ from .integrations import autoload
 from .integrations.hf import from_pretrained
 from .integrations.pipelining import pipeline_stages
 from .passes.plan import Site
-from .version import __version__
+from .version import __version__ as __version__  # re-exported: `attnres_fx.__version__`
 from .integrations.training import (
     depth_metrics,
     depth_monitor_callback,
@@ -52,8 +52,9 @@ from .integrations.training import (
 autoload.enable()
 
 __all__ = [
-    "AttnResConfig", "AttnResError", "AttnResWarning", "BlockAttnRes", "CheckpointMismatchError", "DepthRecorder", "DepthWeights",
-    "DepthWeightsError", "ExportError", "ForeignCompileError", "NoResidualStreamError", "PassContractError", "RoutingError", "ServingLayoutError", "Site", "SiteWeights",
+    "AttnResConfig", "AttnResError", "AttnResWarning", "BlockAttnRes", "CheckpointMismatchError", "DepthRecorder",
+    "DepthWeights", "DepthWeightsError", "ExportError", "ForeignCompileError", "NoResidualStreamError",
+    "PassContractError", "RoutingError", "ServingLayoutError", "Site", "SiteWeights",
     "StreamMismatchError", "TraceError", "UnsupportedArchitectureError", "WriteError", "attnresify", "compile",
     "config_of", "conversion_options", "depth_metrics", "depth_monitor_callback", "depth_weights", "detect", "freeze",
     "from_pretrained", "is_converted", "monitor_depth", "param_groups", "pipeline_stages", "plan_of", "remove",

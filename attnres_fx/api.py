@@ -86,8 +86,8 @@ def attnresify(model: nn.Module, example_inputs: Any = None, *, example_kwargs: 
     config = _config(config, options)
     _check_arguments(model, example_inputs, example_kwargs)
     wrapper, model = model, unwrapped(model)
-    num_blocks, block_size, preserve_scale, eps = config.num_blocks, config.block_size, config.preserve_scale, config.eps
-    allow_partial, route = config.allow_partial, config.route
+    num_blocks, block_size, preserve_scale = config.num_blocks, config.block_size, config.preserve_scale
+    eps, allow_partial, route = config.eps, config.allow_partial, config.route
     if conversion_of(model) is not None:
         raise RoutingError(f"{type(model).__name__} is already converted (attnres_fx.sites(model) lists its "
                            "sites); call attnres_fx.remove(model) first to convert it again")
@@ -246,9 +246,10 @@ def _check_arguments(model, example_inputs, example_kwargs) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(model, torch.jit.ScriptModule):
-        raise UnsupportedArchitectureError(f"model is a TorchScript module ({type(model).__name__}, made by torch.jit.script or "
-                        "torch.jit.trace): it has no Python forward for attnres_fx to capture and rewrite. Convert "
-                        "the original nn.Module, then script or export the converted one (attnres_fx.export).")
+        raise UnsupportedArchitectureError(
+            f"model is a TorchScript module ({type(model).__name__}, made by torch.jit.script or "
+            "torch.jit.trace): it has no Python forward for attnres_fx to capture and rewrite. Convert "
+            "the original nn.Module, then script or export the converted one (attnres_fx.export).")
     if any(isinstance(m, BlockAttnRes) for m in model.modules()) and conversion_of(model) is None:
         raise ValueError("model: it already contains BlockAttnRes modules (is it an attnres_fx.rewrite "
                          "graph?); pass the original model")

@@ -238,7 +238,8 @@ def cmd_export(args: argparse.Namespace) -> int:
                                   do_sample=False, pad_token_id=0 if pad is None else pad).numpy()
         same = got.shape == want.shape and (got == want).all()
         print(f"{'PASS' if same else 'FAIL'} greedy decoding, 8 new tokens: onnxruntime with the cache "
-              f"{'equals' if same else 'differs from'} model.generate (providers: {', '.join(runtime.get_providers())})")
+              f"{'equals' if same else 'differs from'} model.generate "
+              f"(providers: {', '.join(runtime.get_providers())})")
         return 0 if same else 1
     report = verify(model, runtime, inputs, example_kwargs=kwargs)
     print(report)
@@ -285,8 +286,9 @@ def cmd_genai(args: argparse.Namespace) -> int:
                                   pad_token_id=pad)
         want = want[0, prompt.shape[1]:].tolist()[:len(got)]
     same = got == want
-    print(f"{'PASS' if same else 'FAIL'} onnxruntime-genai {'generates the same tokens as' if same else 'differs from'} "
-          f"model.generate: {got}" + ("" if same else f" against {want}"))
+    print(f"{'PASS' if same else 'FAIL'} onnxruntime-genai "
+          f"{'generates the same tokens as' if same else 'differs from'} model.generate: {got}"
+          + ("" if same else f" against {want}"))
     return 0 if same else 1
 
 

@@ -60,7 +60,8 @@ class AttnResConfig:
         if self.route not in ROUTES:
             raise ValueError(f"route must be one of {ROUTES}, got {self.route!r}")
         if self.version != CONFIG_VERSION:
-            raise ValueError(f"version: this attnres_fx reads option set version {CONFIG_VERSION}, got {self.version!r}")
+            raise ValueError(f"version: this attnres_fx reads option set version {CONFIG_VERSION}, "
+                             f"got {self.version!r}")
 
     def options(self) -> dict[str, Any]:
         """The ``attnresify`` keyword arguments this config stands for (``version`` is none of them)."""

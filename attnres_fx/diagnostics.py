@@ -3,8 +3,9 @@ and the line of the user's code where it arose.
 
 An exception's chain follows ``__cause__``, then ``__context__``, also where ``raise ... from None``
 suppressed it (Python's traceback printing hides it): Dynamo raises its ``TorchRuntimeError`` that way,
-and the suppressed context is the op's own error, the one that names the problem. The user's code is every frame outside torch and attnres_fx's
-machinery (its built-in models, :mod:`attnres_fx.models`, count as the user's).
+and the suppressed context is the op's own error, the one that names the problem. The user's code is
+every frame outside torch and attnres_fx's machinery (its built-in models, :mod:`attnres_fx.models`,
+count as the user's).
 """
 
 from __future__ import annotations

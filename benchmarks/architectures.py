@@ -135,13 +135,15 @@ def measure(name: str) -> list[str]:
     except attnres_fx.UnsupportedArchitectureError:
         return [label, form, "none (post-norm)", "UnsupportedArchitectureError", "-", "-", "-", "-", "-"]
     with torch.no_grad():
-        exact_diff = relative_error(main_output(name, exact(*args, **kwargs)), main_output(name, model(*args, **kwargs)))
+        exact_diff = relative_error(main_output(name, exact(*args, **kwargs)),
+                                    main_output(name, model(*args, **kwargs)))
     eps = getattr(model.config, spec.eps_field)
     bound = eps_bound(exact, args, kwargs, eps)
     default = _difference(name, model, args, kwargs)
     tiny_eps = _difference(name, build_hf(name, **{spec.eps_field: TINY_EPS}), args, kwargs)
-    return [label, form, _sites(detection, expected), f"{exact_diff:.1e}", f"{default:.1e}", f"{bound:.1e} (eps {eps:g})",
-            f"{tiny_eps:.1e}", _generates_the_same(name, model, exact), _reloads_the_same(name, exact, args, kwargs)]
+    return [label, form, _sites(detection, expected), f"{exact_diff:.1e}", f"{default:.1e}",
+            f"{bound:.1e} (eps {eps:g})", f"{tiny_eps:.1e}", _generates_the_same(name, model, exact),
+            _reloads_the_same(name, exact, args, kwargs)]
 
 
 def table(names, parity: dict) -> str:

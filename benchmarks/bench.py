@@ -11,8 +11,9 @@ Models: the built-in pre-norm TinyTransformer at three shapes (``bench``: d=512,
 256, N=8; ``mid``: d=256, 8 layers, batch 4 x 128, N=4; ``deep``: d=128, 24 layers, batch 4 x 128, N=8)
 and, for decoding, a Llama-style Hugging Face model built from its config (8 layers, hidden 256).
 Variants: ``original``; ``converted`` (``attnresify(num_blocks=N)``, the live layer route: eager, or
-``attnres_fx.compile``); ``model_route`` (the same on the model route, ``route="model"``); ``graph`` (the explicit GraphModule of ``attnres_fx.rewrite``, eager or
-``export.compile``, for comparison with the live route); ``full`` (``block_size=1``).
+``attnres_fx.compile``); ``model_route`` (the same on the model route, ``route="model"``); ``graph`` (the
+explicit GraphModule of ``attnres_fx.rewrite``, eager or ``export.compile``, for comparison with the live
+route); ``full`` (``block_size=1``).
 
 Sections:
 
@@ -89,8 +90,8 @@ import routes  # noqa: E402 - the routes' own sections, beside this script
 import traffic  # noqa: E402 - the memory-traffic model beside this script
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
-SECTIONS = ("llama", "handwritten", "query_sizes", "deep_train", "startup", "load", "overhead", "threads", "demo", "forward", "train", "first_call",
-            "decode", "genai", "stages", "memory", "op", "op_train", "choices")
+SECTIONS = ("llama", "handwritten", "query_sizes", "deep_train", "startup", "load", "overhead", "threads", "demo",
+            "forward", "train", "first_call", "decode", "genai", "stages", "memory", "op", "op_train", "choices")
 BACKENDS = ("eager", "compiled", "onnx")
 
 
@@ -143,8 +144,8 @@ FULL = Settings(
     shapes={"bench": Shape("bench", 512, 12, 8, 4, 256, 8), "mid": Shape("mid", 256, 8, 4, 4, 128, 4),
             "deep": Shape("deep", 128, 24, 2, 4, 128, 8)},
     forward_shapes=("bench", "mid"), train_shapes=("bench", "mid", "deep"), runs=15, warmup=2, op_runs=100,
-    op_sources=(2, 5, 9), op_train_shapes=((2, 128, 512), (1, 1, 2048)), choice_shapes=((1, 1, 256), (8, 1, 256), (1, 1, 2048), (8, 1, 2048), (4, 256, 512),
-                                         (1, 512, 2048)),
+    op_sources=(2, 5, 9), op_train_shapes=((2, 128, 512), (1, 1, 2048)),
+    choice_shapes=((1, 1, 256), (8, 1, 256), (1, 1, 2048), (8, 1, 2048), (4, 256, 512), (1, 512, 2048)),
     decode=dict(num_hidden_layers=8, hidden_size=256, intermediate_size=1024, num_attention_heads=4,
                 num_key_value_heads=4, head_dim=64, vocab_size=1024),
     decode_tokens=48)
@@ -396,7 +397,8 @@ def decode_section(settings: Settings, backends: list[str]) -> dict:
         result[backend] = {}
         for batch in (1, 8):
             progress(f"decode {backend} batch {batch}")
-            prompt = torch.randint(1, settings.decode["vocab_size"], (batch, 32), generator=torch.Generator().manual_seed(0))
+            prompt = torch.randint(1, settings.decode["vocab_size"], (batch, 32),
+                                   generator=torch.Generator().manual_seed(0))
 
             def generate(model, prompt=prompt):
                 with torch.no_grad():
@@ -449,8 +451,8 @@ def genai_section(settings: Settings, config_name: str) -> dict:
                 for batch in (1, 8):
                     progress(f"genai {family} {precision} batch {batch}")
                     runners = genai_runners(folders, batch, plan["prompt"], settings.decode_tokens)
-                    entry[f"batch{batch}"] = summarise(interleaved(runners, max(3, settings.runs // 3), settings.warmup),
-                                                       "builder", per_call=batch * settings.decode_tokens)
+                    times = interleaved(runners, max(3, settings.runs // 3), settings.warmup)
+                    entry[f"batch{batch}"] = summarise(times, "builder", per_call=batch * settings.decode_tokens)
                 progress(f"genai {family} {precision} memory")
                 entry["memory"] = {variant: genai_child_memory(folder, plan["prompt"], settings.decode_tokens)
                                    for variant, folder in folders.items()}
@@ -494,7 +496,8 @@ def genai_folders(model: nn.Module, converted: nn.Module, tokenizer, root: Path,
         return folders, "onnxruntime-genai's model builder"
     if precision == "int4":
         return None
-    progress(f"the builder failed ({built.stderr.strip().splitlines()[-1:]}): export.to_genai's original is the baseline")
+    progress(f"the builder failed ({built.stderr.strip().splitlines()[-1:]}): "
+             "export.to_genai's original is the baseline")
     folders["builder"] = export.to_genai(model, root / "exported", tokenizer=tokenizer, graph="torch.onnx")
     return folders, "export.to_genai, torch.onnx (the builder failed)"
 
@@ -702,7 +705,8 @@ def op_against_bound(settings: Settings, dims: tuple[int, ...], count: int, stre
            "bound": functools.partial(bound, *sources)}
     times = summarise(interleaved(fns, settings.op_runs,
                                   settings.warmup, device=device), "bound")
-    entry = {"sources": count, "bound_ms": times["bound"]["median_ms"], "bytes_moved_mb": (count + 1) * stream_bytes / 1e6}
+    entry = {"sources": count, "bound_ms": times["bound"]["median_ms"],
+             "bytes_moved_mb": (count + 1) * stream_bytes / 1e6}
     for kind in ("kernel", "compiled"):
         entry[f"{kind}_ms"] = times[kind]["median_ms"]
         entry[f"{kind}_fraction"] = 1.0 / times[kind]["ratio"]
@@ -749,7 +753,8 @@ def op_train_section(settings: Settings, device: torch.device) -> dict:
                 if kernels:
                     candidates["kernels"] = lambda: (
                         torch.ops.attnres_cpu.aggregate(plain, proj.detach(), norm.detach(), 1e-6, False),
-                        torch.ops.attnres_cpu.aggregate_backward(grad, plain, proj.detach(), norm.detach(), 1e-6, False))
+                        torch.ops.attnres_cpu.aggregate_backward(grad, plain, proj.detach(), norm.detach(), 1e-6,
+                                                                 False))
                 times = interleaved(candidates, settings.op_runs, settings.warmup, device=device, clock=clock)
                 us = {k: 1e6 * statistics.median(v) for k, v in times.items()}
                 best = {k: 1e6 * min(v) for k, v in times.items()}
@@ -789,7 +794,8 @@ def group_against_bound(settings: Settings, dims: tuple[int, ...], shape: Shape,
         fns[f"eager_{name}"] = functools.partial(fn, blocks, partials)
         fns[f"compiled_{name}"] = functools.partial(torch.compile(fn, fullgraph=True), blocks, partials)
     fns["bound"] = functools.partial(torch.compile(bound, fullgraph=True), blocks, partials)
-    ms = {k: 1e3 * statistics.median(v) for k, v in interleaved(fns, settings.op_runs, settings.warmup, device=device).items()}
+    times = interleaved(fns, settings.op_runs, settings.warmup, device=device)
+    ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
     return {"completed_blocks": len(blocks), "sites": len(partials), **{f"{k}_ms": v for k, v in ms.items()},
             **{f"{k}_fraction": ms["bound"] / v for k, v in ms.items() if k != "bound"}}
 
@@ -974,8 +980,10 @@ def _choice_tables(choices: dict) -> list[str]:
     return [f"## Implementation choices ({choices['device']}; median us, fastest in bold)", "",
             *_table("Eager, no gradient (`attnres_fx.op.ops.eager`):", choices["eager"], ("shape", "sources")),
             *_table("Eager forward and backward:", choices["training"], ("shape", "sources")),
-            *_table("Inductor, the aggregation then an RMSNorm, at the bench shape:", choices["inductor"], ("sources",)),
-            *_table("onnxruntime, one aggregation per ONNX form, at the bench shape:", choices["onnx"], ("sources",))]
+            *_table("Inductor, the aggregation then an RMSNorm, at the bench shape:", choices["inductor"],
+                    ("sources",)),
+            *_table("onnxruntime, one aggregation per ONNX form, at the bench shape:", choices["onnx"],
+                    ("sources",))]
 
 
 def markdown(settings: Settings, results: dict) -> str:
@@ -990,8 +998,9 @@ def markdown(settings: Settings, results: dict) -> str:
             lines += [f"## {title}, {rows['shape']}", "", *_ratio_table(rows), ""]
     first = results.get("first_call")
     if first:
-        lines += [f"## First call ({first['shape']})", "", "| route | conversion, s | first call (captures and rewrites), s "
-                  "| second call, s |", "|---|---|---|---|"]
+        lines += [f"## First call ({first['shape']})", "",
+                  "| route | conversion, s | first call (captures and rewrites), s | second call, s |",
+                  "|---|---|---|---|"]
         for route in ("layer", "model"):
             e = first[route]
             lines.append(f"| {route} | {e['convert_s']:.2f} | {e['first_call_s']:.2f} | {e['second_call_s']:.3f} |")
@@ -999,18 +1008,19 @@ def markdown(settings: Settings, results: dict) -> str:
     decode = results.get("decode")
     if decode:
         lines += [f"## Decoding with the KV cache ({decode['model']}, {decode['new_tokens']} new tokens, greedy)", "",
-                  "| backend | batch | original tokens/s | layer route tokens/s (ratio median / max) | model route tokens/s "
-                  "(ratio) |", "|---|---|---|---|---|"]
+                  "| backend | batch | original tokens/s | layer route tokens/s (ratio median / max) "
+                  "| model route tokens/s (ratio) |", "|---|---|---|---|---|"]
         for backend in ("eager", "compiled"):
             for batch, rows in decode.get(backend, {}).items():
-                lines.append(f"| {backend} | {batch[5:]} | {rows['original']['rate']:.1f} | {rows['converted']['rate']:.1f} "
-                             f"({rows['converted']['ratio']:.3f} / {rows['converted']['ratio_min']:.3f}) | "
+                lines.append(f"| {backend} | {batch[5:]} | {rows['original']['rate']:.1f} "
+                             f"| {rows['converted']['rate']:.1f} ({rows['converted']['ratio']:.3f} "
+                             f"/ {rows['converted']['ratio_min']:.3f}) | "
                              f"{rows['model_route']['rate']:.1f} ({rows['model_route']['ratio']:.3f}) |")
         lines.append("")
     genai = results.get("genai")
     if genai:
-        lines += [f"## onnxruntime-genai generation ({genai['prompt']}-token prompts, {genai['new_tokens']} new tokens, "
-                  "greedy, CPU)", "",
+        lines += [f"## onnxruntime-genai generation ({genai['prompt']}-token prompts, "
+                  f"{genai['new_tokens']} new tokens, greedy, CPU)", "",
                   "Tokens/s of onnxruntime-genai on each folder (ratio to the baseline, median / max): the baseline is "
                   "onnxruntime-genai's model builder on the original model at the same precision; *converted* is "
                   "export.to_genai of the converted model (N=4, random pseudo-queries; the builder's graph with the "
@@ -1051,7 +1061,8 @@ def markdown(settings: Settings, results: dict) -> str:
                   f"{', '.join(str(n) for n in stages['cached_tensors'])} with.", "",
                   f"State held between two blocks in one forward (the completed block sums and the partial sum, "
                   f"no gradients): at most {stages['state_tensors']} tensors, {stages['state_mb']:.1f} MB measured, "
-                  f"{stages['state_predicted_mb']:.1f} MB predicted (N + 1 = {stages['num_blocks'] + 1} stream tensors).", ""]
+                  f"{stages['state_predicted_mb']:.1f} MB predicted "
+                  f"(N + 1 = {stages['num_blocks'] + 1} stream tensors).", ""]
     memory = results.get("memory")
     if memory:
         lines += [f"## Peak memory ({memory['shape']}; fresh process each, 64 KiB mmap threshold)", "",
@@ -1065,7 +1076,8 @@ def markdown(settings: Settings, results: dict) -> str:
     op = results.get("op")
     if op:
         lines += [f"## The op against the streaming bound ({op['shape']}; {op['device']})", "",
-                  "The bound: a compiled sum of the same sources (reads each once, writes one). Fraction = bound / op.", "",
+                  "The bound: a compiled sum of the same sources (reads each once, writes one). "
+                  "Fraction = bound / op.", "",
                   "| case | kernel ms | compiled ms | bound ms | kernel fraction (median / min) | compiled fraction |",
                   "|---|---|---|---|---|---|"]
         for e in op["block_op"].values():
@@ -1124,7 +1136,8 @@ def routes_markdown(results: dict) -> list[str]:
     lines: list[str] = []
     llama = results.get("llama")
     if llama:
-        lines += [f"## Hugging Face Llama, default route and model route ({llama['model']}, batch {llama['batch']})", "",
+        lines += [f"## Hugging Face Llama, default route and model route ({llama['model']}, "
+                  f"batch {llama['batch']})", "",
                   "Cells: median ms (ratio to the original, median / minimum); decoding: tokens/s (ratio of rates, "
                   "batch 1, greedy, KV cache). Last column: default route / model route.", "",
                   "| measure | original | default route | model route | default / model |", "|---|---|---|---|---|"]
@@ -1161,13 +1174,15 @@ def routes_markdown(results: dict) -> list[str]:
                   "|---" * (len(names) + 2) + "|",
                   f"| step | {' | '.join(_cell(sizes['train'][name]) for name in ['original', *names])} |",
                   f"| median of round ratios | {' | '.join(f'{paired[name]:.3f}' for name in ['original', *names])} |",
-                  f"| against std 0.1 | | | | {' | '.join(format(versus[n]['ratio'], '.3f') for n in ('std1', 'std3'))} |",
+                  f"| against std 0.1 | | | | "
+                  f"{' | '.join(format(versus[n]['ratio'], '.3f') for n in ('std1', 'std3'))} |",
                   ""]
     startup = results.get("startup")
     if startup:
         lines += [f"## Conversion and first call against depth (Llama, hidden {startup['hidden']}, batch "
                   f"{startup['batch']}; the first call builds a KV cache)", "",
-                  "| layers | route | attnresify, s | first call, s | second call, s | total, s |", "|---|---|---|---|---|---|"]
+                  "| layers | route | attnresify, s | first call, s | second call, s | total, s |",
+                  "|---|---|---|---|---|---|"]
         for depth, by_route in startup["depths"].items():
             for route, e in by_route.items():
                 name = "default" if route == "converted" else "model"

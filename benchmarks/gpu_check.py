@@ -193,7 +193,8 @@ def compile_step(device: torch.device, sizes: Sizes) -> Step:
     eager_loss, eager_grads = train_step(eager_model, eager_model)
     compiled_loss, compiled_grads = train_step(compiled_model, compiled_model)
     loss_error = abs(eager_loss - compiled_loss) / abs(eager_loss)
-    grad_errors = {n: relative_error(compiled_grads[n], g.double()) for n, g in eager_grads.items() if n in compiled_grads}
+    grad_errors = {n: relative_error(compiled_grads[n], g.double())
+                   for n, g in eager_grads.items() if n in compiled_grads}
     worst = max(grad_errors, key=grad_errors.get)
     # bf16 keeps 8 bits of mantissa: two orders of evaluation differ by a few of its ulps (2^-8 = 3.9e-3).
     ok &= loss_error <= 1e-2 and grad_errors[worst] <= 5e-2 and len(compiled_grads) == len(eager_grads)
@@ -230,7 +231,6 @@ def op_timing_step(device: torch.device, sizes: Sizes) -> Step:
     shape, count = sizes.op_shape, sizes.op_sources
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     sources = [torch.randn(shape, device=device, dtype=dtype) for _ in range(count)]
-    stacked = torch.stack(sources)
     proj = torch.randn(1, shape[-1], device=device) * 0.1
     norm = torch.ones(shape[-1], device=device)
     grad = torch.randn(shape, device=device, dtype=dtype)
@@ -318,7 +318,8 @@ def model_timing_step(device: torch.device, sizes: Sizes) -> Step:
     step.lines.append("| what | original ms | converted ms | converted / original |")
     step.lines.append("|---|---|---|---|")
     for what, ms in rows.items():
-        step.lines.append(f"| {what} | {ms['original']:.2f} | {ms['converted']:.2f} | {ms['converted'] / ms['original']:.3f} |")
+        step.lines.append(f"| {what} | {ms['original']:.2f} | {ms['converted']:.2f} "
+                          f"| {ms['converted'] / ms['original']:.3f} |")
     return step
 
 
@@ -326,8 +327,8 @@ def model_timing_step(device: torch.device, sizes: Sizes) -> Step:
 def environment() -> list[str]:
     import transformers
 
-    lines = [f"- python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
-             f"attnres_fx {attnres_fx.__version__}"]
+    lines = [f"- python {platform.python_version()}, torch {torch.__version__}, "
+             f"transformers {transformers.__version__}, attnres_fx {attnres_fx.__version__}"]
     try:
         import triton
         lines[0] += f", triton {triton.__version__}"

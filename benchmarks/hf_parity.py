@@ -23,9 +23,9 @@ many were rechecked. Then it writes ``OUT/hf_parity.json`` and ``OUT/hf_parity.m
 DIR is any transformers source checkout (or a tree laid out like one: ``tests/`` with the common
 mixins, ``tests/models/NAME/``) whose tests import against the transformers installed for
 ``--python``. They need transformers' test dependencies (its ``testing`` extra, or at least
-``parameterized``, ``httpx`` and ``pytest-timeout``). Nothing is downloaded: the runs set ``HF_HUB_OFFLINE=1``, and tests that need the
-Hub are skipped or fail on both sides alike. A run that exceeds ``--run-timeout`` is stopped; what it
-recorded until then is kept and the summary marks it.
+``parameterized``, ``httpx`` and ``pytest-timeout``). Nothing is downloaded: the runs set ``HF_HUB_OFFLINE=1``, and
+tests that need the Hub are skipped or fail on both sides alike. A run that exceeds ``--run-timeout`` is stopped; what
+it recorded until then is kept and the summary marks it.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from pathlib import Path
 
 DEFAULT_MODELS = ("llama", "qwen2", "mixtral", "gpt2", "t5", "vit")
@@ -83,7 +83,8 @@ def run_tests(args: argparse.Namespace, name: str, variant: str, tests: list[str
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{variant}.recheck" if tests is not None else variant
     record, log = out / f"{stem}.jsonl", out / f"{stem}.log"
-    targets = tests if tests is not None else [str(test_file(args.transformers_src, name).relative_to(args.transformers_src))]
+    targets = (tests if tests is not None
+               else [str(test_file(args.transformers_src, name).relative_to(args.transformers_src))])
     command = [args.python, "-m", "pytest", *targets,
                "-p", PLUGIN, f"--attnres-mode={variant}", f"--attnres-seed={args.seed}", f"--attnres-record={record}",
                "-p", "no:cacheprovider", "-q", "-rN", "--tb=short", "-o", "log_cli=false",
@@ -208,7 +209,8 @@ def markdown(summary: dict) -> str:
             if tests:
                 lines += [f"passed converted, {state}: " + ", ".join(f"`{t}`" for t in tests), ""]
         if arch["passed_converted_only"]:
-            lines += ["passed converted, failed original: " + ", ".join(f"`{t}`" for t in arch["passed_converted_only"]), ""]
+            passed = ", ".join(f"`{t}`" for t in arch["passed_converted_only"])
+            lines += [f"passed converted, failed original: {passed}", ""]
         if arch["not_run_converted"]:
             lines += ["passed original, no record converted (run stopped?): " +
                       ", ".join(f"`{t}`" for t in arch["not_run_converted"]), ""]
@@ -216,7 +218,8 @@ def markdown(summary: dict) -> str:
 
 
 def versions(python: str) -> tuple[str, str]:
-    found = subprocess.run([python, "-c", "import torch, transformers; print(transformers.__version__, torch.__version__)"],
+    script = "import torch, transformers; print(transformers.__version__, torch.__version__)"
+    found = subprocess.run([python, "-c", script],
                            capture_output=True, text=True, check=True).stdout.split()
     return found[0], found[1]
 
@@ -227,7 +230,8 @@ def main(argv=None) -> int:
     args.out = args.out.resolve()
     missing = [name for name in args.models if not test_file(args.transformers_src, name).is_file()]
     if missing:
-        raise SystemExit(f"no tests/models/NAME/test_modeling_NAME.py in {args.transformers_src} for: {', '.join(missing)}")
+        raise SystemExit(f"no tests/models/NAME/test_modeling_NAME.py in {args.transformers_src} "
+                         f"for: {', '.join(missing)}")
     transformers_version, torch_version = versions(args.python)
     architectures = []
     for name in args.models:

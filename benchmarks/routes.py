@@ -97,15 +97,18 @@ def llama_section(quick: bool, runs: int, warmup: int, summarise, progress) -> d
     torch._dynamo.reset()
     for row in ("forward", "train", "compiled", "decode", "decode_compiled"):
         entries = result[row]
-        entries["versus_model_route"] = {"ratio": entries["converted"]["ratio"] / entries["model_route"]["ratio"],
-                                         "ratio_min": entries["converted"]["ratio_min"] / entries["model_route"]["ratio_min"]}
+        converted, model_route = entries["converted"], entries["model_route"]
+        entries["versus_model_route"] = {"ratio": converted["ratio"] / model_route["ratio"],
+                                         "ratio_min": converted["ratio_min"] / model_route["ratio_min"]}
     return result
 
 
 # A Llama written by hand (attnres_fx.testing.handwritten): the shapes, d=256 x 8 and a deep narrow
 # d=128 x 24.
-HANDWRITTEN = {"mid": dict(dim=256, layers=8, heads=8, vocab=512), "deep": dict(dim=128, layers=24, heads=4, vocab=512)}
-HANDWRITTEN_QUICK = {"mid": dict(dim=32, layers=2, heads=2, vocab=128), "deep": dict(dim=32, layers=4, heads=2, vocab=128)}
+HANDWRITTEN = {"mid": dict(dim=256, layers=8, heads=8, vocab=512),
+               "deep": dict(dim=128, layers=24, heads=4, vocab=512)}
+HANDWRITTEN_QUICK = {"mid": dict(dim=32, layers=2, heads=2, vocab=128),
+                     "deep": dict(dim=32, layers=4, heads=2, vocab=128)}
 
 
 def handwritten_section(quick: bool, runs: int, warmup: int, summarise, progress) -> dict:
@@ -227,7 +230,8 @@ def startup_section(quick: bool, progress) -> dict:
                 time_conversion(llama(config), (ids,), route=route)
     deepest, shallowest = str(depths[-1]), str(depths[0])
     result["deepest"] = {"value": result["depths"][deepest]["converted"]["total_s"]}
-    result["depth_growth"] = {"value": result["deepest"]["value"] / result["depths"][shallowest]["converted"]["total_s"]}
+    shallowest_s = result["depths"][shallowest]["converted"]["total_s"]
+    result["depth_growth"] = {"value": result["deepest"]["value"] / shallowest_s}
     progress("startup: an 8B-shaped Llama on the meta device, in a fresh process")
     command = [sys.executable, os.path.abspath(__file__), "--child-meta", json.dumps(LLAMA_QUICK if quick else META_8B)]
     done = subprocess.run(command, capture_output=True, text=True, check=True)
@@ -252,10 +256,12 @@ def load_section(quick: bool, progress) -> dict:
             config = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=depth,
                           num_attention_heads=4, num_key_value_heads=2, vocab_size=1000)
             model = llama(config)
-            folders = {"original": os.path.join(root, f"original{depth}"), "converted": os.path.join(root, f"converted{depth}")}
+            folders = {"original": os.path.join(root, f"original{depth}"),
+                       "converted": os.path.join(root, f"converted{depth}")}
             model.save_pretrained(folders["original"])
             randomise_pseudo_queries(attnres_fx.attnresify(model)).save_pretrained(folders["converted"])
-            loads = {name: functools.partial(AutoModelForCausalLM.from_pretrained, folder) for name, folder in folders.items()}
+            loads = {name: functools.partial(AutoModelForCausalLM.from_pretrained, folder)
+                     for name, folder in folders.items()}
             times = interleaved(loads, runs, clock=time.process_time)
             original, converted = (statistics.median(times[name]) for name in ("original", "converted"))
             result["depths"][str(depth)] = {

@@ -243,7 +243,8 @@ def rewrite(model: onnx.ModelProto, plan: Plan, aggregations: list[Aggregation],
             form: str = "per_site") -> tuple[onnx.ModelProto, int]:
     """``model`` (the builder's graph, external data not loaded) with Block AttnRes in place of its residual
     adds, and the number of sites rewritten; ``aggregations`` in plan order (``plan.sites``). ``form``:
-    ``"per_site"`` (any precision) or ``"attention"`` (fp32 activations; see the module's docstring). Everything is checked before the graph is changed."""
+    ``"per_site"`` (any precision) or ``"attention"`` (fp32 activations; see the module's docstring).
+    Everything is checked before the graph is changed."""
     if form not in FORMS:
         raise ValueError(f"form must be one of {', '.join(map(repr, FORMS))}, got {form!r}")
     graph = model.graph
@@ -351,7 +352,8 @@ def _depth_attention(graph: onnx.GraphProto, stream: GraphStream, block_size: in
             nodes += builder.end()
         replacements[found.node] = replacements.get(found.node, []) + nodes
     _forget_shapes(graph, {out for position, found in enumerate(stream.sites[:-1]) if rows[position]
-                           for node in _sublayer(stream, position, producers) for out in [*node.output, found.norm_out]})
+                           for node in _sublayer(stream, position, producers)
+                           for out in [*node.output, found.norm_out]})
     return replacements, builder.initializers
 
 
@@ -450,8 +452,9 @@ def _per_site(graph: onnx.GraphProto, stream: GraphStream, block_size: int, aggr
             partial = builder.node("Add", [partial, branch], "partial")
         partial_stacked = builder.node("Unsqueeze", [partial, builder.axes()], "partial_stacked")
         stacked = builder.node("Concat", [committed, partial_stacked], "sources", axis=2)
-        keys = builder.node("SimplifiedLayerNormalization", [stacked, builder.constant(aggregation.key_norm, "key_norm")],
-                            "keys", axis=-1, epsilon=aggregation.eps)
+        key_norm = builder.constant(aggregation.key_norm, "key_norm")
+        keys = builder.node("SimplifiedLayerNormalization", [stacked, key_norm], "keys", axis=-1,
+                            epsilon=aggregation.eps)
         logits = builder.node("MatMul", [keys, builder.constant(aggregation.query.reshape(-1, 1), "query")], "logits")
         weights = builder.node("Softmax", [logits], "softmax", axis=2)
         weighted = builder.node("Mul", [stacked, weights], "weighted")

@@ -8,9 +8,9 @@ batches).
 Two ways to the graph; ``written_by.json`` in the folder records which one wrote it:
 
 - ``graph="builder"`` (the default where it applies: Llama, Qwen2, Qwen3, Phi-3, Gemma, Granite, SmolLM3,
-  Mistral and Gemma 2 without a binding sliding window; fp32 and int4 on the CPU, fp32, fp16 and int4 on CUDA): onnxruntime-genai's own model builder
-  writes the stock graph from the model's base weights, and :mod:`attnres_fx.export.builder_stream`
-  rewrites its residual stream into the converted model's Block AttnRes
+  Mistral and Gemma 2 without a binding sliding window; fp32 and int4 on the CPU, fp32, fp16 and int4 on
+  CUDA): onnxruntime-genai's own model builder writes the stock graph from the model's base weights, and
+  :mod:`attnres_fx.export.builder_stream` rewrites its residual stream into the converted model's Block AttnRes
   (:mod:`attnres_fx.export.genai_builder`). The folder is then the builder's (its config, its
   preallocated cache), and serves at nearly the stock model's speed.
 - ``graph="torch.onnx"`` (every other decoder LM, and fp16 on the CPU): the graph exported from the model
@@ -99,7 +99,8 @@ class ServedDecoder(nn.Module):
         cache = DynamicCache(ddp_cache_data=[(past[2 * i], past[2 * i + 1]) for i in range(len(past) // 2)])
         length = input_ids.shape[1]
         masks = position_masks(self.model, attention_mask, length, past[0].dtype)
-        out = self.model(input_ids=input_ids, attention_mask=masks, position_ids=positions_of(attention_mask)[:, -length:],
+        positions = positions_of(attention_mask)[:, -length:]
+        out = self.model(input_ids=input_ids, attention_mask=masks, position_ids=positions,
                          **{compat.cache_argument(self.model.forward): cache}, use_cache=True, return_dict=True)
         present = [tensor for layer in compat.output_cache(out).layers for tensor in (layer.keys, layer.values)]
         return (out.logits, *present)
@@ -361,7 +362,8 @@ def _search(generation: Any, context_length: int) -> dict:
             "num_return_sequences": value("num_return_sequences", 1), "temperature": value("temperature", 1.0),
             "top_k": value("top_k", 50), "top_p": value("top_p", 1.0),
             "repetition_penalty": value("repetition_penalty", 1.0), "length_penalty": value("length_penalty", 1.0),
-            "no_repeat_ngram_size": value("no_repeat_ngram_size", 0), "diversity_penalty": value("diversity_penalty", 0.0),
+            "no_repeat_ngram_size": value("no_repeat_ngram_size", 0),
+            "diversity_penalty": value("diversity_penalty", 0.0),
             "early_stopping": True, "min_length": 0, "max_length": context_length, "past_present_share_buffer": False}
 
 

@@ -95,7 +95,8 @@ class VerifyReport:
     def __str__(self) -> str:
         rows = [(out.name, str(list(out.shape)), f"{out.max_abs:.3e}", f"{out.max_rel:.3e}", "yes" if out.ok else "NO")
                 for out in self.outputs]
-        return (f"onnxruntime vs torch (providers: {', '.join(self.providers)}; atol={self.atol:g}, rtol={self.rtol:g})\n"
+        return (f"onnxruntime vs torch (providers: {', '.join(self.providers)}; "
+                f"atol={self.atol:g}, rtol={self.rtol:g})\n"
                 + format_table(("output", "shape", "max |diff|", "relative", "ok"), rows, indent="  "))
 
 

@@ -64,8 +64,9 @@ def open_checkpoints(gm: fx.GraphModule) -> tuple[CheckpointRegion, ...]:
                 if inner.op in ("placeholder", "output"):
                     continue
                 if inner.op == "call_function" and inner.target is _HOP:
-                    raise UnsupportedArchitectureError(f"nested activation checkpointing (a checkpointed call inside the "
-                                       f"checkpointed region {region.name}) is not supported")
+                    raise UnsupportedArchitectureError(
+                        f"nested activation checkpointing (a checkpointed call inside the checkpointed region "
+                        f"{region.name}) is not supported")
                 copy = graph.node_copy(inner, lambda n: env[n])
                 if inner.op == "get_attr":
                     copy.target = _adopt(gm, body, inner.target)
@@ -75,7 +76,8 @@ def open_checkpoints(gm: fx.GraphModule) -> tuple[CheckpointRegion, ...]:
         results = results if isinstance(results, (tuple, list)) else (results,)
         for user in list(node.users):
             if user.target is not operator.getitem:
-                raise UnsupportedArchitectureError(f"unexpected use of a checkpointed region's result: {user.format_node()}")
+                raise UnsupportedArchitectureError(
+                    f"unexpected use of a checkpointed region's result: {user.format_node()}")
             result = results[user.args[1]]
             user.replace_all_uses_with(env.get(result, result))
             graph.erase_node(user)

@@ -60,7 +60,8 @@ class SiteMatcher:
         if nk.op_name(node).endswith("_") and not node.users:
             # ``x.add_(f(x))`` with ``x`` used afterwards: the graph reads the mutated ``x`` through the
             # operand's node, so the sum's own node carries no data flow to rewrite.
-            return FailedMatch(lambda: "in-place add whose result is never used; write x = x + f(x) (or x = x.add_(...))")
+            return FailedMatch(
+                lambda: "in-place add whose result is never used; write x = x + f(x) (or x = x.add_(...))")
         a, b = operands
         adds = [node]
         reaches = self.ancestry.reaches
@@ -84,7 +85,8 @@ class SiteMatcher:
                                    "compute (Linear, matmul or conv with weights)")
         before, after = nk.shape_of(stream_in), nk.shape_of(node)
         if before is not None and after is not None and str(before) != str(after):
-            return FailedMatch(lambda: f"the branch output broadcasts the stream {stream_in.name} from {before} to {after}")
+            return FailedMatch(
+                lambda: f"the branch output broadcasts the stream {stream_in.name} from {before} to {after}")
         summands: list[_Summand] = []
         for output in outputs:
             summands.extend(self._summands(stream_in, output, adds))

@@ -288,7 +288,8 @@ def _describe(signature: StreamSignature) -> str:
 
 
 def _listed(planned: StreamPlan, positions) -> str:
-    return ", ".join(f"{site.layer or '<root>'} ({site.kind})" for p in positions for site in planned.branch_sites(p)[:1])
+    return ", ".join(f"{site.layer or '<root>'} ({site.kind})"
+                     for p in positions for site in planned.branch_sites(p)[:1])
 
 
 def _mismatch(found: StreamSignature, plan: Plan, where: str) -> str:

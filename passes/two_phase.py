@@ -19,7 +19,8 @@ scored against those blocks at once:
 Contract
     requires  a GraphModule in the per-site form that :func:`attnres_fx.rewrite` returns:
               ``call_module`` nodes of :class:`~attnres_fx.BlockAttnRes` modules that carry their
-              :class:`~attnres_fx.Site` (``module.site``), with the sources ``(*completed_blocks, partial)`` as positional arguments.
+              :class:`~attnres_fx.Site` (``module.site``), with the sources ``(*completed_blocks, partial)``
+              as positional arguments.
     ensures   no ``call_module`` of a BlockAttnRes is left; every site reads a ``attnres_phase2_<site>``
               node; the graph lints.
     modifies  the graph only, in place. The BlockAttnRes modules stay registered and are read through
@@ -55,8 +56,9 @@ The schedule is meant for inference: it reads each completed block once per bloc
 site. Measured on a 2-core CPU (``make bench``, op section; 4 x 256 tokens, d=512, 3 sites over 8
 blocks): eagerly with the C++ phase kernels it costs what the per-site form does (the blocks fit in
 cache), compiled 11% less; for one token its extra calls make it about twice as slow as the per-site
-kernels, so a decoding step is better served by the per-site form. It is differentiable, but autograd then keeps each site's ``acc`` (one fp32 stream tensor per
-site) for the backward pass, which the per-site form does not need; train in the per-site form.
+kernels, so a decoding step is better served by the per-site form. It is differentiable, but autograd
+then keeps each site's ``acc`` (one fp32 stream tensor per site) for the backward pass, which the per-site form does not
+need; train in the per-site form.
 """
 
 from __future__ import annotations
@@ -257,7 +259,8 @@ def _sites(gm: fx.GraphModule) -> list[_AggregationCall]:
     return found
 
 
-def _rewrite_group(graph: fx.Graph, completed: tuple[fx.Node, ...], eps: float, members: list[_AggregationCall]) -> None:
+def _rewrite_group(graph: fx.Graph, completed: tuple[fx.Node, ...], eps: float,
+                   members: list[_AggregationCall]) -> None:
     stream = members[0].module.site.stream
     name = f"attnres_phase1_{f'stream{stream}_' if stream else ''}block{len(completed)}"
     weights = []

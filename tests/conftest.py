@@ -111,7 +111,9 @@ def saves(model: torch.nn.Module) -> str:
 
 def _config_of(model: torch.nn.Module):
     config = getattr(model, "config", None)
-    return config.to_dict() if hasattr(config, "to_dict") else copy.deepcopy(vars(config)) if config is not None else None
+    if config is None:
+        return None
+    return config.to_dict() if hasattr(config, "to_dict") else copy.deepcopy(vars(config))
 
 
 def assert_untouched(model: torch.nn.Module, before: dict) -> None:

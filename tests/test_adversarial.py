@@ -421,7 +421,8 @@ def test_a_layer_pruned_or_added_after_conversion_raises_stream_mismatch(change,
     naming the container and the way out, and ``remove`` takes the changed model."""
     model = attnres_fx.attnresify(copy.deepcopy(TINY), (IDS,), preserve_scale=True)
     change(model.blocks)
-    with pytest.raises(attnres_fx.StreamMismatchError, match=rf"^blocks holds other layers .*{what}.*attnres_fx\.remove"):
+    with pytest.raises(attnres_fx.StreamMismatchError,
+                       match=rf"^blocks holds other layers .*{what}.*attnres_fx\.remove"):
         with torch.no_grad():
             model(IDS)
     attnres_fx.remove(model)
@@ -446,7 +447,8 @@ def test_a_layer_container_replaced_after_conversion_raises_stream_mismatch(rout
         want = model(IDS)
     converted = model.blocks
     model.blocks = torch.nn.ModuleList(layers(converted))
-    with pytest.raises(attnres_fx.StreamMismatchError, match=rf"^blocks holds other layers .*{what}.*attnres_fx\.remove"):
+    with pytest.raises(attnres_fx.StreamMismatchError,
+                       match=rf"^blocks holds other layers .*{what}.*attnres_fx\.remove"):
         with torch.no_grad():
             model(IDS)
     model.blocks = torch.nn.ModuleList(list(converted))
@@ -545,7 +547,8 @@ def test_checkpointed_compiled_layers_refuse_a_kv_cache_in_training():
 
 def _files(directory: Path) -> dict[str, bytes]:
     """Every file under ``directory`` by relative path, with its bytes."""
-    return {str(path.relative_to(directory)): path.read_bytes() for path in sorted(directory.rglob("*")) if path.is_file()}
+    return {str(path.relative_to(directory)): path.read_bytes()
+            for path in sorted(directory.rglob("*")) if path.is_file()}
 
 
 def _leftovers(parent: Path) -> list[str]:
@@ -618,14 +621,16 @@ def test_attnres_weights_missing_from_the_main_weights_are_restored_or_refused(s
     weights = load_file(str(directory / "model.safetensors"))
     save_file({k: v for k, v in weights.items() if "_res." not in k}, str(directory / "model.safetensors"),
               metadata={"format": "pt"})
-    with pytest.warns(attnres_fx.AttnResWarning, match=r"gave no AttnRes weights for .* taken from attnres\.safetensors"):
+    with pytest.warns(attnres_fx.AttnResWarning,
+                      match=r"gave no AttnRes weights for .* taken from attnres\.safetensors"):
         model = _auto(directory)
     assert _same_attnres_weights(model, saved_llama["model"])
     with torch.no_grad():
         _reloaded(model(saved_llama["ids"]).logits, saved_llama["logits"])
     (directory / "attnres.safetensors").unlink()
     (directory / "attnres_config.json").unlink()
-    with pytest.raises(attnres_fx.CheckpointMismatchError, match=r"no AttnRes weights for .*attnres\.safetensors is missing"):
+    with pytest.raises(attnres_fx.CheckpointMismatchError,
+                       match=r"no AttnRes weights for .*attnres\.safetensors is missing"):
         _auto(directory)
 
 
@@ -732,7 +737,8 @@ def test_transformers_alone_loads_the_converted_model_with_trust_remote_code(sav
         "import attnres_fx\n"
         "with torch.no_grad(): torch.save(m(torch.load(sys.argv[2])).logits, sys.argv[3])\n"
         "s = attnres_fx.conversion.stats\n"
-        "print(s.captures, s.fingerprints, s.checkpoint_reads, attnres_fx.is_converted(m), type(m).__mro__[1].__name__)\n")
+        "print(s.captures, s.fingerprints, s.checkpoint_reads, attnres_fx.is_converted(m), "
+        "type(m).__mro__[1].__name__)\n")
     env = {**__import__("os").environ, "HF_MODULES_CACHE": str(tmp_path / "modules")}
     done = subprocess.run([sys.executable, "-c", script, str(saved_llama["directory"]), str(tmp_path / "ids.pt"),
                            str(tmp_path / "logits.pt")], capture_output=True, text=True, timeout=300, env=env)
@@ -751,7 +757,8 @@ class _Interrupt:
         import transformers
 
         self.roots = tuple(str(Path(m.__file__).parent) for m in (attnres_fx, transformers, safetensors))
-        self.roots += tuple(str(Path(root).resolve()) for root in self.roots) + (str(Path(attnres_fx.__file__).parent.parent / "export"),)
+        self.roots += tuple(str(Path(root).resolve()) for root in self.roots)
+        self.roots += (str(Path(attnres_fx.__file__).parent.parent / "export"),)
         self.at, self.count = at, 0
 
     def run(self, call):
@@ -829,7 +836,8 @@ def small_disk(tmp_path):
 
     mount = tmp_path / "disk"
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True, text=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
     if done.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs to fill: {done.stderr.strip() or done.returncode}")
 
@@ -960,7 +968,8 @@ def test_to_genai_over_an_earlier_folder_failing_part_way_leaves_it_whole(tmp_pa
 # -- on disk, at the edges: folders in the way, links, killed writers, targets that cannot be renamed -------
 
 def _tree(directory: Path) -> dict[str, bytes]:
-    return {**_files(directory), **{str(p.relative_to(directory)) + "/": b"" for p in directory.rglob("*") if p.is_dir()}}
+    folders = {str(p.relative_to(directory)) + "/": b"" for p in directory.rglob("*") if p.is_dir()}
+    return {**_files(directory), **folders}
 
 
 @pytest.mark.parametrize("where", ["model.onnx", "model.onnx.data", "a link at model.onnx"])
@@ -1121,8 +1130,6 @@ def test_a_folder_that_cannot_be_swapped_whole_is_written_in_place_with_a_warnin
     import errno
     import os
     import tempfile
-
-    from attnres_fx import atomic
 
     target = tmp_path / "model"
     target.mkdir()

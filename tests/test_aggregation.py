@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from attnres_fx import BlockAttnRes
-from attnres_fx.op import aggregation, ops
+from attnres_fx.op import aggregation
 from attnres_fx.op.kernels import cpu
 from attnres_fx.testing.reference import block_attn_res
 

@@ -112,7 +112,8 @@ def test_untraceable_model_raises_trace_error_with_the_cause(untouched):
 
 
 @pytest.mark.parametrize("inputs,cause", [
-    pytest.param(torch.randn(2, 16), r"Expected tensor for argument #1 'indices' to have one of the following scalar types",
+    pytest.param(torch.randn(2, 16),
+                 r"Expected tensor for argument #1 'indices' to have one of the following scalar types",
                  marks=pytest.mark.skipif(compat.release(torch.__version__) < (2, 13), reason=(
                      "torch 2.11 and 2.12's fake embedding does not check the index dtype: a conversion on fake "
                      "tensors cannot see this error there (the model's first real call raises it)"))),

@@ -45,8 +45,8 @@ def test_quick_eager_sections(tmp_path):
     assert 0 < stages["cached_bytes"] < stages["plain_bytes"]
     assert stages["state_tensors"] == stages["num_blocks"] and stages["state_mb"] > 0
     assert "eager forward, bench" in results["targets"]
-    for heading in ("## Forward latency", "## Training step", "## First call", "## Decoding", "## Pipeline stages and the state between blocks", "## Memory-traffic model",
-                    "## Targets"):
+    for heading in ("## Forward latency", "## Training step", "## First call", "## Decoding",
+                    "## Pipeline stages and the state between blocks", "## Memory-traffic model", "## Targets"):
         assert heading in report
 
 
@@ -64,7 +64,8 @@ def test_quick_training_overhead_sections(tmp_path):
                                                                 ([1, 1, 64], 3)]
     assert all(row["eager_us"] > 0 and row["copy_us"] > 0 and 0 < row["eager_fraction"] for row in rows)
     assert {"Llama training step, std 1 / std 0.1 (median of round ratios)",
-            "op forward+backward / same-bytes copy at [2, 128, 512] (fewest of its source counts)"} <= set(results["targets"])
+            "op forward+backward / same-bytes copy at [2, 128, 512] (fewest of its source counts)",
+            } <= set(results["targets"])
     for heading in ("## Training step against the pseudo-queries' size", "## The op's forward and backward against",
                     "## Training step, eager, deep"):
         assert heading in report
@@ -121,7 +122,8 @@ def test_quick_genai_section(tmp_path):
         assert all(row["peak_delta_mb"] > 0 for row in entry["memory"].values())
         assert entry["nodes"]["converted"] > entry["nodes"]["builder"]
     assert llama["fp32"]["graph"]["torch_onnx"] == "torch.onnx"
-    assert "decode tokens/s, onnxruntime-genai, converted folder / builder's original, Llama int4 batch 8" in results["targets"]
+    assert ("decode tokens/s, onnxruntime-genai, converted folder / builder's original, Llama int4 batch 8"
+            in results["targets"])
     assert "## onnxruntime-genai generation" in report and "| llama | int4 | 1 |" in report
 
 

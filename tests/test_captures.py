@@ -1,5 +1,6 @@
 """The two captures the routes are built on: the conversion's recording of one call
-(attnres_fx/capture/recording.py) and a block call traced with its sublayers as calls (attnres_fx/capture/block_tracer.py).
+(attnres_fx/capture/recording.py) and a block call traced with its sublayers as calls
+(attnres_fx/capture/block_tracer.py).
 
 Structural: which nodes each graph holds (ops with their module stacks, parameters as get_attr, the
 sublayers as call_module), what a call shape is made of. Numerical: the recorded graph and the block

@@ -6,9 +6,9 @@ import torch
 import attnres_fx
 from attnres_fx.models import TinyTransformer
 from conftest import converted
-from toy_models import (ChunkedLinearAttention, EncoderDecoder, HalvingStack, InputSumLayer, LayerStack, MoE, NestedModel, NoResidualModel,
-                        PostNormModel, RawBranchModel, RopeAttention, RopeModel, ScaledAddLayer, SkipStack,
-                        make_inputs)
+from toy_models import (ChunkedLinearAttention, EncoderDecoder, HalvingStack, InputSumLayer, LayerStack, MoE,
+                        NestedModel, NoResidualModel, PostNormModel, RawBranchModel, RopeAttention, RopeModel,
+                        ScaledAddLayer, SkipStack, make_inputs)
 
 
 def detect(model, *inputs):

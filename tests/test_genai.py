@@ -166,7 +166,8 @@ def test_config_declares_the_graph_the_model_and_the_search(served, torch_served
     # The AttnRes aggregations are in the graph (each site's nodes, under the wrapper's "model."; a first
     # site reads one source: no node).
     groups = export.attnres_node_groups(served.folder / decoder["filename"])
-    assert {name.removeprefix("model.") for name in groups} >= {site.name for site in attnres_fx.sites(served.model)[1:]}
+    assert ({name.removeprefix("model.") for name in groups}
+            >= {site.name for site in attnres_fx.sites(served.model)[1:]})
 
 
 @pytest.mark.slow
@@ -252,12 +253,14 @@ def test_config_records_the_execution_provider_and_the_chunk_size():
 
 
 @needs_hf
-@pytest.mark.parametrize("options, match", [({"precision": "bf16"}, "precision must be one of 'fp32', 'fp16', 'int4'"),
-                                            ({"graph": "tflite"}, "graph must be one of"),
-                                            ({"precision": "int4", "graph": "torch.onnx"}, "int4.*needs the model builder"),
-                                            ({"precision": "fp16", "graph": "builder"}, "builder writes fp16 for the cuda"),
-                                            ({"execution_provider": "dml"}, "execution_provider must be one of"),
-                                            ({"chunk_size": 0}, "chunk_size must be a positive int")])
+@pytest.mark.parametrize("options, match", [
+    ({"precision": "bf16"}, "precision must be one of 'fp32', 'fp16', 'int4'"),
+    ({"graph": "tflite"}, "graph must be one of"),
+    ({"precision": "int4", "graph": "torch.onnx"}, "int4.*needs the model builder"),
+    ({"precision": "fp16", "graph": "builder"}, "builder writes fp16 for the cuda"),
+    ({"execution_provider": "dml"}, "execution_provider must be one of"),
+    ({"chunk_size": 0}, "chunk_size must be a positive int"),
+])
 def test_bad_options_are_refused_before_anything_is_written(tmp_path, options, match):
     with pytest.raises(ValueError, match=match):
         export.to_genai(serving_model("llama"), tmp_path / "out", **options)

@@ -3,9 +3,9 @@
 
 Fast: on small graphs shaped as the builder writes them, the stream is found by data flow and checked
 against a plan; every difference is refused naming the node; each form of the rewrite has its structure,
-and onnxruntime on the rewritten graph of a small decoder computes Block AttnRes (numpy, float64). Slow: a converted Llama's builder folder
-computes the torch model's logits (prompt and 8 decoding steps, random pseudo-queries) and generates its
-tokens on a padded batch; a builder graph of another depth is refused before anything is written.
+and onnxruntime on the rewritten graph of a small decoder computes Block AttnRes (numpy, float64). Slow: a converted
+Llama's builder folder computes the torch model's logits (prompt and 8 decoding steps, random pseudo-queries) and
+generates its tokens on a padded batch; a builder graph of another depth is refused before anything is written.
 Also slow (a second each): the fp16 graph written for CUDA keeps the aggregation in fp32 and computes
 the prompt's logits (on the CPU provider); int4 agrees with the torch model as closely as the builder's
 int4 of the original agrees with the original; the logits of Qwen2, Qwen3, Phi-3, Gemma, Gemma 2,
@@ -26,7 +26,7 @@ from attnres_fx import StreamMismatchError, export
 from attnres_fx.export import builder_stream, genai_builder
 from attnres_fx.passes.plan import Plan, Site, StreamPlan
 from attnres_fx.testing import randomise_pseudo_queries
-from attnres_fx.testing.serving import VOCAB, greedy_reference, serving_model, tiny_tokenizer
+from attnres_fx.testing.serving import greedy_reference, serving_model, tiny_tokenizer
 from genai_support import needs_genai
 from hf_models import needs_hf
 
@@ -65,7 +65,8 @@ def builder_like_graph(kinds: list[str]) -> onnx.GraphProto:
     nodes.append(helper.make_node("MatMul", [normed, "w"], ["logits"], name="/lm_head/MatMul"))
     initializers = [helper.make_tensor(name, TensorProto.FLOAT, [HIDDEN] * dims, [0.0] * HIDDEN ** dims)
                     for name, dims in (("embed.weight", 2), ("g", 1), ("w", 2))]
-    return helper.make_graph(nodes, "decoder", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["b", "s"])],
+    ids = helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["b", "s"])
+    return helper.make_graph(nodes, "decoder", [ids],
                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", "s", HIDDEN])],
                              initializers)
 
@@ -94,9 +95,12 @@ def test_stream_is_found_by_data_flow_with_its_kinds_and_norms():
 
 
 @pytest.mark.parametrize("graph_kinds, plan_kinds, match", [
-    (["attn", "mlp", "attn", "mlp"], ["attn", "mlp"], "4 residual sites and the converted model's plan 2 .*/s2/SkipLayerNorm"),
-    (["attn", "mlp"], ["attn", "mlp", "attn", "mlp"], "2 residual sites and the converted model's plan 4 .*/s1/SkipLayerNorm"),
-    (["attn", "mlp", "mlp", "attn"], ["attn", "mlp", "attn", "mlp"], "node /s2/SkipLayerNorm adds an mlp branch .* layers.1.attn_res"),
+    (["attn", "mlp", "attn", "mlp"], ["attn", "mlp"],
+     "4 residual sites and the converted model's plan 2 .*/s2/SkipLayerNorm"),
+    (["attn", "mlp"], ["attn", "mlp", "attn", "mlp"],
+     "2 residual sites and the converted model's plan 4 .*/s1/SkipLayerNorm"),
+    (["attn", "mlp", "mlp", "attn"], ["attn", "mlp", "attn", "mlp"],
+     "node /s2/SkipLayerNorm adds an mlp branch .* layers.1.attn_res"),
 ], ids=["deeper-graph", "shallower-graph", "other-kinds"])
 def test_a_stream_that_is_not_the_plan_is_refused_naming_the_node(graph_kinds, plan_kinds, match):
     stream = builder_stream.find_stream(builder_like_graph(graph_kinds))
@@ -125,7 +129,8 @@ def test_parallel_branches_and_graphs_without_a_stream_are_refused():
 
 def as_model(graph: onnx.GraphProto) -> onnx.ModelProto:
     """The builder's opsets (onnxruntime-genai 0.18)."""
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    return helper.make_model(graph,
+                             opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
 
 
 def unit_aggregations(plan: Plan, eps: float = 1e-6) -> list[builder_stream.Aggregation]:
@@ -205,7 +210,8 @@ def test_a_head_that_does_not_read_the_final_norm_is_refused():
     with intermediate_size == vocab_size, the first MLP's."""
     graph = builder_like_graph(["attn", "mlp"])
     next(n for n in graph.node if n.name == "/lm_head/MatMul").input[0] = "n1"
-    with pytest.raises(StreamMismatchError, match="final norm /s1/SkipLayerNorm feeds no head .*computes logits from n1"):
+    with pytest.raises(StreamMismatchError,
+                       match="final norm /s1/SkipLayerNorm feeds no head .*computes logits from n1"):
         builder_stream.find_stream(graph)
 
 
@@ -223,7 +229,8 @@ def runnable_graph(rng: np.random.Generator, sublayers: int, row_by_row: list[bo
              helper.make_node("SimplifiedLayerNormalization", ["h0", "g0"], ["n0"], name="/norm0", epsilon=EPS)]
     weights["g0"] = 1 + 0.1 * rng.standard_normal(WIDTH)
     for i in range(sublayers):
-        weights.update({f"w1_{i}": rng.standard_normal((WIDTH, INNER)) / 4, f"w2_{i}": rng.standard_normal((INNER, WIDTH)) / 4,
+        weights.update({f"w1_{i}": rng.standard_normal((WIDTH, INNER)) / 4,
+                        f"w2_{i}": rng.standard_normal((INNER, WIDTH)) / 4,
                         f"g{i + 1}": 1 + 0.1 * rng.standard_normal(WIDTH)})
         act = helper.make_node("Relu", [f"a{i}"], [f"b{i}"], name=f"/s{i}/act") if row_by_row[i] else \
             helper.make_node("Softmax", [f"a{i}"], [f"b{i}"], name=f"/s{i}/act", axis=-1)
@@ -234,7 +241,8 @@ def runnable_graph(rng: np.random.Generator, sublayers: int, row_by_row: list[bo
                                    [f"n{i + 1}"] if last else [f"n{i + 1}", "", "", f"h{i + 1}"],
                                    name=f"/s{i}/SkipLayerNorm", domain="com.microsoft", epsilon=EPS)]
     nodes.append(helper.make_node("MatMul", [f"n{sublayers}", "head"], ["logits"], name="/lm_head/MatMul"))
-    graph = helper.make_graph(nodes, "decoder", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["b", "s"])],
+    ids = helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["b", "s"])
+    graph = helper.make_graph(nodes, "decoder", [ids],
                               [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", "s", VOCAB_ROWS])],
                               [onnx.numpy_helper.from_array(w.astype(np.float32), name) for name, w in weights.items()])
     return as_model(graph)

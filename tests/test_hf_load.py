@@ -79,7 +79,8 @@ def test_the_base_model_of_a_folder_with_a_head_takes_the_plan_under_its_own_pat
     before = conversion.stats.copy()
     base = _transformers("AutoModel").from_pretrained(saved["directory"], **EAGER)
     assert conversion.stats - before == ONE_LOAD
-    assert [s.name for s in attnres_fx.sites(base)] == [s.name[len("model."):] for s in attnres_fx.sites(saved["model"])]
+    assert ([s.name for s in attnres_fx.sites(base)]
+            == [s.name[len("model."):] for s in attnres_fx.sites(saved["model"])])
     with torch.no_grad():
         assert torch.equal(base(saved["ids"]).last_hidden_state, saved["model"].model(saved["ids"]).last_hidden_state)
 
@@ -153,7 +154,8 @@ def test_a_folder_saved_before_the_plan_was_recorded_loads_by_a_capture(saved, t
         with torch.no_grad():
             torch.testing.assert_close(model(saved["ids"]).logits, saved["logits"], rtol=1e-5, atol=1e-6)
     other = build_hf("llama", num_hidden_layers=3)
-    with pytest.raises(attnres_fx.CheckpointMismatchError, match=r"found now but not saved: .*model\.layers\.2\.attn_res"):
+    with pytest.raises(attnres_fx.CheckpointMismatchError,
+                       match=r"found now but not saved: .*model\.layers\.2\.attn_res"):
         attnres_fx.from_pretrained(other, folder)
     assert not attnres_fx.is_converted(other)
 

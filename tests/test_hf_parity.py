@@ -122,10 +122,12 @@ def test_describe_failure_names_where_a_chained_error_arises():
         try:
             inner()
         except KeyError as err:
-            raise RuntimeError("loading failed\nfrom user code:\n  File \"/x/modeling_llama.py\", line 7, in forward") from err
+            raise RuntimeError("loading failed\nfrom user code:\n"
+                               "  File \"/x/modeling_llama.py\", line 7, in forward") from err
     except RuntimeError as err:
         described = describe_failure(err)
-    assert described["exception"] == 'RuntimeError: loading failed from user code: File "/x/modeling_llama.py", line 7, in forward'
+    assert described["exception"] == ('RuntimeError: loading failed from user code: '
+                                      'File "/x/modeling_llama.py", line 7, in forward')
     assert described["root_cause"] == "KeyError: 'layers.0.attn_res.proj.weight'"
     assert described["traced_line"] == "/x/modeling_llama.py:7 (forward)"
     assert described["crash_line"].endswith("(test_describe_failure_names_where_a_chained_error_arises)")

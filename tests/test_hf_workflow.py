@@ -119,7 +119,8 @@ def test_save_pretrained_writes_the_attnres_weights_and_config(saved):
                                  "allow_partial": False, "route": "auto", "version": 1}
     assert attnres_fx.AttnResConfig.from_dict(config["options"]) == attnres_fx.config_of(model)
     assert config["block_sizes"] == [2] and config["attnres_fx_version"] == attnres_fx.__version__
-    assert [row[0] for stream in config["streams"] for row in stream["sites"]] == [s.name for s in attnres_fx.sites(model)]
+    saved_sites = [row[0] for stream in config["streams"] for row in stream["sites"]]
+    assert saved_sites == [s.name for s in attnres_fx.sites(model)]
 
 
 @pytest.mark.parametrize("load", ["class", "auto_class", "instance"])

@@ -65,7 +65,8 @@ def test_both_routes_compute_the_same_model(parallel, block_size):
 def test_what_is_routed_and_what_each_block_graph_takes_and_returns():
     model = attnres_fx.attnresify(tiny(), block_size=2)
     plan = attnres_fx.plan_of(model)
-    assert plan.routes == ("layer",) and [s.owner for s in plan.streams[0].layers] == ["blocks.0", "blocks.1", "blocks.2"]
+    assert plan.routes == ("layer",)
+    assert [s.owner for s in plan.streams[0].layers] == ["blocks.0", "blocks.1", "blocks.2"]
     routers = {router.path: router for router in routing.routers(model)}
     assert set(routers) == {"blocks.0", "blocks.1", "blocks.2"}, "the root runs as written"
     assert "forward" not in model.__dict__

@@ -105,7 +105,8 @@ def test_positional_keyword_and_optional_arguments(route):
     model = nano()
     converted = convert(model, route=route)
     x, y = make_inputs(), make_inputs(seed=1)
-    for args, kwargs in [((x,), {}), ((), {"idx": x}), ((x, y), {}), ((x,), {"targets": y}), ((), {"idx": x, "targets": y})]:
+    calls = [((x,), {}), ((), {"idx": x}), ((x, y), {}), ((x,), {"targets": y}), ((), {"idx": x, "targets": y})]
+    for args, kwargs in calls:
         got, want = converted(*args, **kwargs), model(*args, **kwargs)
         assert relative(got[0], want[0]) < EXACT
         assert (got[1] is None) == (want[1] is None) == ("targets" not in kwargs and len(args) < 2)

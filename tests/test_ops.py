@@ -320,7 +320,8 @@ def test_without_a_compiler_one_warning_and_the_same_result(tmp_path):
         messages = [str(w.message) for w in caught]
         assert len(messages) == 1, messages
         print(messages[0])
-        want = aggregation.fusable(module.proj.weight, module.norm.weight, sources, eps=module.eps, preserve_scale=False)
+        want = aggregation.fusable(module.proj.weight, module.norm.weight, sources, eps=module.eps,
+                                   preserve_scale=False)
         for o in out:
             torch.testing.assert_close(o, want, rtol=1e-5, atol=1e-6)
         assert not cpu.available() and "no C++ compiler" in cpu.unavailable_reason()

@@ -263,7 +263,8 @@ def test_training_moves_every_multi_source_query_and_reduces_the_loss():
         loss.backward()
         if not losses:
             first = attnres_fx.sites(new)[0]
-            assert first.num_sources == 1 and torch.count_nonzero(new.get_submodule(first.name).proj.weight.grad) == 0, \
+            query_grad = new.get_submodule(first.name).proj.weight.grad
+            assert first.num_sources == 1 and torch.count_nonzero(query_grad) == 0, \
                 "the first site's softmax has one source: its query gets no gradient"
         optimizer.step()
         losses.append(loss.item())

@@ -28,8 +28,8 @@ def test_the_kernels_in_the_interpreter():
                           capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=300,
                           cwd=os.path.dirname(__file__))
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
-    # Every kernel test ran there: the reference cases, the saturated ones and the width check (this test skips itself, and
-    # the operator's CUDA dispatch needs a GPU).
+    # Every kernel test ran there: the reference cases, the saturated ones and the width check (this test skips itself,
+    # and the operator's CUDA dispatch needs a GPU).
     assert f"{len(CASES) + len(SATURATING) + 1} passed, 3 skipped" in done.stdout, done.stdout[-2000:]
 
 

@@ -257,7 +257,8 @@ def dummy_inputs(model: nn.Module) -> tuple[tuple, dict] | None:
     return (), kwargs
 
 
-def plan_inputs(model: nn.Module, example_inputs: tuple | None, example_kwargs: dict | None) -> tuple[tuple, dict] | None:
+def plan_inputs(model: nn.Module, example_inputs: tuple | None,
+                example_kwargs: dict | None) -> tuple[tuple, dict] | None:
     """The call a conversion captures: the given inputs, or a Hugging Face model's dummy inputs; None
     when there are neither. A KV cache takes no part: its sites are those of a call without one, and a
     cache object holds real tensors a capture on fake ones cannot mix with (a model on the meta device
@@ -352,10 +353,10 @@ _PLAIN = (bool, int, float, str, type(None))
 @contextlib.contextmanager
 def plain_attributes_kept(model: nn.Module):
     """Within: one trace; on the way out every module's plain attributes (flags, counters, strings) have
-    the values they had, for the next trace and for the model. A symbolic trace runs the forward's Python for real but its tensor writes only on proxies
-    or fake tensors, so a forward that updates its weights and records that in a flag (RWKV rescales
-    its weights at the first call in a new mode and sets ``layers_are_rescaled``) would be left with the
-    flag set and the weights as they were."""
+    the values they had, for the next trace and for the model. A symbolic trace runs the forward's Python
+    for real but its tensor writes only on proxies or fake tensors, so a forward that updates its weights and records
+    that in a flag (RWKV rescales its weights at the first call in a new mode and sets ``layers_are_rescaled``) would be
+    left with the flag set and the weights as they were."""
     kept = [(module, {name: value for name, value in vars(module).items() if type(value) in _PLAIN})
             for module in model.modules()]
     try:
@@ -436,8 +437,8 @@ def _written_inputs(gm: fx.GraphModule, parameters: dict[str, str], written: set
     the subgraph, in the order of the subgraph's placeholders)."""
     for node in gm.graph.nodes:
         target = mutated_input(node)
-        while target is not None and target.op != "placeholder" and target.args and isinstance(target.args[0], fx.Node) \
-                and target.target in _VIEWS:
+        while (target is not None and target.op != "placeholder" and target.args
+               and isinstance(target.args[0], fx.Node) and target.target in _VIEWS):
             target = target.args[0]
         if target is not None and target.op == "placeholder" and target.name in parameters:
             written.add(parameters[target.name])

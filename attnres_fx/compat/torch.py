@@ -178,8 +178,8 @@ def module_hooks(module: nn.Module) -> bool:
     """Whether calling ``module`` does more than its class's forward: forward or backward hooks of its own,
     global ones (the private hook dicts of ``nn.Module`` and ``torch.nn.modules.module``; no public
     accessor), or a wrapper another library set as its instance ``forward`` (accelerate's device hooks)."""
-    return bool("forward" in module.__dict__ or module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or _modules_module._global_forward_hooks
+    return bool("forward" in module.__dict__ or module._forward_hooks or module._forward_pre_hooks
+                or module._backward_hooks or module._backward_pre_hooks or _modules_module._global_forward_hooks
                 or _modules_module._global_forward_pre_hooks or _modules_module._global_backward_hooks
                 or _modules_module._global_backward_pre_hooks)
 
@@ -257,7 +257,8 @@ def _fx_tracing_flag(fx_tracing) -> bool:
 def fx_trace_left_behind() -> bool:
     """Whether ``nn.Module`` is left patched by a torch.fx trace no longer in progress (interrupted where
     :func:`fx_trace_undone` could not act): every module call of the process would go to that trace."""
-    left = nn.Module.__dict__["__call__"] is not _MODULE_CALL or nn.Module.__dict__["__getattr__"] is not _MODULE_GETATTR
+    left = (nn.Module.__dict__["__call__"] is not _MODULE_CALL
+            or nn.Module.__dict__["__getattr__"] is not _MODULE_GETATTR)
     return left and _fx_tracing().CURRENT_PATCHER is None
 
 

@@ -211,7 +211,8 @@ def _records_outputs(module: nn.Module, capturing) -> bool:
     function = type(module).forward
     while function is not None:
         code = getattr(function, "__code__", None)
-        if code is not None and code.co_filename == capturing.__file__ and "maybe_install_capturing_hooks" in code.co_names:
+        if (code is not None and code.co_filename == capturing.__file__
+                and "maybe_install_capturing_hooks" in code.co_names):
             return True
         function = getattr(function, "__wrapped__", None)
     return False
@@ -414,7 +415,8 @@ def unhook_pretrained_model(pretrained_model: type) -> None:
     if post_init is None or "_attnres_original" not in vars(post_init):
         return
     pretrained_model.post_init = post_init._attnres_original
-    pretrained_model.from_pretrained = classmethod(pretrained_model.__dict__["from_pretrained"].__func__._attnres_original)
+    original = pretrained_model.__dict__["from_pretrained"].__func__._attnres_original
+    pretrained_model.from_pretrained = classmethod(original)
 
 
 def hf_model_class(model: nn.Module) -> type:

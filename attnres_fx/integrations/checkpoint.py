@@ -157,10 +157,11 @@ class SavedConversion:
             wanted += [("model", dict), ("streams", list)]
         elif not key:
             wanted.append(("sites", list))
-        for field, kind in wanted:
-            if not isinstance(entry.get(field), kind):
-                raise CheckpointMismatchError(f"{named}: '{field}' is {entry.get(field)!r:.80}, not a {kind.__name__} "
-                                              f"({'missing' if field not in entry else 'malformed'}). {way_out}.")
+        for wanted_key, kind in wanted:
+            if not isinstance(entry.get(wanted_key), kind):
+                how = "missing" if wanted_key not in entry else "malformed"
+                raise CheckpointMismatchError(f"{named}: '{wanted_key}' is {entry.get(wanted_key)!r:.80}, not a "
+                                              f"{kind.__name__} ({how}). {way_out}.")
         try:
             config = AttnResConfig.from_dict(entry["options"])
         except (TypeError, ValueError) as err:
@@ -367,7 +368,8 @@ def check_written(directory: Path, record: SavedConversion, where: Path) -> None
     written = _record_file(directory, where)
     entry = _config_json_record(directory, where)
     recorded = _weights_metadata(directory, where)
-    problems = [f"{where / CONFIG_NAME}: {', '.join(written.differences(record))}" if written.differences(record) else "",
+    problems = [f"{where / CONFIG_NAME}: {', '.join(written.differences(record))}"
+                if written.differences(record) else "",
                 f"{where / 'config.json'}: {', '.join(entry.differences(record))}" if entry.differences(record) else "",
                 f"{where / WEIGHTS_NAME}: fingerprint {recorded!r}" if recorded != record.fingerprint else ""]
     problems = [p for p in problems if p]
@@ -398,8 +400,8 @@ def read(directory, *, entry: SavedConversion | None = None, where=None) -> tupl
         if differs:
             shown_values = {"options": lambda r: r.config.to_dict(), "block_sizes": lambda r: list(r.block_sizes),
                             "fingerprint": lambda r: r.fingerprint}
-            detail = ", ".join(f"{f}: {shown_values[f](entry)!r} against {shown_values[f](saved)!r}" if f in shown_values
-                               else f"{f}: other" for f in differs)
+            detail = ", ".join(f"{f}: {shown_values[f](entry)!r} against {shown_values[f](saved)!r}"
+                               if f in shown_values else f"{f}: other" for f in differs)
             raise CheckpointMismatchError(
                 f"{shown / 'config.json'}, key '{CONFIG_ATTRIBUTE}': its {' and '.join(differs)} differ from those in "
                 f"{shown / CONFIG_NAME} ({detail}): the two were written by different saves. Save the converted model "
@@ -413,9 +415,9 @@ def read(directory, *, entry: SavedConversion | None = None, where=None) -> tupl
                 f"{saved.fingerprint!r}: the AttnRes weights come from another save. Save the converted model again.")
         if fingerprint(stored, saved.hashed()) != saved.fingerprint:
             raise CheckpointMismatchError(
-                f"{path}: its tensors do not hash to the fingerprint {saved.fingerprint!r} they were saved with, with the "
-                f"conversion {CONFIG_NAME} records (changed after saving: another model's weights, another dtype, edited "
-                "values or sites). Save the converted model again.")
+                f"{path}: its tensors do not hash to the fingerprint {saved.fingerprint!r} they were saved with, "
+                f"with the conversion {CONFIG_NAME} records (changed after saving: another model's weights, another "
+                "dtype, edited values or sites). Save the converted model again.")
     return saved, stored
 
 
@@ -431,8 +433,9 @@ def _record_file(directory: Path, shown: Path, entry: SavedConversion | None = N
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise CheckpointMismatchError(f"{shown / CONFIG_NAME} cannot be read: {type(err).__name__}: {err}. Save the "
                                       "converted model again") from err
-    if entry is not None and entry.format >= PLANNED and isinstance(saved, dict) and saved.get("format") == entry.format \
-            and saved.get("fingerprint") == entry.fingerprint and all(saved.get(k) == v for k, v in entry.described.items()):
+    if (entry is not None and entry.format >= PLANNED and isinstance(saved, dict)
+            and saved.get("format") == entry.format and saved.get("fingerprint") == entry.fingerprint
+            and all(saved.get(k) == v for k, v in entry.described.items())):
         return entry
     return SavedConversion.from_json(saved, str(shown / CONFIG_NAME))
 

@@ -349,7 +349,8 @@ def _check_sites(model: nn.Module, saved: tuple[tuple, ...], folder) -> None:
     extra = [f"{s[0]} ({s[1]}, block {s[2]}, {s[5]} sources)" for s in now if s not in saved]
     lines = [line for line in (f"  saved but not found now: {', '.join(missing)}" if missing else "",
                                f"  found now but not saved: {', '.join(extra)}" if extra else "") if line]
-    raise CheckpointMismatchError(_mismatch(folder, type(model).__name__, lines or ["  the same sites in another order"]))
+    raise CheckpointMismatchError(_mismatch(folder, type(model).__name__,
+                                            lines or ["  the same sites in another order"]))
 
 
 def _mismatch(folder: Path | None, name: str, lines: list[str]) -> str:
@@ -487,5 +488,6 @@ def check_entry(entry: Any, where: str, key: str) -> AttnResConfig:
 def check_unit(directory, *, entry: dict | None = None, where=None) -> tuple[SavedConversion, dict]:
     """The checkpoint of a folder, read and checked as one (:func:`attnres_fx.integrations.checkpoint.read`;
     ``entry``: the ``config.json`` entry as read already). Returns the record and the AttnRes tensors."""
-    read = None if entry is None else SavedConversion.from_json(entry, f"{where or directory}/config.json", CONFIG_ATTRIBUTE)
+    read = (None if entry is None
+            else SavedConversion.from_json(entry, f"{where or directory}/config.json", CONFIG_ATTRIBUTE))
     return checkpoint.read(directory, entry=read, where=where)

@@ -42,10 +42,10 @@ def aggregate(proj_weight: torch.Tensor, norm_weight: torch.Tensor, sources, *, 
 
     The functional form of :class:`BlockAttnRes` (``proj_weight`` ``[1, D]``, ``norm_weight`` ``[D]``).
     The result has the stream's dtype (the sources' promoted dtype), under ``torch.autocast`` too; with
-    ``preserve_scale`` it is multiplied by the number of sources. Under a graph capture (Dynamo, torch.export, fx) it is :func:`aggregation.fusable`, plain
-    ops Inductor fuses with their neighbours and exporters translate; run eagerly, :func:`ops.eager`
-    picks the fastest implementation: the fused operator ``attnres::aggregate`` (a C++ or Triton kernel)
-    where there is one.
+    ``preserve_scale`` it is multiplied by the number of sources. Under a graph capture (Dynamo,
+    torch.export, fx) it is :func:`aggregation.fusable`, plain ops Inductor fuses with their neighbours and exporters
+    translate; run eagerly, :func:`ops.eager` picks the fastest implementation: the fused operator
+    ``attnres::aggregate`` (a C++ or Triton kernel) where there is one.
     """
     if not sources:
         raise ValueError("BlockAttnRes needs at least one source")
@@ -100,9 +100,9 @@ class BlockAttnRes(nn.Module):
 
     The logits, the softmax and the weighted sum run in fp32 whatever the sources' dtype, under
     ``torch.autocast`` too; the result has the stream's dtype (the sources' promoted dtype: a bf16
-    embedding and fp32 sublayer outputs make an fp32 stream, as the residual adds gave). With ``preserve_scale=True`` the aggregate is multiplied
-    by the number of sources, so at zero init it equals the plain sum of the sources (the original
-    residual stream) exactly, on any architecture.
+    embedding and fp32 sublayer outputs make an fp32 stream, as the residual adds gave). With
+    ``preserve_scale=True`` the aggregate is multiplied by the number of sources, so at zero init it equals the plain
+    sum of the sources (the original residual stream) exactly, on any architecture.
 
     Written to fuse: the sources are never stacked into one tensor; one pass over each source gives its
     key scale and its dot product with the (norm-folded) pseudo-query; the softmax over the few sources

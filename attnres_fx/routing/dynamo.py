@@ -24,8 +24,6 @@ import threading
 from contextlib import ExitStack
 from typing import Any, Callable
 
-import torch
-
 from .. import compat
 from ..capture.tracers import capture_settings, entry_function, in_own_call, own_call
 from ..errors import AttnResError, RoutingError

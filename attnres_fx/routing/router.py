@@ -87,7 +87,8 @@ class Router:
         return {**self.__dict__, "_entries": {}, "rewritten": collections.deque(maxlen=self.rewritten.maxlen)}
 
     def __repr__(self) -> str:
-        return f"<attnres_fx {self.route_name}-routed forward of {type(self.module).__name__} at {self.path or '<root>'}>"
+        return (f"<attnres_fx {self.route_name}-routed forward of {type(self.module).__name__} "
+                f"at {self.path or '<root>'}>")
 
     @functools.cached_property
     def checkpointing_flag_holders(self) -> tuple[nn.Module, ...]:
@@ -547,7 +548,8 @@ class LayerRouter(Router):
         def backend(gm: fx.GraphModule, example_inputs: list):
             start = time.perf_counter()
             outputs = len(gm.graph.find_nodes(op="output")[0].args[0])
-            entry = None if layout is None else Entry(layout.position, layout.blocks, layout.has_partial, layout.tensors)
+            entry = (None if layout is None
+                     else Entry(layout.position, layout.blocks, layout.has_partial, layout.tensors))
             target = LayerTarget(self.planned, self.span, entry, self.ends)
             compiled, result = graphs.rewritten_dynamo_graph(self, gm, example_inputs, compiler, layer=target)
             state_in = tuple(node.name for node in result.rewrite.state_inputs)

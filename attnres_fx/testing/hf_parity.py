@@ -267,7 +267,8 @@ class ParityPlugin:
         if self.recorder.mode == "original":
             return "attnres_fx parity: original models (recording only)"
         options = ", ".join(f"{k}={v}" for k, v in CONVERSION_OPTIONS.items())
-        return f"attnres_fx parity: every model built is converted ({options}, random pseudo-queries, seed {self.recorder.seed})"
+        return (f"attnres_fx parity: every model built is converted ({options}, random pseudo-queries, "
+                f"seed {self.recorder.seed})")
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
         totals = self.recorder.totals

@@ -110,8 +110,8 @@ def _load() -> None:
     print(f"attnres_fx: building the C++ CPU kernel for this machine, once (about a minute), in {directory}",
           file=sys.stderr, flush=True)
     try:
-        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=_flags(), extra_ldflags=["-fopenmp"], build_directory=str(directory),
-                           is_python_module=False, verbose=False)
+        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=_flags(), extra_ldflags=["-fopenmp"],
+                           build_directory=str(directory), is_python_module=False, verbose=False)
     except (RuntimeError, OSError, subprocess.CalledProcessError) as err:
         lines = str(err).splitlines()
         first = next((line for line in lines if "error" in line.lower() and "Error building" not in line),

@@ -4,14 +4,15 @@ One program per token row for the forward: a first look at the row of each sourc
 the maximum; a second (from cache) the weights and the weighted sum, held in registers, so the output is
 written once. Two looks rather than an online softmax because a weight below
 :data:`~attnres_fx.op.aggregation.NEGLIGIBLE_WEIGHT` of the largest is exactly zero (Note [negligible
-weights] in :mod:`attnres_fx.op.aggregation`), and which are is known only once the maximum is. Arithmetic is fp32 after the load, whatever
-the storage type (Triton's CPU interpreter computes bf16 wrongly, so nothing is computed in it).
+weights] in :mod:`attnres_fx.op.aggregation`), and which are is known only once the maximum is.
+Arithmetic is fp32 after the load, whatever the storage type (Triton's CPU interpreter computes bf16 wrongly, so nothing
+is computed in it).
 
 The backward takes a chunk of rows per program: a first look at each source per row gives the online
 softmax with the weighted sum of ``g . v_i``; a second recomputes each source's logit from the row it
-loads anyway for ``dL/dv_i`` and its weight, exactly zero where negligible (Note [backward] in :mod:`attnres_fx.op.aggregation`), and accumulates
-``dL/dq`` in registers; one partial ``dL/dq`` per program is summed afterwards (deterministic, no
-atomics). Sources are a tuple argument: the kernels specialise on their number.
+loads anyway for ``dL/dv_i`` and its weight, exactly zero where negligible (Note [backward] in
+:mod:`attnres_fx.op.aggregation`), and accumulates ``dL/dq`` in registers; one partial ``dL/dq`` per program is summed
+afterwards (deterministic, no atomics). Sources are a tuple argument: the kernels specialise on their number.
 
 Rows wider than :data:`MAX_DIM` are left to the PyTorch formulation (:func:`supports`): a row must
 fit in one program's registers.
