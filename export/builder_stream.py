@@ -48,7 +48,7 @@ blocks and the partial, then that norm without the skip. Two forms (``rewrite(fo
   per-site form 1.16x (1.08x). Its softmax keeps the weights below ``NEGLIGIBLE_WEIGHT``: their
   terms are below fp32's round-off of the sum (the note above), and inference has no backward they slow.
 
-Both compute Block AttnRes to fp32 round-off (tests/test_genai_builder.py).
+Both compute Block AttnRes to fp32 round-off (tests/export/test_genai_builder.py).
 """
 
 from __future__ import annotations
