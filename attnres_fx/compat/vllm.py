@@ -126,6 +126,13 @@ def native_class(architecture: str):
     return getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), name)
 
 
+def norms_traced_as_ops(vllm_config) -> bool:
+    """Whether vLLM's capture records its IR ops (the fused add and RMSNorm among them) as plain ops (vLLM 0.32:
+    ``CompilationConfig.ir_enable_torch_wrap`` off, as the CPU build sets it) rather than as one custom op
+    each, which hides the residual add inside it."""
+    return not vllm_config.compilation_config.ir_enable_torch_wrap
+
+
 def runs_compiled(vllm_config) -> bool:
     """Whether vLLM captures the decorated decoder with TorchDynamo (vLLM 0.32: any compilation mode but
     ``NONE``, which ``enforce_eager=True`` sets)."""

@@ -13,9 +13,10 @@ class (``AttnResLlamaForCausalLM`` is vLLM's ``LlamaForCausalLM``), built as for
   model's (its Llama adds a sublayer's output to the stream inside the next layer's input norm).
 
 Nothing is written per family: a class of vLLM's joins the table once its graph is seen to hold the stream.
-Where vLLM makes no graph (``enforce_eager=True``) or splits the stream over pipeline stages, or where the
-folder's record holds no plan (saved before format 4), the folder is served by the Transformers-backend
-class (:mod:`.vllm_model`), whose layers carry the conversion themselves."""
+Where vLLM makes no graph (``enforce_eager=True``), records its fused add and RMSNorm as one custom op (its
+``ir_enable_torch_wrap``, off on the CPU build), splits the stream over pipeline stages, or where the folder's
+record holds no plan (saved before format 4), the folder is served by the Transformers-backend class
+(:mod:`.vllm_model`), whose layers carry the conversion themselves."""
 
 from __future__ import annotations
 
@@ -46,6 +47,9 @@ def fallback_reason(vllm_config) -> str | None:
     if not compat_vllm.runs_compiled(vllm_config):
         return ("vLLM runs the model eager (enforce_eager=True or compilation mode NONE), and the rewrite of vLLM's "
                 "own class is made on the graph vLLM's capture makes")
+    if not compat_vllm.norms_traced_as_ops(vllm_config):
+        return ("vLLM's capture records its fused add and RMSNorm as one custom op (ir_enable_torch_wrap), which "
+                "hides the residual adds from the rewrite")
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         return "pipeline parallelism splits the residual stream over stages, each graph holding part of it"
     plan = saved_plan(vllm_config.model_config)
