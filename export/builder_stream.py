@@ -51,7 +51,7 @@ Neither form zeroes the softmax weights below ``NEGLIGIBLE_WEIGHT`` (2^-32) of t
 implementations do (Note [negligible weights] in :mod:`attnres_fx.op.aggregation`): their terms are below
 fp32's round-off of the sum, and inference has no backward they slow.
 
-Both compute Block AttnRes to fp32 round-off (tests/test_genai_builder.py).
+Both compute Block AttnRes to fp32 round-off (tests/export/test_genai_builder.py).
 """
 
 from __future__ import annotations

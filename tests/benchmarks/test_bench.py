@@ -12,7 +12,7 @@ from attnres_fx.timing import interleaved, median_ms
 from conftest import cold_compile, load_script
 from genai_support import needs_genai
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench.py"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench.py"
 
 
 def _module():

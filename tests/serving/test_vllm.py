@@ -14,7 +14,7 @@ tests do) unless said otherwise. Llama, Qwen3, Mistral and Qwen3-MoE are served 
   run as written;
 - Qwen3, Mistral (a sliding window of 8), Gemma 2 (sliding and full layers, soft-capping), Qwen3-MoE,
   OLMo 2 (norms after the sublayers, none before) and Starcoder2 (LayerNorm with biases, a plain GELU MLP):
-  a batch of prompts through ``LLM.generate`` (tests/vllm_serve.py);
+  a batch of prompts through ``LLM.generate`` (tests/serving/vllm_serve.py);
 - Llama with ``enforce_eager=True`` (vLLM makes no graph: the Transformers backend, attnres_fx's eager layer
   route);
 - Llama with tensor parallelism 2 (vLLM's own Llama), and with pipeline parallelism 2 (the Transformers
@@ -106,7 +106,7 @@ def references(model, batch, max_tokens) -> list[list[int]]:
 
 
 def serve(tmp_path: Path, folder: Path, batch, max_tokens: int, env: dict | None = None, **engine) -> dict:
-    """What tests/vllm_serve.py generated, and its output and log (``log``; vLLM logs to stdout)."""
+    """What tests/serving/vllm_serve.py generated, and its output and log (``log``; vLLM logs to stdout)."""
     request = tmp_path / "request.json"
     request.write_text(json.dumps({"folder": str(folder), "prompts": batch, "max_tokens": max_tokens,
                                    "engine": engine}))
@@ -264,7 +264,7 @@ def test_llama_reference_is_not_the_original_models(llama):
 
 
 def test_readme_block_serves_the_folder_as_written(llama, tmp_path):
-    readme = Path(__file__).resolve().parent.parent / "README.md"
+    readme = Path(__file__).resolve().parents[2] / "README.md"
     section = readme.read_text().split("## Serving with vLLM", 1)[1]
     block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     assert "attnres_fx" not in block.replace("# no import of attnres_fx", "")
