@@ -95,8 +95,10 @@ class _RewriteStreams(PassBase):
         layer, where = self.layer, self.where
         if layer is None:
             detection = detect_residual_streams(graph_module)
+            matched = match_streams(detection, self.plan, prefix=self.prefix, within=self.within, where=where)
+            detection = dataclasses.replace(detection, streams=tuple(m.stream for m in matched))
             spans = [StreamSpan(m.planned, m.positions, layer=self.carriers and m.planned.route == "layer")
-                     for m in match_streams(detection, self.plan, prefix=self.prefix, within=self.within, where=where)]
+                     for m in matched]
         else:
             detection = detect_residual_streams(graph_module, min_sites=1)
             stream, positions = match_layer(detection, layer.planned, layer.span, where=where)
