@@ -54,7 +54,8 @@ coverage: venv
 # ~5 GB) and reused after. In each: the fast suite, then the slow tests of conversion, the Hugging Face
 # workflow and compilation.
 COMPAT_PAIRS ?= 2.11.0:5.17.0 2.14.1:5.25.0
-COMPAT_SLOW  := tests/test_api.py tests/test_rewrite.py tests/test_hf_workflow.py tests/test_live.py tests/test_layer_route.py
+COMPAT_SLOW  := tests/test_api.py tests/passes/test_rewrite.py tests/integrations/test_hf_workflow.py \
+                tests/routing/test_live.py tests/routing/test_layer_route.py
 
 # Every pair runs, also after a failure in an earlier one; the target fails if any run failed.
 test-compat:
@@ -65,18 +66,18 @@ test-compat:
 		$$venv/bin/python -m pytest -q -n 2 --dist loadfile -p no:cacheprovider -m slow $(COMPAT_SLOW) || status=1; \
 	done; exit $$status
 
-# Serving converted folders with vLLM (tests/test_vllm.py): its CPU build in a venv of its own under ~/.cache
+# Serving converted folders with vLLM (tests/serving/test_vllm.py): its CPU build in a venv of its own under ~/.cache
 # (.ci/vllm-venv), built on a machine's first run and reused after.
 .PHONY: venv-vllm test-vllm
 venv-vllm:
 	bash .ci/vllm-venv
 
 test-vllm:
-	venv=$$(bash .ci/vllm-venv) && $$venv/bin/python -m pytest -q -p no:cacheprovider -m integration tests/test_vllm.py
+	venv=$$(bash .ci/vllm-venv) && $$venv/bin/python -m pytest -q -p no:cacheprovider -m integration tests/serving/test_vllm.py
 
 # The property tests with many random examples (make test runs a small derandomised set).
 fuzz: venv
-	$(PY) -m pytest -q tests/test_properties.py --hypothesis-profile=fuzz --hypothesis-show-statistics --timeout=0
+	$(PY) -m pytest -q tests/passes/test_properties.py --hypothesis-profile=fuzz --hypothesis-show-statistics --timeout=0
 
 bench: venv
 	$(PY) benchmarks/bench.py

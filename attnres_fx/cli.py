@@ -355,6 +355,17 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     tiny.add_argument("--seed", type=int, default=0, help="weight seed (default: 0)")
 
 
+def _command(sub, func, help: str, description: str) -> argparse.ArgumentParser:
+    """The subcommand ``func`` runs (``cmd_NAME`` runs ``NAME``)."""
+    parser = sub.add_parser(func.__name__.removeprefix("cmd_"), help=help, description=description)
+    parser.set_defaults(func=func)
+    return parser
+
+
+def _model_source(parser: argparse.ArgumentParser, names, dest: str = "model", metavar: str = "MODEL_OR_DIR") -> None:
+    parser.add_argument(dest, metavar=metavar, help=f"a model directory, or one of: {', '.join(names)}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnres-fx", description=__doc__.splitlines()[0].split(": ", 1)[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -362,10 +373,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    demo = sub.add_parser("demo", help="convert a model, check it against the original, time and export it",
-                          description="Convert the built-in model (or --model NAME) and check it: the residual "
-                                      "stream found, the sites injected, equivalence at zero init, timings, and "
-                                      "the hand-off to Inductor and onnxruntime.")
+    demo = _command(sub, cmd_demo, "convert a model, check it against the original, time and export it",
+                    "Convert the built-in model (or --model NAME) and check it: the residual "
+                    "stream found, the sites injected, equivalence at zero init, timings, and "
+                    "the hand-off to Inductor and onnxruntime.")
     demo.add_argument("--model", choices=MODELS, default="tiny", metavar="MODEL",
                       help=f"one of: {', '.join(MODELS)} (default: tiny)")
     _add_model_options(demo)
@@ -373,24 +384,20 @@ def build_parser() -> argparse.ArgumentParser:
                       help="folder for the graph code and the ONNX file (default: attnres_demo_out)")
     demo.add_argument("--no-backends", dest="backends", action="store_false",
                       help="skip compiling with Inductor and exporting to ONNX / onnxruntime")
-    demo.set_defaults(func=cmd_demo)
 
-    convert = sub.add_parser("convert", help="convert a Hugging Face model and save it (save_pretrained)",
-                             description="Convert a local Hugging Face model directory (or a built-in tiny "
-                                         "Hugging Face model) and save it as a directory that "
-                                         "attnres_fx.from_pretrained reloads.")
-    convert.add_argument("source", metavar="PATH_OR_NAME",
-                         help=f"a model directory, or one of: {', '.join(HF_NAMES)}")
+    convert = _command(sub, cmd_convert, "convert a Hugging Face model and save it (save_pretrained)",
+                       "Convert a local Hugging Face model directory (or a built-in tiny "
+                       "Hugging Face model) and save it as a directory that "
+                       "attnres_fx.from_pretrained reloads.")
+    _model_source(convert, HF_NAMES, dest="source", metavar="PATH_OR_NAME")
     convert.add_argument("--out", required=True, metavar="DIR", help="directory to write")
     _add_model_options(convert)
-    convert.set_defaults(func=cmd_convert)
 
-    export = sub.add_parser("export", help="export a converted model to ONNX and check it with onnxruntime",
-                            description="Convert MODEL (or load a directory written by convert), export it to "
-                                        "ONNX (dynamic batch and sequence) and compare onnxruntime's outputs "
-                                        "with PyTorch's.")
-    export.add_argument("model", metavar="MODEL_OR_DIR",
-                        help=f"a model directory, or one of: {', '.join(MODELS)}")
+    export = _command(sub, cmd_export, "export a converted model to ONNX and check it with onnxruntime",
+                      "Convert MODEL (or load a directory written by convert), export it to "
+                      "ONNX (dynamic batch and sequence) and compare onnxruntime's outputs "
+                      "with PyTorch's.")
+    _model_source(export, MODELS)
     export.add_argument("--onnx", required=True, metavar="OUT", help="path of the ONNX file to write")
     export.add_argument("--with-cache", action="store_true",
                         help="decoder LMs: past keys and values as inputs and outputs, checked by greedy "
@@ -399,14 +406,13 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--opset", type=_positive_int, default=None, help="ONNX opset (default: the exporter's)")
     export.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
                         help="onnxruntime device (default: cpu)")
-    export.set_defaults(func=cmd_export)
 
-    genai = sub.add_parser("genai", help="write an onnxruntime-genai model folder and check it generates as the model",
-                           description="Convert MODEL (or load a directory written by convert) and write the folder "
-                                       "onnxruntime-genai serves: model.onnx with the KV cache, genai_config.json, "
-                                       "and the directory's tokenizer if it has one; then compare greedy decoding "
-                                       "in onnxruntime-genai with model.generate (CPU only).")
-    genai.add_argument("model", metavar="MODEL_OR_DIR", help=f"a model directory, or one of: {', '.join(HF_NAMES)}")
+    genai = _command(sub, cmd_genai, "write an onnxruntime-genai model folder and check it generates as the model",
+                     "Convert MODEL (or load a directory written by convert) and write the folder "
+                     "onnxruntime-genai serves: model.onnx with the KV cache, genai_config.json, "
+                     "and the directory's tokenizer if it has one; then compare greedy decoding "
+                     "in onnxruntime-genai with model.generate (CPU only).")
+    _model_source(genai, HF_NAMES)
     genai.add_argument("--out", required=True, metavar="DIR", help="the folder to write")
     genai.add_argument("--precision", choices=("fp32", "fp16", "int4"), default="fp32",
                        help="weights and cache; int4: the model builder's graph only (default: fp32)")
@@ -420,20 +426,18 @@ def build_parser() -> argparse.ArgumentParser:
     genai.add_argument("--chunk-size", type=_positive_int, default=None, metavar="N",
                        help="process a single prompt in chunks of N tokens (default: all at once)")
     _add_model_options(genai)
-    genai.set_defaults(func=cmd_genai)
 
-    inspect = sub.add_parser("inspect", help="show what a converted model attends to over depth",
-                             description="Print the sites of a converted model (a directory written by convert, "
-                                         "or a model converted here) and the softmax weights each site gives its "
-                                         "sources, averaged over the tokens of one call; optionally a heatmap.")
-    inspect.add_argument("model", metavar="MODEL_OR_DIR", help=f"a model directory, or one of: {', '.join(MODELS)}")
+    inspect = _command(sub, cmd_inspect, "show what a converted model attends to over depth",
+                       "Print the sites of a converted model (a directory written by convert, "
+                       "or a model converted here) and the softmax weights each site gives its "
+                       "sources, averaged over the tokens of one call; optionally a heatmap.")
+    _model_source(inspect, MODELS)
     inspect.add_argument("--png", metavar="OUT", default=None,
                          help="write the depth-attention heatmap there (needs attnres-fx[viz]; default: none)")
     inspect.add_argument("--text", default=None,
                          help="text to measure on: the directory's tokenizer if it has one, else UTF-8 bytes "
                               "(default: the model's example inputs)")
     _add_model_options(inspect)
-    inspect.set_defaults(func=cmd_inspect)
     return parser
 
 

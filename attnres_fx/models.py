@@ -53,34 +53,31 @@ class TinyConfig:
             raise ValueError(f"dim ({self.dim}) must be divisible by num_heads ({self.num_heads})")
 
 
-class FunctionalLayerNorm(nn.Module):
+class ScaledNorm(nn.Module):
+    """What a norm written by hand keeps: its ``eps`` and a learned scale ``weight`` (ones at init)."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+
+
+class FunctionalLayerNorm(ScaledNorm):
+    def __init__(self, dim: int, eps: float):
+        super().__init__(dim, eps)
         self.bias = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x):
         return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
 
 
-class FunctionalRMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
+class FunctionalRMSNorm(ScaledNorm):
     def forward(self, x):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-class ManualRMSNorm(nn.Module):
+class ManualRMSNorm(ScaledNorm):
     """RMSNorm written out the way Llama-family code does, fp32 upcast included."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
         input_dtype = x.dtype

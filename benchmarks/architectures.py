@@ -62,8 +62,9 @@ and nothing else.
 converted with `preserve_scale=True`: the same tokens as the original model (T5: its encoder is called
 on its own by `generate`, and converted too). *save/reload*: with random pseudo-queries,
 `save_pretrained` then `attnres_fx.from_pretrained(model class, dir)` gives identical outputs.
-`tests/test_hf_models.py`, `tests/test_hf_generate.py` and `tests/test_hf_workflow.py` run the same
-checks and more (other shapes, training, sampling, left padding, the cache against a no-cache loop).
+`tests/integrations/test_hf_models.py`, `tests/integrations/test_hf_generate.py` and
+`tests/integrations/test_hf_workflow.py` run the same checks and more (other shapes, training, sampling, left padding,
+the cache against a no-cache loop).
 
 *transformers' tests passed*: transformers' own model tests of the architecture
 (`tests/models/NAME/test_modeling_NAME.py` of its 5.24 source, every model class it tests, common,

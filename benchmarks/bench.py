@@ -24,14 +24,17 @@ Sections:
    shape, on each route.
 4. ``decode``: tokens/s of ``generate`` with the KV cache (greedy), batch 1 and 8, eager and compiled, on
    each route.
-4b. ``genai``: tokens/s of onnxruntime-genai generating from model folders (greedy, batch 1 and 8), per
-   family onnxruntime-genai serves and per precision (fp32; int4 where the builder takes the family):
-   ``builder``, onnxruntime-genai's own model builder on the original model (the baseline users have;
-   ``export.to_genai(graph="torch.onnx")`` of the original where the builder fails on the family),
-   ``converted`` (``export.to_genai`` of the converted model: the builder's graph with the AttnRes pass
-   where it applies) and, at fp32, ``torch_onnx`` (``export.to_genai(graph="torch.onnx")`` of the converted
-   model); each folder's node count and peak resident memory while loading and generating, in a fresh
-   process.
+4b. ``genai``: decoding tokens/s of onnxruntime-genai generating from model folders (greedy, batch 1 and
+   8, after the prompt), per family onnxruntime-genai serves (six at hidden 256 x 8 layers, Llama at
+   1024 x 16 too; ``--genai-entries`` picks some) and per precision (fp32; int4 where the builder takes
+   the family): ``builder``, onnxruntime-genai's own model builder on the original model (the baseline
+   users have; ``export.to_genai(graph="torch.onnx")`` of the original where the builder fails on the
+   family), ``converted`` (``export.to_genai`` of the converted model: the builder's graph with the
+   AttnRes pass in its default per-site form where it applies), ``attention`` (the pass's attention form)
+   and, at fp32 and hidden 256, ``torch_onnx`` (``export.to_genai(graph="torch.onnx")`` of the converted
+   model); each folder's node count and peak resident memory while loading and generating a batch of 8,
+   in a fresh process. Every folder's session runs on one onnxruntime thread, timed in that thread's
+   CPU time (as the one-thread sections below: load on the machine does not inflate it).
 5. ``stages``: bytes a microbatch sends across pipeline stage boundaries (``attnres_fx.pipeline_stages``,
    four stages of the ``deep`` shape), with and without cross-stage caching over two ranks, and the state
    held between two blocks of a forward against the N + 1 stream tensors it should be.
@@ -212,6 +215,14 @@ TARGETS = {   # (section path, entry, bound, sense): the targets the README's pe
         "genai/llama/int4/batch8", "converted", 0.95, ">="),
     "onnxruntime-genai peak memory, converted folder / builder's original, Llama fp32": (
         "genai/llama/fp32/memory", "converted", 1.05, "<="),
+    "onnxruntime-genai peak memory, converted folder / builder's original, Llama int4": (
+        "genai/llama/int4/memory", "converted", 1.05, "<="),
+    "decode tokens/s, onnxruntime-genai, converted folder / builder's original, Llama 1024x16 int4 batch 1": (
+        "genai/llama_1024x16/int4/batch1", "converted", 0.95, ">="),
+    "decode tokens/s, onnxruntime-genai, converted folder / builder's original, Llama 1024x16 int4 batch 8": (
+        "genai/llama_1024x16/int4/batch8", "converted", 0.95, ">="),
+    "onnxruntime-genai peak memory, converted folder / builder's original, Llama 1024x16 int4": (
+        "genai/llama_1024x16/int4/memory", "converted", 1.05, "<="),
     "op / streaming bound, C++ kernel (fewest of its source counts)": ("op", "kernel_worst", 0.8, ">="),
     "op / streaming bound, compiled (fewest of its source counts)": ("op", "compiled_worst", 0.8, ">="),
     "training peak memory, bench": ("memory/train", "converted", 1.08, "<="),
@@ -418,48 +429,58 @@ def decode_section(settings: Settings, backends: list[str]) -> dict:
 # Gemma 2 stands for its family: the builder (0.18) cannot read transformers' Gemma 3 config (a rope per
 # layer type). The vocabulary differs from intermediate_size: the builder's int4 head is the first linear
 # layer with vocab_size outputs, which would be the first MLP's.
-GENAI = {"full": dict(families=("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2"), prompt=32,
-                      model=dict(num_hidden_layers=8, hidden_size=256, intermediate_size=1024, num_attention_heads=4,
-                                 num_key_value_heads=4, head_dim=64, vocab_size=1000, max_position_embeddings=512)),
-         "quick": dict(families=("llama",), prompt=8, model={})}
+GENAI_SMALL = dict(num_hidden_layers=8, hidden_size=256, intermediate_size=1024, num_attention_heads=4,
+                   num_key_value_heads=4, head_dim=64, vocab_size=1000, max_position_embeddings=512)
+GENAI_LARGE = {**GENAI_SMALL, "num_hidden_layers": 16, "hidden_size": 1024, "intermediate_size": 4096,
+               "num_attention_heads": 16, "num_key_value_heads": 16}
+# entry -> (family, config fields); the torch.onnx folder only for entries whose size is GENAI_SMALL.
+GENAI_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2")
+GENAI = {"full": dict(entries={**{f: (f, GENAI_SMALL) for f in GENAI_FAMILIES},
+                               "llama_1024x16": ("llama", GENAI_LARGE)}, prompt=32),
+         "quick": dict(entries={"llama": ("llama", {})}, prompt=8)}
 
 
-def genai_section(settings: Settings, config_name: str) -> dict:
+def genai_section(settings: Settings, config_name: str, entries: list[str] | None = None) -> dict:
     """onnxruntime-genai generating from the builder's folder of each family's original model and from
-    export.to_genai's folders of the converted model (random pseudo-queries, N=4), per precision."""
+    the folders of the converted model (random pseudo-queries, N=4), per precision; ``entries``: a subset
+    of the configuration's."""
     from attnres_fx.testing import randomise_pseudo_queries
     from attnres_fx.testing.serving import tiny_tokenizer
 
     plan = GENAI[config_name]
-    result: dict = {"new_tokens": settings.decode_tokens, "prompt": plan["prompt"]}
+    result: dict = {"new_tokens": settings.decode_tokens, "prompt": plan["prompt"],
+                    "clock": "one onnxruntime thread, thread CPU time of the decoding steps"}
     with tempfile.TemporaryDirectory() as tmp:
-        for family in plan["families"]:
-            model = genai_model(family, plan["model"], plan["prompt"] + settings.decode_tokens)
+        for name in entries or plan["entries"]:
+            family, size = plan["entries"][name]
+            model = genai_model(family, size, plan["prompt"] + settings.decode_tokens)
             config = model.config
             rows: dict = {"model": f"{type(model).__name__} ({config.num_hidden_layers} layers, hidden "
                                    f"{config.hidden_size})"}
             converted = randomise_pseudo_queries(attnres_fx.attnresify(copy.deepcopy(model), num_blocks=4))
             for precision in ("fp32", "int4"):
-                progress(f"genai {family} {precision}: the builder's folder and export.to_genai's")
+                progress(f"genai {name} {precision}: the builder's folder and the converted model's")
                 built = genai_folders(model, converted, tiny_tokenizer(config.vocab_size),
-                                      Path(tmp) / family / precision, precision)
+                                      Path(tmp) / name / precision, precision, torch_onnx=size is not GENAI_LARGE)
                 if built is None:
                     continue
                 folders, baseline = built
                 entry: dict = {"baseline": baseline, "nodes": {v: node_count(f) for v, f in folders.items()},
                                "graph": {v: written_graph(f) for v, f in folders.items()}}
                 for batch in (1, 8):
-                    progress(f"genai {family} {precision} batch {batch}")
+                    progress(f"genai {name} {precision} batch {batch}")
                     runners = genai_runners(folders, batch, plan["prompt"], settings.decode_tokens)
-                    times = interleaved(runners, max(3, settings.runs // 3), settings.warmup)
-                    entry[f"batch{batch}"] = summarise(times, "builder", per_call=batch * settings.decode_tokens)
-                progress(f"genai {family} {precision} memory")
+                    entry[f"batch{batch}"] = summarise(interleaved_returned(runners, max(3, settings.runs // 2),
+                                                                            settings.warmup),
+                                                       "builder", per_call=batch * (settings.decode_tokens - 1))
+                    entry[f"batch{batch}"]["load_average"] = os.getloadavg()[0]
+                progress(f"genai {name} {precision} memory")
                 entry["memory"] = {variant: genai_child_memory(folder, plan["prompt"], settings.decode_tokens)
                                    for variant, folder in folders.items()}
                 for memory in entry["memory"].values():
                     memory["ratio"] = memory["peak_delta_mb"] / entry["memory"]["builder"]["peak_delta_mb"]
                 rows[precision] = entry
-            result[family] = rows
+            result[name] = rows
     return result
 
 
@@ -472,13 +493,30 @@ def genai_model(family: str, size: dict, window: int) -> nn.Module:
     return serving_model(family, use_cache=True, **size, **(fields.get(family, {}) if size else {}))
 
 
-def genai_folders(model: nn.Module, converted: nn.Module, tokenizer, root: Path,
-                  precision: str) -> tuple[dict[str, Path], str] | None:
-    """The folders of one precision and what the baseline is: the builder's folder of the original, or
-    at fp32 export.to_genai's (torch.onnx) of the original where the builder fails on the family; None
-    for int4 where the builder does not take the family."""
+def genai_folders(model: nn.Module, converted: nn.Module, tokenizer, root: Path, precision: str,
+                  torch_onnx: bool = True) -> tuple[dict[str, Path], str] | None:
+    """The folders of one precision (each set to one onnxruntime thread) and what the baseline is: the
+    builder's folder of the original, or at fp32 export.to_genai's (torch.onnx) of the original where the
+    builder fails on the family; None for int4 where the builder does not take the family."""
+    folders = _genai_folders(model, converted, tokenizer, root, precision, torch_onnx)
+    if folders is not None:
+        for folder in folders[0].values():
+            one_thread(folder)
+    return folders
+
+
+def one_thread(folder: Path) -> None:
+    path = folder / "genai_config.json"
+    config = json.loads(path.read_text())
+    options = config["model"]["decoder"].setdefault("session_options", {})
+    options.update(intra_op_num_threads=1, inter_op_num_threads=1)
+    path.write_text(json.dumps(config, indent=4))
+
+
+def _genai_folders(model: nn.Module, converted: nn.Module, tokenizer, root: Path, precision: str,
+                   torch_onnx: bool) -> tuple[dict[str, Path], str] | None:
     from attnres_fx import export
-    from attnres_fx.export.genai_builder import builder_takes
+    from attnres_fx.export.genai_builder import builder_takes, write_builder_folder
 
     if precision == "int4" and builder_takes(converted, "int4", "cpu", model.config.max_position_embeddings):
         return None
@@ -490,7 +528,10 @@ def genai_folders(model: nn.Module, converted: nn.Module, tokenizer, root: Path,
                             str(folders["builder"]), "-p", precision, "-e", "cpu", "-c", str(root / "cache")],
                            capture_output=True, text=True)
     export.to_genai(converted, folders["converted"], tokenizer=tokenizer, precision=precision)
-    if precision == "fp32":
+    if not builder_takes(converted, precision, "cpu", model.config.max_position_embeddings):
+        folders["attention"] = root / "attention"
+        write_builder_folder(converted, folders["attention"], precision, "cpu", tokenizer=tokenizer, form="attention")
+    if precision == "fp32" and torch_onnx:
         folders["torch_onnx"] = export.to_genai(converted, root / "torch_onnx", tokenizer=tokenizer, graph="torch.onnx")
     if built.returncode == 0:
         return folders, "onnxruntime-genai's model builder"
@@ -513,9 +554,10 @@ def written_graph(folder: Path) -> str:
     return json.loads(written.read_text())["graph"] if written.is_file() else "builder (original)"
 
 
-def genai_runners(folders: dict[str, Path], batch: int, prompt: int, new_tokens: int) -> dict[str, Callable[[], None]]:
+def genai_runners(folders: dict[str, Path], batch: int, prompt: int, new_tokens: int) -> dict[str, Callable[[], float]]:
     """One greedy generation of exactly ``new_tokens`` tokens (EOS suppressed by the minimum length) per
-    folder, each model loaded once."""
+    folder, each model loaded once; it returns the calling thread's CPU seconds of the ``new_tokens - 1``
+    decoding steps (the first token comes with the prompt)."""
     import numpy as np
     import onnxruntime_genai as og
 
@@ -526,16 +568,32 @@ def genai_runners(folders: dict[str, Path], batch: int, prompt: int, new_tokens:
         # No special token (pad, bos, eos are 0, 1, 2): a trailing pad id would read as padding.
         tokens = np.random.default_rng(0).integers(3, vocabulary, (batch, prompt), dtype=np.int32)
 
-        def generate(model=model, tokens=tokens) -> None:
+        def generate(model=model, tokens=tokens) -> float:
             params = og.GeneratorParams(model)
             params.set_search_options(do_sample=False, batch_size=batch, max_length=prompt + new_tokens,
                                       min_length=prompt + new_tokens)
             generator = og.Generator(model, params)
             generator.append_tokens(tokens)
+            start = time.thread_time()
             while not generator.is_done():
                 generator.generate_next_token()
+            return time.thread_time() - start
         runners[variant] = generate
     return runners
+
+
+def interleaved_returned(fns: dict[str, Callable[[], float]], runs: int, warmup: int) -> dict[str, list[float]]:
+    """As :func:`attnres_fx.timing.interleaved` (round-robin, the order reversed every other round), each
+    call's time being what it returns."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    names = list(fns)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(runs):
+        for name in names if round_ % 2 == 0 else names[::-1]:
+            times[name].append(fns[name]())
+    return times
 
 
 def genai_child_memory(folder: Path, prompt: int, new_tokens: int) -> dict:
@@ -947,6 +1005,47 @@ def targets(results: dict) -> dict:
     return judged
 
 
+def genai_report(genai: dict) -> list[str]:
+    lines = [f"## onnxruntime-genai decoding ({genai['prompt']}-token prompts, {genai['new_tokens']} new tokens, "
+             "greedy, CPU)", "",
+             "Decoding tokens/s of onnxruntime-genai on each folder, one onnxruntime thread, in that thread's CPU time "
+             "(ratio to the baseline, median / max): the baseline is onnxruntime-genai's model builder on the "
+             "original model at the same precision; *per-site* is export.to_genai of the converted model (N=4, "
+             "random pseudo-queries; the builder's graph with the AttnRes pass in its default form where it "
+             "applies), *attention* the pass's attention form, *torch.onnx* export.to_genai's torch.onnx graph. "
+             "Load: the machine's 1-minute load average after the cell. Peak memory: resident set added by "
+             "loading the folder and generating a batch of 8, fresh process each.", "",
+             "| model | precision | batch | baseline tokens/s | per-site (ratio) | attention (ratio) | "
+             "torch.onnx (ratio) | load |", "|---|---|---|---|---|---|---|---|"]
+    memory_rows = []
+
+    def cell(row: dict | None) -> str:
+        return f"{row['rate']:.1f} ({row['ratio']:.3f} / {row['ratio_min']:.3f})" if row else "-"
+
+    def memory_cell(row: dict | None) -> str:
+        return f"{row['peak_delta_mb']:.1f} ({row['ratio']:.2f})" if row else "-"
+
+    for name, rows in ((n, r) for n, r in genai.items() if isinstance(r, dict)):
+        for precision in ("fp32", "int4"):
+            entry = rows.get(precision)
+            if not entry:
+                continue
+            for batch in ("batch1", "batch8"):
+                timed = entry[batch]
+                lines.append(f"| {name} | {precision} | {batch[5:]} | {timed['builder']['rate']:.1f} | "
+                             f"{cell(timed.get('converted'))} | {cell(timed.get('attention'))} | "
+                             f"{cell(timed.get('torch_onnx'))} | {timed.get('load_average', float('nan')):.1f} |")
+            m, n = entry["memory"], entry["nodes"]
+            memory_rows.append(f"| {name} | {precision} | {rows['model']} | {entry['baseline']} | "
+                               f"{m['builder']['peak_delta_mb']:.1f} | {memory_cell(m.get('converted'))} | "
+                               f"{memory_cell(m.get('attention'))} | {memory_cell(m.get('torch_onnx'))} | "
+                               f"{n['builder']} / {n['converted']} / {n.get('attention', '-')} / "
+                               f"{n.get('torch_onnx', '-')} |")
+    return lines + ["", "| model | precision | size | baseline | baseline peak MB | per-site peak MB (ratio) | "
+                    "attention peak MB (ratio) | torch.onnx peak MB (ratio) | nodes: baseline / per-site / attention / "
+                    "torch.onnx |", "|---|---|---|---|---|---|---|---|---|", *memory_rows, ""]
+
+
 def _ratio_table(rows: dict) -> list[str]:
     backends = [b for b in ("eager", "compiled", "onnx") if b in rows]
     if not backends:
@@ -1019,37 +1118,7 @@ def markdown(settings: Settings, results: dict) -> str:
         lines.append("")
     genai = results.get("genai")
     if genai:
-        lines += [f"## onnxruntime-genai generation ({genai['prompt']}-token prompts, "
-                  f"{genai['new_tokens']} new tokens, greedy, CPU)", "",
-                  "Tokens/s of onnxruntime-genai on each folder (ratio to the baseline, median / max): the baseline is "
-                  "onnxruntime-genai's model builder on the original model at the same precision; *converted* is "
-                  "export.to_genai of the converted model (N=4, random pseudo-queries; the builder's graph with the "
-                  "AttnRes pass where it applies), *torch.onnx* the same model through export.to_genai's torch.onnx "
-                  "graph. Nodes: the graph's node count. Peak memory: resident set added by loading the folder and "
-                  "generating a batch of 8, fresh process each.", "",
-                  "| family | precision | batch | baseline tokens/s | converted tokens/s (ratio) | torch.onnx tokens/s "
-                  "(ratio) |", "|---|---|---|---|---|---|"]
-        memory_rows = []
-        for family, rows in ((f, r) for f, r in genai.items() if isinstance(r, dict)):
-            for precision in ("fp32", "int4"):
-                entry = rows.get(precision)
-                if not entry:
-                    continue
-                for batch in ("batch1", "batch8"):
-                    b, c, t = (entry[batch].get(v) for v in ("builder", "converted", "torch_onnx"))
-                    torch_cell = f"{t['rate']:.1f} ({t['ratio']:.3f} / {t['ratio_min']:.3f})" if t else "-"
-                    lines.append(f"| {family} | {precision} | {batch[5:]} | {b['rate']:.1f} | {c['rate']:.1f} "
-                                 f"({c['ratio']:.3f} / {c['ratio_min']:.3f}) | {torch_cell} |")
-                m, n = entry["memory"], entry["nodes"]
-                torch_memory = (f"{m['torch_onnx']['peak_delta_mb']:.1f} ({m['torch_onnx']['ratio']:.2f})"
-                                if "torch_onnx" in m else "-")
-                memory_rows.append(f"| {family} | {precision} | {rows['model']} | {entry['baseline']} | "
-                                   f"{m['builder']['peak_delta_mb']:.1f} | {m['converted']['peak_delta_mb']:.1f} "
-                                   f"({m['converted']['ratio']:.2f}) | {torch_memory} | {n['builder']} / "
-                                   f"{n['converted']} / {n.get('torch_onnx', '-')} |")
-        lines += ["", "| family | precision | model | baseline | baseline peak MB | converted peak MB (ratio) | "
-                  "torch.onnx peak MB (ratio) | nodes: baseline / converted / torch.onnx |",
-                  "|---|---|---|---|---|---|---|---|", *memory_rows, ""]
+        lines += genai_report(genai)
     stages = results.get("stages")
     if stages:
         lines += [f"## Pipeline stages and the state between blocks ({stages['shape']})", "",
@@ -1247,6 +1316,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     parser.add_argument("--child-memory", nargs=2, metavar=("VARIANT", "MODE"), help=argparse.SUPPRESS)
     parser.add_argument("--child-genai", nargs=3, metavar=("FOLDER", "PROMPT", "NEW"), help=argparse.SUPPRESS)
     parser.add_argument("--config", choices=("full", "quick"), default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--genai-entries", default=None,
+                        help=f"subset of the genai section's models ({','.join(GENAI['full']['entries'])})")
     args = parser.parse_args(argv)
     config_name = args.config or ("quick" if args.quick else "full")
     settings = QUICK if config_name == "quick" else FULL
@@ -1277,7 +1348,8 @@ def main(argv: list[str] | None = None) -> dict | None:
                "first_call": lambda: first_call_section(settings),
                "stages": lambda: stages_section(settings),
                "decode": lambda: decode_section(settings, backends),
-               "genai": lambda: genai_section(settings, config_name),
+               "genai": lambda: genai_section(settings, config_name,
+                                              args.genai_entries.split(",") if args.genai_entries else None),
                "memory": lambda: memory_section(settings, config_name),
                "deep_train": lambda: deep_train_section(settings),
                "op": lambda: op_section(settings, torch.device(args.device)),

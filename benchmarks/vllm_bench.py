@@ -5,12 +5,13 @@ greedy, every engine on vLLM's default (compiled) path.
     $(bash .ci/vllm-venv)/bin/python benchmarks/vllm_bench.py [--repeats N]
 
 Variants, each an engine of its own (``vllm.LLM``, its engine core in a process of its own), all started
-first, then measured in turn, REPEATS times: ``original``, the original folder as vLLM serves it by default
-(its own Llama implementation); ``original_transformers``, the same folder on vLLM's Transformers backend
-(``model_impl="transformers"``), which serves the converted folder too; ``converted``, the converted folder
-(the attnres_fx plugin's class: the Transformers backend, its graph rewritten by the conversion's plan).
-The ratios are medians of each repeat's ratios: converted / original is what a user gets, converted /
-original_transformers what AttnRes itself costs."""
+first, then measured in turn (each repeat starting with the next engine), REPEATS times: ``original``, the
+original folder as vLLM serves it by default (its own Llama implementation); ``original_transformers``, the
+same folder on vLLM's Transformers backend (``model_impl="transformers"``), which serves converted folders of
+the architectures vLLM's own classes do not take; ``converted``, the converted folder on its default route
+(the attnres_fx plugin's ``AttnResLlamaForCausalLM``: vLLM's own Llama, its graph rewritten by the saved
+plan). The ratios are medians of each repeat's ratios: converted / original is what a user gets and what
+AttnRes itself costs, converted / original_transformers compares with the Transformers backend."""
 
 import argparse
 import json
@@ -75,8 +76,12 @@ def main() -> None:
         for llm in engines.values():
             measure(llm, -1)                                             # warm-up
         rows = []
+        names = list(engines)
         for repeat in range(args.repeats):
-            rows.append({name: measure(llm, repeat) for name, llm in engines.items()})
+            # Each repeat starts with another engine, so that none is always measured first or last.
+            order = names[repeat % len(names):] + names[:repeat % len(names)]
+            measured = {name: measure(engines[name], repeat) for name in order}
+            rows.append({name: measured[name] for name in names})
             print(json.dumps(rows[-1]), flush=True)
     for name in VARIANTS:
         print(f"{name}: {statistics.median(r[name]['tokens_per_s'] for r in rows):.0f} tokens/s, time to first "

@@ -24,9 +24,9 @@ blocks and the partial, then that norm without the skip. Two forms (``rewrite(fo
 
 - ``"per_site"`` (the default; any precision): the sources kept stacked ``[batch, sequence, sources,
   hidden]`` (a block is stacked once, when its last partial is), each aggregation one ``Concat``, the
-  key RMSNorm, a ``MatMul`` with the pseudo-query, a ``Softmax`` over sources (weights below
-  ``NEGLIGIBLE_WEIGHT`` of the largest zeroed, as in every implementation: Note [negligible weights] in
-  :mod:`attnres_fx.op.aggregation`) and the weighted sum (``Mul``, ``ReduceSum``): 8-9 nodes per site.
+  key RMSNorm, a ``MatMul`` with the pseudo-query, a ``Softmax`` over sources and the weighted sum
+  (``Mul``, ``ReduceSum``): 8-9 nodes per site (the 4 more that zeroed the weights below
+  ``NEGLIGIBLE_WEIGHT`` cost 5-10% of the decoding speed at hidden 256; see the end of this docstring).
   Softmax and sums run in fp32; an fp16 graph casts each branch output up and each aggregate down. The
   sources are scored afresh at every site: at a decoding step's few sources the two-phase schedule's
   merge would add more nodes than it saves arithmetic.
@@ -45,10 +45,13 @@ blocks and the partial, then that norm without the skip. Two forms (``rewrite(fo
   0.94 of the builder's original tokens/s at fp32 and 0.79 at int4, against the per-site form's 0.87 and
   0.67), but takes more memory through a prompt: batch 8 after 128-token prompts at hidden 1024 x 16
   layers, int4, 1.59x the builder's original's peak over the process (1.24x after 32-token prompts), the
-  per-site form 1.16x (1.08x). Its softmax keeps the weights below ``NEGLIGIBLE_WEIGHT``: their
-  terms are below fp32's round-off of the sum (the note above), and inference has no backward they slow.
+  per-site form 1.16x (1.08x).
 
-Both compute Block AttnRes to fp32 round-off (tests/test_genai_builder.py).
+Neither form zeroes the softmax weights below ``NEGLIGIBLE_WEIGHT`` (2^-32) of the largest, which the other
+implementations do (Note [negligible weights] in :mod:`attnres_fx.op.aggregation`): their terms are below
+fp32's round-off of the sum, and inference has no backward they slow.
+
+Both compute Block AttnRes to fp32 round-off (tests/export/test_genai_builder.py).
 """
 
 from __future__ import annotations
@@ -59,7 +62,6 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from attnres_fx.op.aggregation import NEGLIGIBLE_WEIGHT
 from attnres_fx.errors import StreamMismatchError
 from attnres_fx.passes.plan import Plan, Site
 
@@ -267,8 +269,7 @@ def rewrite(model: onnx.ModelProto, plan: Plan, aggregations: list[Aggregation],
         replacements, initializers = _depth_attention(graph, stream, block_size, aggregations)
         _require_opset(model, ATTENTION_OPSET)
     else:
-        opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
-        replacements, initializers = _per_site(graph, stream, block_size, aggregations, _Builder(stream_type, opset))
+        replacements, initializers = _per_site(graph, stream, block_size, aggregations, _Builder(stream_type))
     nodes = []
     for node in graph.node:
         nodes.extend(replacements.get(node.name, [node]))
@@ -285,7 +286,7 @@ def _depth_attention(graph: onnx.GraphProto, stream: GraphStream, block_size: in
     by_name = {node.name: node for node in graph.node}
     producers = {out: node for node in graph.node for out in node.output if out}
     rows = _row_sublayers(graph, stream, producers, _consumers(graph))
-    builder = _Builder(TensorProto.FLOAT, ATTENTION_OPSET)
+    builder = _Builder(TensorProto.FLOAT)
     eps = aggregations[0].eps
     hidden = aggregations[0].query.size
     # Each pseudo-query carries its key norm's gain: w . (g * k) = (w * g) . k, so a source's normalised key
@@ -455,7 +456,7 @@ def _per_site(graph: onnx.GraphProto, stream: GraphStream, block_size: int, aggr
         keys = builder.node("SimplifiedLayerNormalization", [stacked, key_norm], "keys", axis=-1,
                             epsilon=aggregation.eps)
         logits = builder.node("MatMul", [keys, builder.constant(aggregation.query.reshape(-1, 1), "query")], "logits")
-        weights = builder.negligible_to_zero(builder.node("Softmax", [logits], "softmax", axis=2))
+        weights = builder.node("Softmax", [logits], "softmax", axis=2)
         weighted = builder.node("Mul", [stacked, weights], "weighted")
         total = builder.node("ReduceSum", [weighted, builder.axes()], "aggregate", keepdims=0)
         if aggregation.preserve_scale:
@@ -502,9 +503,8 @@ def _stream_type(graph: onnx.GraphProto, stream: GraphStream) -> int:
 class _Builder:
     """New nodes and initializers, named under a prefix."""
 
-    def __init__(self, stream_type: int, opset: int):
+    def __init__(self, stream_type: int):
         self.stream_type = stream_type
-        self.opset = opset
         self.initializers: list[onnx.TensorProto] = []
         self.prefix = ""
         self.pending: list[onnx.NodeProto] = []
@@ -544,18 +544,6 @@ class _Builder:
             self._axes = "/attnres/source_axis"
             self.initializers.append(numpy_helper.from_array(np.array([2], np.int64), self._axes))
         return self._axes
-
-    def negligible_to_zero(self, weights: str) -> str:
-        """``weights`` (a softmax over the source axis) with those below ``NEGLIGIBLE_WEIGHT`` of their largest
-        exactly zero: ``exp(z - max)`` below it, as the other implementations flush."""
-        if self.opset >= 18:
-            top = self.node("ReduceMax", [weights, self.axes()], "top_weight", keepdims=1)
-        else:
-            top = self.node("ReduceMax", [weights], "top_weight", axes=[2], keepdims=1)
-        threshold = self.node("Mul", [top, self.constant(np.array(NEGLIGIBLE_WEIGHT), "negligible_weight")],
-                              "negligible_threshold")
-        negligible = self.node("Less", [weights, threshold], "negligible")
-        return self.node("Where", [negligible, self.constant(np.array(0.0), "zero"), weights], "weights")
 
     def to_fp32(self, value: str, name: str) -> str:
         if self.stream_type == TensorProto.FLOAT:

@@ -34,7 +34,7 @@ from attnres_fx.integrations.hf import CONFIG_ATTRIBUTE
 from .builder_stream import Aggregation, rewrite
 from .failures import reraise_as_export_error
 
-# The architectures whose builder graph the pass is checked on (tests/test_genai_builder.py); others take
+# The architectures whose builder graph the pass is checked on (tests/export/test_genai_builder.py); others take
 # the torch.onnx path. Mistral's and Gemma 2's builder graphs keep a sliding window in their cache, which
 # onnxruntime-genai 0.18 fails on once the window slides: only a window no shorter than the context takes
 # the builder. Not taken: Gemma 3 (0.18's builder cannot read transformers' config, a rope per layer type),

@@ -7,7 +7,9 @@ the regions again (:class:`~attnres_fx.passes.checkpoints.CloseCheckpoints`).
 - the layer route: one layer's own graph (:class:`LayerTarget`), its one stream matched against the
   layer's planned sites (:func:`~attnres_fx.passes.plan.match_layer`), the stream's state entering as
   placeholders and leaving as extra outputs (:class:`~attnres_fx.passes.rewrite.StreamSpan`);
-- explicit graphs (:func:`attnres_fx.rewrite`) and the conversion's trial rewrite: as the model route.
+- explicit graphs (:func:`attnres_fx.rewrite`) and the conversion's trial rewrite: as the model route;
+- a graph of another implementation of the converted model (an inference engine's own classes, ``in_order``):
+  its one stream matched to the plan by the order of its sites (:func:`~attnres_fx.passes.plan.match_in_order`).
 
 Contract
     requires  a GraphModule the caller owns (a copy of a Dynamo graph: Dynamo's own must not change), the
@@ -33,7 +35,7 @@ from .checkpoints import CloseCheckpoints, OpenCheckpoints
 from .detect import detect_residual_streams
 from .layers import LayerSpan
 from .node_kinds import is_stream_op
-from .plan import Plan, StreamPlan, match_layer, match_streams
+from .plan import Plan, StreamPlan, match_in_order, match_layer, match_streams
 from .rewrite import BlockAttnResRewrite, Emitter, Entry, StreamSpan
 
 
@@ -62,15 +64,16 @@ class Rewritten:
 
 def rewrite_captured(graph_module: fx.GraphModule, plan: Plan, emitter: Callable[[fx.GraphModule], Emitter], *,
                      where: str, prefix: str = "", within: str = "", layer: LayerTarget | None = None,
-                     carriers: bool = False) -> Rewritten:
+                     carriers: bool = False, in_order: bool = False) -> Rewritten:
     """Rewrite ``graph_module`` in place; see the module docstring. ``carriers``: a graph of a whole call
     keeps the layer route's carriers for its layer-routed streams (what reads the stream between blocks
     reads the plain residual sum, as when the blocks run their own graphs). ``prefix`` / ``within``: where
     the captured module sits in the converted model, and the model in the captured module
-    (:func:`~attnres_fx.passes.plan.signature`). The passes run in order, each checking its contract,
+    (:func:`~attnres_fx.passes.plan.signature`). ``in_order``: the graph is another implementation's (see
+    the module docstring). The passes run in order, each checking its contract,
     and the graph is linted after each."""
     opening = OpenCheckpoints()
-    rewriting = _RewriteStreams(plan, emitter, where, prefix, within, layer, carriers)
+    rewriting = _RewriteStreams(plan, emitter, where, prefix, within, layer, carriers, in_order)
     for step in (opening, rewriting, CloseCheckpoints(opening)):
         step(graph_module)
         graph_module.graph.lint()
@@ -84,18 +87,20 @@ class _RewriteStreams(PassBase):
     value inside them)."""
 
     def __init__(self, plan: Plan, emitter: Callable[[fx.GraphModule], Emitter], where: str, prefix: str,
-                 within: str, layer: LayerTarget | None, carriers: bool):
+                 within: str, layer: LayerTarget | None, carriers: bool, in_order: bool = False):
         super().__init__()
         self.plan, self.emitter, self.where, self.prefix, self.within, self.layer = (
             plan, emitter, where, prefix, within, layer)
         self.carriers = carriers
+        self.in_order = in_order
         self.result: Rewritten | None = None
 
     def call(self, graph_module: fx.GraphModule) -> PassResult:
         layer, where = self.layer, self.where
         if layer is None:
             detection = detect_residual_streams(graph_module)
-            matched = match_streams(detection, self.plan, prefix=self.prefix, within=self.within, where=where)
+            matched = (match_in_order(detection, self.plan, where=where) if self.in_order else
+                       match_streams(detection, self.plan, prefix=self.prefix, within=self.within, where=where))
             detection = dataclasses.replace(detection, streams=tuple(m.stream for m in matched))
             spans = [StreamSpan(m.planned, m.positions, layer=self.carriers and m.planned.route == "layer")
                      for m in matched]

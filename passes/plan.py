@@ -223,6 +223,32 @@ def _apart(found: StreamSignature, planned_layers: set[str]) -> bool:
                                  for layer in planned_layers) for owner, _ in found)
 
 
+def match_in_order(detection: Detection, plan: Plan, *, where: str) -> tuple[MatchedStream, ...]:
+    """The planned stream of the one stream detected in a capture of another implementation of the converted
+    model (an inference engine's own classes), matched site by site in order: the engine's modules are not
+    the converted model's (vLLM's Llama performs a sublayer's residual add in the next layer's input norm,
+    ``model.layers.4.input_layernorm``, not in ``model.layers.3``), so its sites are told by their order,
+    their number of branches and their kinds. :class:`~attnres_fx.StreamMismatchError` names the
+    difference otherwise."""
+    if len(plan.streams) != 1 or len(detection.streams) != 1:
+        raise StreamMismatchError(
+            f"{where}: the graph holds {len(detection.streams)} residual stream(s), the model was converted with "
+            f"{len(plan.streams)}; another implementation's graph is matched to the plan when both have one")
+    (planned,), (stream,) = plan.streams, detection.streams
+    found = [tuple(branch.kind for branch in site.branches) for site in stream.sites]
+    expected = _planned_kinds(planned)
+    if found != expected:
+        differs = next((k for k, (a, b) in enumerate(zip(found, expected)) if a != b), min(len(found), len(expected)))
+        now = found[differs] if differs < len(found) else "no site"
+        planned_there = (f"{expected[differs]} at {_listed(planned, [differs])}" if differs < len(expected)
+                         else "no site")
+        raise StreamMismatchError(
+            f"{where}: the residual stream of the graph differs from the one the model was converted with: "
+            f"{len(found)} sites, planned {len(expected)}; first difference at site {differs} (found {now}, "
+            f"planned {planned_there})")
+    return (MatchedStream(planned, tuple(range(len(found))), stream),)
+
+
 def match_layer(detection: Detection, planned: StreamPlan, span: LayerSpan, *, where: str) -> tuple:
     """The stream of a layer-routed module's own graph (its sites are those of ``span``) and the planned
     position of each of its sites; :class:`~attnres_fx.StreamMismatchError` naming the difference

@@ -110,7 +110,7 @@ def _served():
 
 
 def _run_in_the_vllm_venv():
-    pytest.skip("the vLLM block runs in vLLM's venv, as written: tests/test_vllm.py (make test-vllm)")
+    pytest.skip("the vLLM block runs in vLLM's venv, as written: tests/serving/test_vllm.py (make test-vllm)")
 
 
 # first line -> (setup, replacements, what must hold afterwards)

@@ -350,15 +350,28 @@ def mlp(dim=DIM):
     return MLP(TinyConfig(dim=dim, mlp_ratio=2))
 
 
-class ReshapedMLPLayer(nn.Module):
+class AttentionLayer(nn.Module):
+    """A pre-norm layer, ``x + attn(ln1(x))`` then ``+ mlp(ln2(x))``; ``mlp_layer``: its MLP half (default:
+    :func:`mlp`, built after the attention). The layers below that change its forward subclass it."""
+
+    def __init__(self, mlp_layer=None, dim=DIM):
+        super().__init__()
+        self.ln1, self.attn, self.ln2 = nn.LayerNorm(dim), attention(dim), nn.LayerNorm(dim)
+        self.mlp = mlp(dim) if mlp_layer is None else mlp_layer
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class ReshapedMLPLayer(AttentionLayer):
     """The MLP half runs on the tokens flattened to ``[batch * seq, d]``, the stream itself reshaped
     there and back: ``spelling`` "reshape" (``reshape(-1, d)`` / ``view(b, t, d)``) or "flatten"
     (``flatten(0, 1)`` / ``unflatten(0, (b, t))`` then ``contiguous()``)."""
 
     def __init__(self, spelling, dim=DIM):
-        super().__init__()
+        super().__init__(dim=dim)
         self.spelling = spelling
-        self.ln1, self.attn, self.ln2, self.mlp = nn.LayerNorm(dim), attention(dim), nn.LayerNorm(dim), mlp(dim)
 
     def forward(self, x):
         x = x + self.attn(self.ln1(x))
@@ -434,13 +447,12 @@ class MoELayer(nn.Module):
         return x + self.moe(self.ln2(x))
 
 
-class DropoutLayer(nn.Module):
+class DropoutLayer(AttentionLayer):
     """Dropout on a branch output and on the stream, a dtype round trip on a branch output and on the
     stream between the sites."""
 
     def __init__(self, dim=DIM, p=0.2):
-        super().__init__()
-        self.ln1, self.attn, self.ln2, self.mlp = nn.LayerNorm(dim), attention(dim), nn.LayerNorm(dim), mlp(dim)
+        super().__init__(dim=dim)
         self.drop = nn.Dropout(p)
 
     def forward(self, x):
@@ -582,23 +594,9 @@ class CastResidualLayer(nn.Module):
         return residual + self.mixer(self.norm(x))
 
 
-class AttentionLayer(nn.Module):
-    def __init__(self, mlp_layer, dim=DIM):
-        super().__init__()
-        self.ln1, self.attn, self.ln2, self.mlp = nn.LayerNorm(dim), attention(dim), nn.LayerNorm(dim), mlp_layer
-
-    def forward(self, x):
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
-class InputSumLayer(nn.Module):
+class InputSumLayer(AttentionLayer):
     """``h + mlp(norm(h + attn(ln(h))))``: an attention output added to the stream only as the input of
     the MLP that follows, one residual add per layer (Zamba2's hybrid layers)."""
-
-    def __init__(self, dim=DIM):
-        super().__init__()
-        self.ln1, self.attn, self.ln2, self.mlp = nn.LayerNorm(dim), attention(dim), nn.LayerNorm(dim), mlp(dim)
 
     def forward(self, x):
         return x + self.mlp(self.ln2(x + self.attn(self.ln1(x))))
@@ -642,13 +640,12 @@ class SkipStack(LayerStack):
         return self.head(self.norm(x))
 
 
-class ScaledAddLayer(nn.Module):
+class ScaledAddLayer(AttentionLayer):
     """``torch.add(x, f(x), alpha=alpha)``: a residual add whose branch is scaled by ``alpha``."""
 
     def __init__(self, alpha, dim=DIM):
-        super().__init__()
+        super().__init__(dim=dim)
         self.alpha = alpha
-        self.ln1, self.attn, self.ln2, self.mlp = nn.LayerNorm(dim), attention(dim), nn.LayerNorm(dim), mlp(dim)
 
     def forward(self, x):
         x = x + self.attn(self.ln1(x))

@@ -103,3 +103,32 @@ def intermediate_tensors_factory(keys: list[str], hidden_size: int):
     from vllm.model_executor.models.utils import make_empty_intermediate_tensors_factory
 
     return make_empty_intermediate_tensors_factory(keys, hidden_size)
+
+
+# vLLM's own implementations the plugin serves converted folders on, by the architecture name of a folder's
+# config.json: vLLM 0.32's module under vllm.model_executor.models and class name (its registry's
+# _TEXT_GENERATION_MODELS entries). Each is one whose graph holds the residual stream as plain adds on the
+# CPU build: its RMSNorm's fused add and norm runs as the IR op's native implementation, plain ops, where
+# the compiled path takes it (ir_enable_torch_wrap off, custom op "none").
+NATIVE_CLASSES = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("mistral", "MistralForCausalLM"),
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+}
+
+
+def native_class(architecture: str):
+    """vLLM's own class for ``architecture`` (a key of :data:`NATIVE_CLASSES`)."""
+    import importlib
+
+    module, name = NATIVE_CLASSES[architecture]
+    return getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), name)
+
+
+def runs_compiled(vllm_config) -> bool:
+    """Whether vLLM captures the decorated decoder with TorchDynamo (vLLM 0.32: any compilation mode but
+    ``NONE``, which ``enforce_eager=True`` sets)."""
+    from vllm.config import CompilationMode
+
+    return vllm_config.compilation_config.mode != CompilationMode.NONE

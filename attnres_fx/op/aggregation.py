@@ -37,12 +37,13 @@ STACKED_MAX_ELEMENTS = 16_384
 # ~~~~~~~~~~~~~~~~~~~~~~~~~
 # Inside every softmax over sources, an exponential exp(z_i - max_j z_j) below NEGLIGIBLE_WEIGHT (the
 # weight relative to the largest of that softmax) is exactly zero, in every implementation (C++, Triton,
-# these ops, ONNX) but onnxruntime's Attention op in the serving graph's optional attention form
-# (export/builder_stream.py: inference only, no gradients to slow down). Why: with pseudo-queries of
-# std 1 and more the softmax saturates, weights such as e^-100 are subnormal floats, and so are the gradients they scale
-# (p_i * g); CPUs compute on subnormals some 6x slower, and the backward matmuls of a whole model slow down with them.
-# Flushing the global floating-point mode (torch.set_flush_denormal) would change every other computation of the
-# process. Why 2^-32 is exact: a dropped term p_i v_i is below 2^-32 |v_i| / |v_max| of the largest-weighted term,
+# these ops, ONNX) but the pass on onnxruntime-genai's builder graph (export/builder_stream.py: inference
+# only, no gradients to slow down, and 4 nodes per site cost its decoding 5-10%). Why: with pseudo-queries
+# of std 1 and more the softmax saturates, weights such as e^-100 are subnormal floats, and so are the gradients
+# they scale (p_i * g); CPUs compute on subnormals some 6x slower, and the backward matmuls of a whole model slow
+# down with them. Flushing the global floating-point mode (torch.set_flush_denormal) would change every other
+# computation of the process. Why 2^-32 is exact: a dropped term p_i v_i is below 2^-32 |v_i| / |v_max| of the
+# largest-weighted term,
 # so under half an ulp (2^-24 relative) of it unless source i is over 2^8 = 256x larger than that source,
 # and fp32 already rounds the sum at one ulp of its largest term; its share of the normalising sum is
 # at most 8 * 2^-32 < 2^-28 for 9 sources. A kept weight is at least 2^-32 / K of the total, so its

@@ -108,7 +108,7 @@ class BlockAttnRes(nn.Module):
     key scale and its dot product with the (norm-folded) pseudo-query; the softmax over the few sources
     works on per-token scalars only (running max, exponentials, their sum), and the weighted sum is one
     more pass with the normalisation (and ``preserve_scale``) folded into the per-source weights. Under
-    Inductor on CPU the module is one kernel with no full-size temporary (tests/test_kernels.py); it
+    Inductor on CPU the module is one kernel with no full-size temporary (tests/op/test_kernels.py); it
     reads each source twice (logits, then weighted sum), which bounds it at about (k + 1) / (2k + 1) of
     a single streaming read of its k sources when memory-bound.
 

@@ -33,6 +33,7 @@ from ..capture.tracers import copy_graph_module
 from ..conversion import conversion_of, require
 from ..errors import PassContractError, RoutingError
 from ..passes.pipeline import rewrite_captured
+from ..passes.plan import Plan
 from ..passes.rewrite import Emitter
 
 LOG = logging.getLogger("attnres_fx")
@@ -83,8 +84,17 @@ class DeclaredParameters(Emitter):
 def rewritten(model: nn.Module, graph_module: fx.GraphModule) -> fx.GraphModule:
     """A copy of the host's graph ``graph_module`` of a call of ``model`` with the AttnRes rewrite applied."""
     conversion = conversion_of(model)
-    where = f"{type(model).__name__} ({conversion.host}'s graph)"
-    copied = copy_graph_module(graph_module, type(model).__name__)
+    return rewritten_by(conversion.plan, graph_module, type(model).__name__,
+                        f"{type(model).__name__} ({conversion.host}'s graph)")
+
+
+def rewritten_by(plan: Plan, graph_module: fx.GraphModule, name: str, where: str, *,
+                 in_order: bool = False) -> fx.GraphModule:
+    """A copy of a host's graph ``graph_module`` of a call of a model of class ``name`` rewritten by
+    ``plan`` (``where``: how errors name the graph). ``in_order``: the graph is another
+    implementation's of the converted model (an inference engine's own classes, whose modules the plan does
+    not name), its stream matched to the plan by the order of its sites, and rewritten whole."""
+    copied = copy_graph_module(graph_module, name)
     declared = {}
     for node in list(copied.graph.nodes):
         if node.op == "call_function" and node.target in (torch.ops.attnres.site_parameters,
@@ -93,9 +103,8 @@ def rewritten(model: nn.Module, graph_module: fx.GraphModule) -> fx.GraphModule:
             declared.setdefault(site, (proj, norm))
             copied.graph.erase_node(node)
     name_written_values(copied.graph)
-    plan = conversion.plan
     rewrite_captured(copied, plan, lambda gm: DeclaredParameters(declared, plan.eps, plan.preserve_scale),
-                     where=where, carriers=True)
+                     where=where, carriers=not in_order, in_order=in_order)
     copied.recompile()
     return copied
 

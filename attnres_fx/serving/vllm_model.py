@@ -41,7 +41,7 @@ class _Converted:
     """What the converted classes add to vLLM's Transformers-backend classes."""
 
     def __init__(self, *, vllm_config, prefix: str = ""):
-        _check_compilation(vllm_config)
+        check_compilation(vllm_config)
         # The decoder's compiled forward is made while the Hugging Face model is built, before it is converted:
         # its backend rewrites each graph with the conversion the model has by the time it is compiled.
         with compat_vllm.backends_wrapped(vllm_config, self._rewriting):
@@ -93,6 +93,13 @@ class AttnResMoEForCausalLM(_Converted, TransformersMoEForCausalLM):
     """A converted mixture of experts: ``TransformersMoEForCausalLM`` with the AttnRes conversion."""
 
 
+def transformers_class(model_config) -> type:
+    """The converted class on the Transformers backend vLLM would serve ``model_config`` with."""
+    from .vllm_plugin import ARCHITECTURES
+
+    return globals()[ARCHITECTURES[compat_vllm.transformers_backend_class(model_config)][0]]
+
+
 class _Stage:
     """This process's pipeline stage of the stream: where its first block begins (``entry``, residual site;
     ``None`` on the first stage) and the block sums it receives there, as ``IntermediateTensors`` keys
@@ -137,7 +144,7 @@ class _Stage:
         handed.tensors.update({key: tensor[0] for key, tensor in zip(keys, (*blocks, partial))})
 
 
-def _check_compilation(vllm_config) -> None:
+def check_compilation(vllm_config) -> None:
     if compat_vllm.compiles_whole_model(vllm_config):
         raise UnsupportedArchitectureError(
             f"{vllm_config.model_config.model}: compilation mode STOCK_TORCH_COMPILE compiles the whole vLLM model "

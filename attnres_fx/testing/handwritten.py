@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attnres_fx.models import ScaledNorm
+
 
 @dataclass(frozen=True)
 class HandwrittenConfig:
@@ -30,12 +32,7 @@ class HandwrittenConfig:
         return self.hidden or -(-(8 * self.dim // 3) // 32) * 32
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
+class RMSNorm(ScaledNorm):
     def forward(self, x):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 

@@ -302,31 +302,6 @@ def test_rewritten_graph_computes_block_attnres(form, block_size, row_by_row, pr
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
 
 
-@pytest.mark.parametrize("opset", [17, 21])
-def test_negligible_softmax_weights_are_zero_in_the_builder_graph(opset):
-    """As in every implementation of the aggregation (Note [negligible weights] in attnres_fx/op/aggregation.py):
-    exp(logit - max) below NEGLIGIBLE_WEIGHT is zero, the others the softmax's; both forms of ReduceMax."""
-    from onnx.reference import ReferenceEvaluator
-
-    from attnres_fx.op.aggregation import NEGLIGIBLE_WEIGHT
-
-    builder = builder_stream._Builder(TensorProto.FLOAT, opset)
-    builder.begin("/attnres/site")
-    softmax = builder.node("Softmax", ["logits"], "softmax", axis=2)
-    weights = builder.negligible_to_zero(softmax)
-    graph = helper.make_graph(builder.end(), "flush", [helper.make_tensor_value_info("logits", TensorProto.FLOAT,
-                                                                                     [1, 1, 5, 1])],
-                              [helper.make_tensor_value_info(weights, TensorProto.FLOAT, [1, 1, 5, 1])],
-                              initializer=builder.initializers)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-    gap = -np.log(NEGLIGIBLE_WEIGHT)
-    logits = np.array([0.0, -10.0, -(gap - 0.5), -(gap + 0.5), -100.0], np.float32).reshape(1, 1, 5, 1)
-    got = ReferenceEvaluator(model).run(None, {"logits": logits})[0].ravel()
-    softmax = np.exp(logits.ravel()) / np.exp(logits.ravel()).sum()
-    np.testing.assert_array_equal(got[3:], 0.0)
-    np.testing.assert_allclose(got[:3], softmax[:3], rtol=1e-6)
-
-
 # --- the builder's folders ----------------------------------------------------------------------------
 
 def converted(family: str = "llama", **config) -> torch.nn.Module:

@@ -13,7 +13,7 @@ import torch
 
 from conftest import load_script
 
-COMPARE = Path(__file__).resolve().parent.parent / "benchmarks" / "compare.py"
+COMPARE = Path(__file__).resolve().parents[2] / "benchmarks" / "compare.py"
 
 
 def _module():

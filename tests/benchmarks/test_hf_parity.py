@@ -15,7 +15,7 @@ from attnres_fx.testing.hf_parity import describe_failure  # noqa: E402
 
 pytest_plugins = ("pytester",)
 
-BENCHMARK = Path(__file__).resolve().parent.parent / "benchmarks" / "hf_parity.py"
+BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "hf_parity.py"
 
 # A model test file as transformers' own are written: tiny models built from a config, called, checked.
 MODEL_TESTS = textwrap.dedent('''
@@ -203,7 +203,7 @@ def test_the_architectures_table_reads_the_parity_summary(tmp_path):
     directory transformers tests a model class in; an architecture not run says so."""
     from conftest import load_script
 
-    architectures = load_script(Path(__file__).resolve().parent.parent / "benchmarks" / "architectures.py",
+    architectures = load_script(Path(__file__).resolve().parents[2] / "benchmarks" / "architectures.py",
                                 "attnres_architectures")
     summary = {"architectures": [{"architecture": "t5", "passed_original": 268, "passed_converted": 260},
                                  {"architecture": "llama", "passed_original": 170, "passed_converted": 169}]}

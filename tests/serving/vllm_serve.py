@@ -1,7 +1,7 @@
 """Serves a folder with vLLM and prints what it generated, as JSON: what a user runs, with no import of
-attnres_fx (vLLM loads its plugin through the entry point). Used by tests/test_vllm.py, one engine per run.
+attnres_fx (vLLM loads its plugin through the entry point). Used by tests/serving/test_vllm.py, one engine per run.
 
-    python tests/vllm_serve.py REQUEST.json   # {"folder", "prompts", "max_tokens", "engine": {LLM kwargs}}
+    python tests/serving/vllm_serve.py REQUEST.json   # {"folder", "prompts", "max_tokens", "engine": {LLM kwargs}}
 """
 
 import json

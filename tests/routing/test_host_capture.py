@@ -3,7 +3,11 @@ as one Dynamo graph and compiles it with its own backend, wrapped by ``rewriting
 plugin does). Checked here with Dynamo and eager backends, no inference engine: the host's graph computes
 what the converted model computes, also where the host replaced the model's layers by operators that
 write their results into tensors allocated for them (vLLM's CPU GEMM); a graph compiled without the
-rewrite refuses to run; without a host, a fullgraph compile is still refused."""
+rewrite refuses to run; without a host, a fullgraph compile is still refused; a graph of another
+implementation of the converted model (an engine's own classes, vLLM's fused add and norm) is rewritten by
+the plan, its stream matched site by site in order."""
+
+import copy
 
 import pytest
 import torch
@@ -127,3 +131,98 @@ def test_without_a_host_a_fullgraph_compile_is_still_refused():
     model = converted_model()
     with torch.no_grad(), pytest.raises(attnres_fx.ForeignCompileError):
         torch.compile(model.forward, fullgraph=True, backend="eager")(example_ids(model.config))
+
+
+# -- another implementation of the same model: vLLM's own classes ------------------------------------------------
+
+class FusedAddNorm(nn.Module):
+    """vLLM's RMSNorm called with the residual: the sublayer's output added to the stream inside the norm."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, x, residual=None):
+        if residual is None:
+            return self.norm(x)
+        x = x + residual
+        return self.norm(x), x
+
+
+class DeferredBlock(nn.Module):
+    """vLLM's decoder layer form: each sublayer's output is handed on beside the stream, and added to it by the
+    next norm (the next layer's, or the final one), so that no add sits in the module the plan names."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.ln1, self.attn = FusedAddNorm(block.ln1), block.attn
+        self.ln2, self.mlp = FusedAddNorm(block.ln2), block.mlp
+
+    def forward(self, x, residual):
+        if residual is None:
+            residual, x = x, self.ln1(x)
+        else:
+            x, residual = self.ln1(x, residual)
+        x, residual = self.ln2(self.attn(x), residual)
+        return self.mlp(x), residual
+
+
+class DeferredTiny(nn.Module):
+    """TinyTransformer as an engine writes it, with the converted model's AttnRes modules registered under their
+    names and declared when its first block runs."""
+
+    def __init__(self, original: nn.Module, converted: nn.Module):
+        super().__init__()
+        self.tok_emb, self.pos_emb, self.head = original.tok_emb, original.pos_emb, original.head
+        self.blocks = nn.ModuleList(DeferredBlock(block) for block in original.blocks)
+        self.ln_f = FusedAddNorm(original.ln_f)
+        sites = attnres_fx.sites(converted)
+        for site in sites:
+            parent, _, attribute = site.name.rpartition(".")
+            self.get_submodule(parent).register_module(attribute, converted.get_submodule(site.name))
+        self.blocks[0].register_forward_pre_hook(lambda module, args: host.declare(self, sites))
+
+    def forward(self, ids):
+        x = self.tok_emb(ids) + self.pos_emb(torch.arange(ids.shape[1]))
+        residual = None
+        for block in self.blocks:
+            x, residual = block(x, residual)
+        return self.head(self.ln_f(x, residual)[0])
+
+
+def twins(num_layers: int = 2):
+    """A converted TinyTransformer and the same weights as an engine's implementation."""
+    torch.manual_seed(0)
+    original = TinyTransformer(TinyConfig(dim=32, num_layers=num_layers)).eval()
+    engine_copy = copy.deepcopy(original)
+    converted = randomise_pseudo_queries(attnres_fx.attnresify(original, block_size=2))
+    return converted, DeferredTiny(engine_copy, converted)
+
+
+def compiled_in_order(engine: nn.Module, plan) -> nn.Module:
+    def rewriting(graph, example_inputs):
+        return host.rewritten_by(plan, graph, "DeferredTiny", "DeferredTiny (test's graph)", in_order=True).forward
+    return torch.compile(engine, fullgraph=True, dynamic=True, backend=rewriting)
+
+
+def test_another_implementations_graph_computes_what_the_converted_model_computes():
+    converted, engine = twins()
+    ids = example_ids(converted.config, seq=12)
+    torch.manual_seed(0)
+    plain = TinyTransformer(TinyConfig(dim=32, num_layers=2)).eval()
+    with torch.no_grad():
+        compiled = compiled_in_order(engine, attnres_fx.plan_of(converted))
+        torch.testing.assert_close(compiled(ids), converted(ids), **TOLERANCE)
+        longer = example_ids(converted.config, batch=3, seq=20, seed=1)
+        torch.testing.assert_close(compiled(longer), converted(longer), **TOLERANCE)
+        assert not torch.allclose(plain(ids), converted(ids), **TOLERANCE), "the pseudo-queries change the logits"
+
+
+def test_another_implementation_with_other_sites_is_refused():
+    converted, _ = twins(num_layers=3)
+    _, engine = twins(num_layers=2)
+    # Dynamo hands on what the backend raised inside its own error.
+    with torch.no_grad(), pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as raised:
+        compiled_in_order(engine, attnres_fx.plan_of(converted))(example_ids(converted.config))
+    assert isinstance(raised.value.inner_exception, attnres_fx.StreamMismatchError)
+    assert "4 sites, planned 6; first difference at site 4" in str(raised.value.inner_exception)

@@ -15,7 +15,7 @@ import torch
 
 from attnres_fx import compat
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _pyproject_range(library: str) -> tuple[tuple[int, int], tuple[int, int]]:

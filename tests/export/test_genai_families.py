@@ -15,7 +15,7 @@ from genai_support import needs_genai
 from hf_models import needs_hf
 
 # One served folder per family, each an export and an onnxruntime-genai session of its own: integration
-# (make test keeps Llama's in tests/test_genai.py).
+# (make test keeps Llama's in tests/export/test_genai.py).
 pytestmark = [pytest.mark.integration, needs_hf, needs_genai]
 
 NEW_TOKENS = 12

@@ -12,7 +12,7 @@ from attnres_fx.timing import interleaved, median_ms
 from conftest import cold_compile, load_script
 from genai_support import needs_genai
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench.py"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench.py"
 
 
 def _module():
@@ -107,24 +107,28 @@ def test_quick_memory_and_compiled_op(tmp_path):
 @pytest.mark.timeout(600)
 @needs_genai
 def test_quick_genai_section(tmp_path):
-    """onnxruntime-genai on the model builder's folder of the original Llama and on export.to_genai's folders
-    of the converted model (the builder's graph with the pass, and torch.onnx's at fp32), fp32 and int4:
-    rates, their ratios to the builder's, node counts, peak memory."""
+    """onnxruntime-genai on the model builder's folder of the original Llama and on the folders of the
+    converted model (the builder's graph with the pass in each form, and torch.onnx's at fp32), fp32 and
+    int4: rates, their ratios to the builder's, the load beside them, node counts, peak memory."""
     results, report = _run(tmp_path, "--sections", "genai")
     llama = results["genai"]["llama"]
-    for precision, variants in (("fp32", {"builder", "converted", "torch_onnx"}), ("int4", {"builder", "converted"})):
+    for precision, variants in (("fp32", {"builder", "converted", "attention", "torch_onnx"}),
+                                ("int4", {"builder", "converted", "attention"})):
         entry = llama[precision]
         assert entry["baseline"] == "onnxruntime-genai's model builder"
         assert entry["graph"]["converted"] == "builder"
         for batch in ("batch1", "batch8"):
-            assert set(entry[batch]) == variants and entry[batch]["builder"]["ratio"] == 1.0
-            assert all(row["rate"] > 0 for row in entry[batch].values())
+            timed = dict(entry[batch])
+            assert timed.pop("load_average") >= 0
+            assert set(timed) == variants and timed["builder"]["ratio"] == 1.0
+            assert all(row["rate"] > 0 for row in timed.values())
         assert all(row["peak_delta_mb"] > 0 for row in entry["memory"].values())
         assert entry["nodes"]["converted"] > entry["nodes"]["builder"]
     assert llama["fp32"]["graph"]["torch_onnx"] == "torch.onnx"
     assert ("decode tokens/s, onnxruntime-genai, converted folder / builder's original, Llama int4 batch 8"
             in results["targets"])
-    assert "## onnxruntime-genai generation" in report and "| llama | int4 | 1 |" in report
+    assert entry["nodes"]["attention"] < entry["nodes"]["converted"]
+    assert "## onnxruntime-genai decoding" in report and "| llama | int4 | 1 |" in report
 
 
 def test_interleaved_alternates_order_and_summarise_takes_ratios():

@@ -279,7 +279,7 @@ def _train(model, steps=4):
     return losses, moved
 
 
-# Under Inductor: tests/test_training.py's unfreeze test (one training compile for the suite).
+# Under Inductor: tests/integrations/test_training.py's unfreeze test (one training compile for the suite).
 def test_an_optimizer_built_after_conversion_trains_every_multi_source_query():
     model = convert(nano(dropout=0.0)).train()
     losses, moved = _train(model)

@@ -5,7 +5,8 @@ commands that import nothing of attnres_fx: vLLM loads the plugin through its en
 
 One engine per model, on vLLM's compiled path (its capture of the decoder, the graph rewritten with AttnRes; for
 Llama compiled by Inductor, vLLM's default, for the others run by TorchDynamo's eager backend, as vLLM's own CPU
-tests do) unless said otherwise:
+tests do) unless said otherwise. Llama, Qwen3, Mistral and Qwen3-MoE are served on vLLM's own implementations
+(the graph of vLLM's class matched to the saved plan site by site), the others on vLLM's Transformers backend:
 
 - Llama: `vllm serve` on a loopback port, answering ``/v1/completions`` for 16 prompts of 1 to
   200 tokens in one request (continuous batching), then prompts again alone with prefix caching (hits read
@@ -13,10 +14,11 @@ tests do) unless said otherwise:
   run as written;
 - Qwen3, Mistral (a sliding window of 8), Gemma 2 (sliding and full layers, soft-capping), Qwen3-MoE,
   OLMo 2 (norms after the sublayers, none before) and Starcoder2 (LayerNorm with biases, a plain GELU MLP):
-  a batch of prompts through ``LLM.generate`` (tests/vllm_serve.py);
-- Llama with ``enforce_eager=True`` (attnres_fx's eager layer route);
-- Llama with tensor parallelism 2, and with pipeline parallelism 2 (its stages run eager: the
-  ``enforce_eager=True`` path), each rank a process bound to one core (gloo).
+  a batch of prompts through ``LLM.generate`` (tests/serving/vllm_serve.py);
+- Llama with ``enforce_eager=True`` (vLLM makes no graph: the Transformers backend, attnres_fx's eager layer
+  route);
+- Llama with tensor parallelism 2 (vLLM's own Llama), and with pipeline parallelism 2 (the Transformers
+  backend, its stages eager), each rank a process bound to one core (gloo).
 
 Run by ``make test-vllm`` in the vLLM venv."""
 
@@ -104,7 +106,7 @@ def references(model, batch, max_tokens) -> list[list[int]]:
 
 
 def serve(tmp_path: Path, folder: Path, batch, max_tokens: int, env: dict | None = None, **engine) -> dict:
-    """What tests/vllm_serve.py generated, and its output and log (``log``; vLLM logs to stdout)."""
+    """What tests/serving/vllm_serve.py generated, and its output and log (``log``; vLLM logs to stdout)."""
     request = tmp_path / "request.json"
     request.write_text(json.dumps({"folder": str(folder), "prompts": batch, "max_tokens": max_tokens,
                                    "engine": engine}))
@@ -115,9 +117,19 @@ def serve(tmp_path: Path, folder: Path, batch, max_tokens: int, env: dict | None
     return {**json.loads(lines[-1][len("RESULT "):]), "log": run.stdout + run.stderr}
 
 
-# What the plugin logs when vLLM compiles the converted decoder's graph, and when a stage runs it eager.
+# What the plugin logs when vLLM compiles the converted decoder's graph, when a stage runs it eager, and when a
+# folder whose architecture vLLM's own class serves goes to the Transformers backend instead.
 COMPILED = "compiled with AttnRes"
 EAGER = "runs the converted decoder eager"
+FALLBACK = "served on vLLM's Transformers backend"
+# The families served on vLLM's own implementations, by their architecture.
+NATIVE = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
+          "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
+def resolved(log: str) -> str:
+    """The architecture vLLM resolved the folder to."""
+    return re.search(r"Resolved architecture: (\w+)", log).group(1)
 
 
 # -- Llama: vLLM's OpenAI server, on its default path (one engine) ----------------------------------------------
@@ -240,8 +252,8 @@ def test_llama_chat_completions_render_the_folders_template_and_generate_what_ge
 
 def test_llama_default_path_is_vllms_compiled_graph_with_attnres(llama):
     log = llama["log"].read_text()
-    assert "Resolved architecture: AttnResForCausalLM" in log
-    assert COMPILED in log and EAGER not in log
+    assert resolved(log) == "AttnResLlamaForCausalLM"
+    assert COMPILED in log and EAGER not in log and FALLBACK not in log
 
 
 def test_llama_reference_is_not_the_original_models(llama):
@@ -252,7 +264,7 @@ def test_llama_reference_is_not_the_original_models(llama):
 
 
 def test_readme_block_serves_the_folder_as_written(llama, tmp_path):
-    readme = Path(__file__).resolve().parent.parent / "README.md"
+    readme = Path(__file__).resolve().parents[2] / "README.md"
     section = readme.read_text().split("## Serving with vLLM", 1)[1]
     block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     assert "attnres_fx" not in block.replace("# no import of attnres_fx", "")
@@ -283,15 +295,17 @@ def test_family_generates_what_generate_does(family, tmp_path):
     served = serve(tmp_path, tmp_path / family, batch, 12, env=CAPTURE_ONLY, max_model_len=128)
     assert served["batched"] == references(model, batch, 12)
     assert COMPILED in served["log"]
+    assert resolved(served["log"]) == ("AttnRes" + NATIVE[family] if family in NATIVE else "AttnResForCausalLM")
 
 
 def test_enforce_eager_generates_what_generate_does(tmp_path):
-    """enforce_eager=True: no capture, the layers take attnres_fx's eager layer route."""
+    """enforce_eager=True: no capture, so the Transformers backend serves Llama, the layers on attnres_fx's eager
+    layer route."""
     model = converted_folder("llama", tmp_path / "llama")
     batch = prompts((12, 3, 30, 7), seed=3)
     served = serve(tmp_path, tmp_path / "llama", batch, 12, max_model_len=128, enforce_eager=True)
     assert served["batched"] == references(model, batch, 12)
-    assert COMPILED not in served["log"]
+    assert COMPILED not in served["log"] and FALLBACK in served["log"]
 
 
 # -- tensor and pipeline parallelism, two processes over gloo ---------------------------------------------------
@@ -304,8 +318,9 @@ TWO_RANKS = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if len(os.sched_getaffinity(0))
 @pytest.mark.parametrize("parallel", ["tensor_parallel_size", "pipeline_parallel_size"])
 def test_two_ranks_generate_what_generate_does(parallel, tmp_path):
     """Tensor parallelism splits the layers' weights, the AttnRes ones stay whole on each rank (a [1, D]
-    query and a [D] norm weight per site); pipeline parallelism hands the completed block sums and the
-    partial sum to the next stage beside the hidden states, in vLLM's IntermediateTensors."""
+    query and a [D] norm weight per site), on vLLM's own Llama; pipeline parallelism goes to the Transformers
+    backend, which hands the completed block sums and the partial sum to the next stage beside the hidden
+    states, in vLLM's IntermediateTensors."""
     model = converted_folder("llama", tmp_path / "llama")
     batch = prompts((12, 3, 30, 7), seed=2)
     # The stages run eager: no capture to spare Inductor's builds.
@@ -313,8 +328,10 @@ def test_two_ranks_generate_what_generate_does(parallel, tmp_path):
     served = serve(tmp_path, tmp_path / "llama", batch, 12, env=env, max_model_len=128,
                    distributed_executor_backend="mp", **{parallel: 2})
     assert served["batched"] == references(model, batch, 12)
-    marker = COMPILED if parallel == "tensor_parallel_size" else EAGER
-    assert marker in served["log"]
+    if parallel == "tensor_parallel_size":
+        assert COMPILED in served["log"] and FALLBACK not in served["log"]
+    else:
+        assert EAGER in served["log"] and FALLBACK in served["log"]
 
 
 # -- refused before an engine starts --------------------------------------------------------------------------
