@@ -20,6 +20,7 @@ from torch import fx, nn
 from attnres_fx.passes.detect import Detection, detect_residual_streams
 from attnres_fx.passes.pipeline import rewrite_captured
 from attnres_fx.passes.plan import Plan, make_plan
+from attnres_fx.passes.provenance import modules_not_run
 from attnres_fx.passes.rewrite import ModuleCalls, new_modules
 
 from . import routing
@@ -100,6 +101,7 @@ def attnresify(model: nn.Module, example_inputs: Any = None, *, example_kwargs: 
         detection = detect_residual_streams(traced.graph_module)
         _check_detection(model, detection, allow_partial)
         _warn_raw_reads(detection, preserve_scale)
+        _warn_not_run(model, traced.graph_module, example_inputs is None and example_kwargs is None)
         plan = make_plan(detection, dict(model.named_modules()), num_blocks=num_blocks, block_size=block_size,
                          preserve_scale=preserve_scale, eps=eps, route=route)
         modules = new_modules(plan, like=model)
@@ -283,6 +285,19 @@ def _check_detection(model: nn.Module, detection: Detection, allow_partial: bool
     raise NoResidualStreamError(
         f"no residual stream found in {name}. Adds seen and why each was rejected:\n{seen}",
         [(r.node, r.owner, r.reason) for r in detection.rejected])
+
+
+def _warn_not_run(model: nn.Module, graph_module, dummy_inputs: bool) -> None:
+    """Name the parts of ``model`` the example call did not run: a residual stream inside them (a vision
+    tower called without images) is left as it is, so the conversion covers the model only in part."""
+    skipped = modules_not_run(graph_module, model)
+    if skipped:
+        given = "the model's dummy inputs" if dummy_inputs else "the example inputs"
+        warnings.warn(
+            f"{type(model).__name__}: the call with {given} did not run {', '.join(skipped)}; "
+            "residual streams inside stay as they are (this conversion covers what that call ran). To convert "
+            "them too, pass example inputs that run them (attnresify(model, example_kwargs={...}) with the "
+            "inputs they take).", AttnResWarning, stacklevel=3)
 
 
 def _warn_raw_reads(detection: Detection, preserve_scale: bool) -> None:

@@ -13,13 +13,14 @@ import torch
 
 def interleaved(fns: dict[str, Callable[[], object]], runs: int, warmup: int = 1,
                 device: torch.device | None = None,
-                clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
+                clock: Callable[[], float] | None = time.perf_counter) -> dict[str, list[float]]:
     """Seconds per call of each function, after ``warmup`` calls each, timed round-robin with the order
     reversed every other round. On a CUDA ``device`` each call is synchronised (kernels run
     asynchronously: the timer would stop before they finish). ``clock``: wall time by default;
     ``time.thread_time`` counts only the CPU time of the calling thread, which other work on a shared
     machine does not inflate (meaningful when torch runs on that one thread); ``time.process_time``
-    the CPU time of every thread of the process."""
+    the CPU time of every thread of the process; None: each call returns the seconds it took (a function
+    that times only part of its work)."""
     if device is not None and device.type == "cuda":
         fns = {name: _synchronised(fn, device) for name, fn in fns.items()}
     for fn in fns.values():
@@ -29,6 +30,9 @@ def interleaved(fns: dict[str, Callable[[], object]], runs: int, warmup: int = 1
     times: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(runs):
         for name in names if round_ % 2 == 0 else names[::-1]:
+            if clock is None:
+                times[name].append(fns[name]())
+                continue
             start = clock()
             fns[name]()
             times[name].append(clock() - start)

@@ -470,9 +470,8 @@ def genai_section(settings: Settings, config_name: str, entries: list[str] | Non
                 for batch in (1, 8):
                     progress(f"genai {name} {precision} batch {batch}")
                     runners = genai_runners(folders, batch, plan["prompt"], settings.decode_tokens)
-                    entry[f"batch{batch}"] = summarise(interleaved_returned(runners, max(3, settings.runs // 2),
-                                                                            settings.warmup),
-                                                       "builder", per_call=batch * (settings.decode_tokens - 1))
+                    times = interleaved(runners, max(3, settings.runs // 2), settings.warmup, clock=None)
+                    entry[f"batch{batch}"] = summarise(times, "builder", per_call=batch * (settings.decode_tokens - 1))
                     entry[f"batch{batch}"]["load_average"] = os.getloadavg()[0]
                 progress(f"genai {name} {precision} memory")
                 entry["memory"] = {variant: genai_child_memory(folder, plan["prompt"], settings.decode_tokens)
@@ -580,20 +579,6 @@ def genai_runners(folders: dict[str, Path], batch: int, prompt: int, new_tokens:
             return time.thread_time() - start
         runners[variant] = generate
     return runners
-
-
-def interleaved_returned(fns: dict[str, Callable[[], float]], runs: int, warmup: int) -> dict[str, list[float]]:
-    """As :func:`attnres_fx.timing.interleaved` (round-robin, the order reversed every other round), each
-    call's time being what it returns."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    names = list(fns)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for round_ in range(runs):
-        for name in names if round_ % 2 == 0 else names[::-1]:
-            times[name].append(fns[name]())
-    return times
 
 
 def genai_child_memory(folder: Path, prompt: int, new_tokens: int) -> dict:

@@ -41,11 +41,11 @@ blocks and the partial, then that norm without the skip. Two forms (``rewrite(fo
   normalising it is one ``SkipSimplifiedLayerNormalization``. The op needs ``[tokens, 1, hidden]`` rows:
   a sublayer of row-by-row ops (an MLP) runs on them as they are, others (attention) read the norm
   reshaped back to ``[batch, sequence, hidden]`` and give their branch reshaped to rows. 4-5 nodes per
-  site, and onnxruntime 1.32's CPU decodes faster with it (Llama of hidden 256, 8 layers, batch 1:
-  0.94 of the builder's original tokens/s at fp32 and 0.79 at int4, against the per-site form's 0.87 and
-  0.67), but takes more memory through a prompt: batch 8 after 128-token prompts at hidden 1024 x 16
-  layers, int4, 1.59x the builder's original's peak over the process (1.24x after 32-token prompts), the
-  per-site form 1.16x (1.08x).
+  site, and onnxruntime 1.32's CPU decodes a little faster with it (Llama of hidden 256, 8 layers, fp32,
+  batch 1 / 8: 0.97-1.17 / 0.98-1.03 of the builder's original tokens/s, the per-site form 0.92-1.02 /
+  0.91-0.98, one thread in its CPU time), but takes more memory through a prompt: batch 8 after
+  128-token prompts at hidden 1024 x 16 layers, int4, 1.47x the builder's original's peak over the
+  process (1.18x after 32-token prompts), the per-site form 1.14x (1.05x).
 
 Neither form zeroes the softmax weights below ``NEGLIGIBLE_WEIGHT`` (2^-32) of the largest, which the other
 implementations do (Note [negligible weights] in :mod:`attnres_fx.op.aggregation`): their terms are below

@@ -68,11 +68,11 @@ def layer_spans(stream: ResidualStream, modules: Mapping[str, nn.Module]) -> tup
     # Neighbouring sites whose modules nest are one module's: a block whose sublayers add their own
     # residuals while the block computes their norms (Bloom) is routed as the block.
     for k in range(1, len(homes)):
-        if _within(homes[k], homes[k - 1]):
+        if provenance.within(homes[k], homes[k - 1]):
             homes[k] = homes[k - 1]
-        elif _within(homes[k - 1], homes[k]):
+        elif provenance.within(homes[k - 1], homes[k]):
             j = k - 1
-            while j >= 0 and _within(homes[j], homes[k]):
+            while j >= 0 and provenance.within(homes[j], homes[k]):
                 homes[j] = homes[k]
                 j -= 1
     spans = with_opened(stream, spans_of(homes))
@@ -84,7 +84,8 @@ def layer_spans(stream: ResidualStream, modules: Mapping[str, nn.Module]) -> tup
         module = modules.get(span.owner)
         if module is None or isinstance(module, CONTAINERS):
             return Refusal(f"{span.owner} is not a module whose forward computes its residual sites")
-        enclosing = next((other for other in owners if _within(span.owner, other) and other != span.owner), None)
+        enclosing = next((other for other in owners
+                          if other != span.owner and provenance.within(span.owner, other)), None)
         if enclosing is not None:
             return Refusal(f"{span.owner} computes residual sites inside {enclosing}, which computes others")
     for previous, span in zip(spans, spans[1:]):
@@ -136,10 +137,6 @@ def _home(site) -> str:
     while home and not all(_inside(node, home) for node in nodes):
         home = home.rpartition(".")[0]
     return home
-
-
-def _within(path: str, other: str) -> bool:
-    return path == other or path.startswith(other + ".")
 
 
 def _inside(node: fx.Node, owner: str) -> bool:

@@ -78,6 +78,14 @@ class SiteMatcher:
             elif cast is not None:
                 stream_in, outputs = cast
             else:
+                scaled = self._scaled_residual(a, b)
+                if scaled is not None:
+                    product, scale = scaled
+                    return FailedMatch(lambda: (
+                        f"the stream is scaled before it is added: {product.name} multiplies it by the learned "
+                        f"{_weight_name(scale)} (a learned residual scale, h' = a * h + f(h)); Block AttnRes "
+                        "attends over the unscaled sources of a plain sum h' = h + f(h), so such a stream "
+                        "cannot be converted"))
                 return FailedMatch(lambda: "operands are independent: neither is computed from the other")
         for output in outputs:
             if not self._has_parameterised_compute(stream_in, output):
@@ -109,6 +117,19 @@ class SiteMatcher:
                 origin = origin.all_input_nodes[0]
             if origin is not residual and self.ancestry.reaches(origin, branch):
                 return origin, [branch]
+        return None
+
+    def _scaled_residual(self, a: fx.Node, b: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+        """``scale * h + f(h)`` with ``scale`` a weight (Doge's ``input_residual``): the operand that
+        multiplies the value the other is computed from by a parameter, and that parameter."""
+        for product, other in ((a, b), (b, a)):
+            if nk.op_name(product) not in nk.MUL_OPS:
+                continue
+            factors = product.all_input_nodes
+            weights = [f for f in factors if f in self.param_derived]
+            values = [f for f in factors if f not in self.param_derived]
+            if weights and len(values) == 1 and self.ancestry.reaches(values[0], other):
+                return product, weights[0]
         return None
 
     def _parallel_form(self, a: fx.Node, b: fx.Node):
@@ -217,3 +238,11 @@ def stream_source(stream_in: fx.Node, gm: fx.GraphModule) -> tuple[fx.Node, tupl
         passed.append(node)
         node = node.all_input_nodes[0]
     return node, tuple(reversed(passed))
+
+
+def _weight_name(node: fx.Node) -> str:
+    """A weight's name as the model spells it (``model.layers.0.input_residual``) where the graph holds it
+    by name (``get_attr``), else its node's."""
+    while node.op != "get_attr" and len(node.all_input_nodes) == 1:
+        node = node.all_input_nodes[0]
+    return f"parameter {node.target}" if node.op == "get_attr" else f"weight {node.name}"

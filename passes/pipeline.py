@@ -101,6 +101,7 @@ class _RewriteStreams(PassBase):
             detection = detect_residual_streams(graph_module)
             matched = (match_in_order(detection, self.plan, where=where) if self.in_order else
                        match_streams(detection, self.plan, prefix=self.prefix, within=self.within, where=where))
+            detection = dataclasses.replace(detection, streams=tuple(m.stream for m in matched))
             spans = [StreamSpan(m.planned, m.positions, layer=self.carriers and m.planned.route == "layer")
                      for m in matched]
         else:

@@ -31,6 +31,7 @@ Worked example: 2 layers of attention + MLP (4 sites), ``block_size=2``::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ from attnres_fx.text import format_table
 from . import node_kinds as nk
 from .detect import Detection, ResidualStream, require_dim
 from .layers import CONTAINERS, LayerSpan, Refusal, layer_spans
+from . import provenance
 from .provenance import owner_path
 
 DEFAULT_NUM_BLOCKS = 8
@@ -175,12 +177,15 @@ class MatchedStream:
 
     planned: StreamPlan
     positions: tuple[int, ...]
+    stream: ResidualStream | None = None        # the detected stream
 
 
 def match_streams(detection: Detection, plan: Plan, *, prefix: str = "", within: str = "",
                   where: str = "the model") -> tuple[MatchedStream, ...]:
     """The planned stream of each stream detected in another capture of the same model (a decode step, a
-    train-mode call, the encoder called alone), and the planned position of each of its sites.
+    train-mode call, the encoder called alone), and the planned position of each of its sites. A stream
+    computed by modules apart from every planned site (a part of the model the conversion's call did not
+    run) is left out: it stays plain, as it does on the layer route.
 
     Raises :class:`~attnres_fx.StreamMismatchError`, naming the difference, when a detected stream is
     not one of the plan's (a site it does not know, sites in another order, a stream that ends before its
@@ -188,16 +193,20 @@ def match_streams(detection: Detection, plan: Plan, *, prefix: str = "", within:
     the original computation, would be silently wrong. ``prefix`` and ``within``: see :func:`signature`.
     """
     matched = []
+    planned_layers = {site.layer for site in plan.sites}
     for stream in detection.streams:
         found = signature(stream, prefix, within)
         kinds = _kinds(stream)
         match = next((m for m in (_subsequence(found, kinds, p) for p in plan.streams) if m is not None), None)
+        if match is None and _apart(found, planned_layers):
+            # In modules the conversion's call did not run (attnresify warned): plain, as on the eager route.
+            continue
         if match is None:
             edit = _edited_in_place(stream)
             if edit is not None:
                 raise nk.in_place_edit_error(edit)
             raise StreamMismatchError(_mismatch(found, plan, where))
-        matched.append(match)
+        matched.append(dataclasses.replace(match, stream=stream))
     if not matched:
         rejected = "\n".join(f"  - {r}" for r in detection.rejected[:12]) or "  (the graph has no tensor adds)"
         raise StreamMismatchError(
@@ -205,6 +214,13 @@ def match_streams(detection: Detection, plan: Plan, *, prefix: str = "", within:
             f"with {len(plan.streams)} stream(s) ({', '.join(_describe(s.signature) for s in plan.streams)}). "
             f"Adds seen and why each was rejected:\n{rejected}")
     return tuple(matched)
+
+
+def _apart(found: StreamSignature, planned_layers: set[str]) -> bool:
+    """Whether the detected stream ``found`` is computed by modules that hold no planned site and lie in
+    none that does."""
+    return all(owner and not any(provenance.within(owner, layer) or provenance.within(layer, owner)
+                                 for layer in planned_layers) for owner, _ in found)
 
 
 def match_in_order(detection: Detection, plan: Plan, *, where: str) -> tuple[MatchedStream, ...]:
@@ -230,7 +246,7 @@ def match_in_order(detection: Detection, plan: Plan, *, where: str) -> tuple[Mat
             f"{where}: the residual stream of the graph differs from the one the model was converted with: "
             f"{len(found)} sites, planned {len(expected)}; first difference at site {differs} (found {now}, "
             f"planned {planned_there})")
-    return (MatchedStream(planned, tuple(range(len(found)))),)
+    return (MatchedStream(planned, tuple(range(len(found))), stream),)
 
 
 def match_layer(detection: Detection, planned: StreamPlan, span: LayerSpan, *, where: str) -> tuple:
@@ -374,6 +390,7 @@ def make_plan(detection: Detection, modules: Mapping[str, nn.Module], *, num_blo
     sizes = resolve_block_sizes(detection, num_blocks, block_size)
     namer = _Namer(modules)
     owners = [stream.owner for stream in detection.streams]
+    routable = _layer_spans(detection, modules, route, spans)
     index = 0
     streams = []
     for stream_index, (stream, size) in enumerate(zip(detection.streams, sizes)):
@@ -393,22 +410,43 @@ def make_plan(detection: Detection, modules: Mapping[str, nn.Module], *, num_blo
         sites.append(Site(index, namer.name(owner, "final_res"), "final", None, stream_index, stream.owner,
                           completed + 1, None))
         index += 1
-        layers = _route(stream_index, stream, modules, route, spans[stream_index] if spans else None)
+        layers = _route(stream_index, route, routable[stream_index])
         streams.append(StreamPlan(stream_index, stream.owner, size, require_dim(stream), signature(stream),
                                   tuple(sites), "layer" if layers else "model", layers))
     return Plan(tuple(streams), preserve_scale, eps)
 
 
-def _route(index: int, stream: ResidualStream, modules, route: str, known: tuple[LayerSpan, ...] | None
-           ) -> tuple[LayerSpan, ...]:
-    """The layer spans of a stream on the layer route, or ``()`` for the model route."""
+def _layer_spans(detection: Detection, modules, route: str, known: Sequence[tuple[LayerSpan, ...]] | None
+                 ) -> list[tuple[LayerSpan, ...] | Refusal | None]:
+    """Per stream, its layer spans, or why it cannot be routed layer by layer; ``None`` for route='model'.
+    ``known``: see :func:`make_plan`.
+
+    An add that continues a stream but is no site (``allow_partial``) inside a routed layer sends every
+    stream to the model route: a layer's own graph holds no next layer to tell such an add apart (a
+    post-norm add at a layer's end, normalised before the next layer reads it), so the layer route would
+    take it for a site there; one graph of the whole model keeps it as planned."""
     if route == "model":
         if known is not None:
             raise UnsupportedArchitectureError(
                 "route='model' needs one graph of the whole model, and its capture failed (see the conversion "
                 "log); convert with route='layer' or 'auto'")
+        return [None] * len(detection.streams)
+    found = [known[k] if known is not None else layer_spans(stream, modules)
+             for k, stream in enumerate(detection.streams)]
+    for add in detection.unconverted:
+        span = next((span for spans in found if not isinstance(spans, Refusal) for span in spans
+                     if provenance.within(add.owner, span.owner)), None)
+        if span is not None:
+            refusal = Refusal(f"{add.node} in {add.owner} continues the stream inside the layer {span.owner} but "
+                              f"is no residual site ({add.reason})")
+            return [refusal] * len(found)
+    return found
+
+
+def _route(index: int, route: str, spans: tuple[LayerSpan, ...] | Refusal | None) -> tuple[LayerSpan, ...]:
+    """The layer spans of a stream on the layer route, or ``()`` for the model route."""
+    if spans is None:
         return ()
-    spans = known if known is not None else layer_spans(stream, modules)
     if isinstance(spans, Refusal):
         if route == "layer":
             raise UnsupportedArchitectureError(f"route='layer': stream {index} cannot be routed layer by layer: "

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from torch import fx
+from torch import fx, nn
 
 
 def module_stack(node: fx.Node) -> list[tuple[str, str]]:
@@ -40,6 +40,12 @@ def clean_path(path: str) -> str:
     return path.replace("['", ".").replace("']", "").strip(".")
 
 
+def within(path: str, other: str) -> bool:
+    """Whether the module at ``path`` is the one at ``other`` or inside it (every module is inside the
+    root, ``""``)."""
+    return not other or path == other or path.startswith(other + ".")
+
+
 def owner_path(node: fx.Node) -> str:
     """Dotted path of the innermost module whose forward created ``node`` ('' for the root)."""
     stack = module_stack(node)
@@ -62,3 +68,33 @@ def common_parts(paths: Iterable[str]) -> list[str]:
             break
         common.append(column[0])
     return common
+
+
+def modules_not_run(gm: fx.GraphModule, model: nn.Module) -> list[str]:
+    """The outermost modules of ``model`` holding parameters of their own kind that no node of ``gm`` (a
+    capture of one call of ``model``) comes from: the parts of the model that call did not run (a vision
+    tower called without images). Not counted: a module whose parameters all belong to modules that ran
+    too (a tied embedding), or one of several modules of a class of which some ran (the experts a
+    mixture of experts did not route to)."""
+    ran: set[str] = set()
+    for node in gm.graph.nodes:
+        ran.update(path for path, _ in module_stack(node))
+        if node.op in ("call_module", "get_attr"):
+            ran.add(str(node.target))
+    seen = {id(p) for path, module in model.named_modules() if path in ran
+            for p in module.parameters(recurse=False)}
+    ran_classes: dict[str, set[type]] = {}
+    for path, module in model.named_modules():
+        if path in ran:
+            ran_classes.setdefault(path.rpartition(".")[0], set()).add(type(module))
+    found: list[str] = []
+    for path, module in model.named_modules():
+        if not path or path in ran or any(within(path, f) for f in found):
+            continue
+        parameters = list(module.parameters())
+        if not parameters or all(id(p) in seen for p in parameters) or any(within(r, path) for r in ran):
+            continue
+        if type(module) in ran_classes.get(path.rpartition(".")[0], ()):
+            continue
+        found.append(path)
+    return found

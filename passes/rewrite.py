@@ -552,7 +552,7 @@ def _annotate(node: fx.Node, origin: fx.Node, name: str, role: str, *, with_modu
         # in the last layer whose add it replaces): the stack keeps the parent's ancestors only.
         parent = name.rpartition(".")[0]
         stack = {key: value for key, value in stack.items()
-                 if _within(provenance.clean_path(str(value[0])), parent)}
+                 if provenance.within(parent, provenance.clean_path(str(value[0])))}
         stack[name] = (name, _ATTNRES_CLASS if _stack_uses_strings(stack) else BlockAttnRes)
     if stack:
         node.meta["nn_module_stack"] = stack
@@ -561,11 +561,6 @@ def _annotate(node: fx.Node, origin: fx.Node, name: str, role: str, *, with_modu
     if inside and REGION in origin.meta:
         node.meta[REGION] = origin.meta[REGION]
     node.meta[ATTNRES_META] = {"name": name, "role": role, "replaces": origin.name}
-
-
-def _within(path: str, parent: str) -> bool:
-    """Whether ``path`` is ``parent`` or one of its ancestors (``""`` is every module's)."""
-    return not path or parent == path or parent.startswith(path + ".")
 
 
 def _stack_uses_strings(stack: dict) -> bool:
