@@ -161,6 +161,18 @@ QUICK = Settings(
     decode=dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
                 num_key_value_heads=2, head_dim=16, vocab_size=128),
     decode_tokens=4)
+
+
+def _genai_targets(entry: str, label: str, precisions: tuple[str, ...]) -> dict:
+    """The genai section's targets for one of its entries: decoding at batch 1 and 8, then peak memory."""
+    prefix = "converted folder / builder's original"
+    decoding = {f"decode tokens/s, onnxruntime-genai, {prefix}, {label} {precision} batch {n}": (
+        f"genai/{entry}/{precision}/batch{n}", "converted", 0.95, ">=") for precision in precisions for n in (1, 8)}
+    memory = {f"onnxruntime-genai peak memory, {prefix}, {label} {precision}": (
+        f"genai/{entry}/{precision}/memory", "converted", 1.05, "<=") for precision in precisions}
+    return {**decoding, **memory}
+
+
 TARGETS = {   # (section path, entry, bound, sense): the targets the README's performance section reports
     "Llama eager forward": ("llama/forward", "converted", 1.03, "<="),
     "Llama eager training step": ("llama/train", "converted", 1.05, "<="),
@@ -205,24 +217,8 @@ TARGETS = {   # (section path, entry, bound, sense): the targets the README's pe
     "decode tokens/s, eager, batch 8": ("decode/eager/batch8", "converted", 0.95, ">="),
     "decode tokens/s, compiled, batch 1": ("decode/compiled/batch1", "converted", 0.95, ">="),
     "decode tokens/s, compiled, batch 8": ("decode/compiled/batch8", "converted", 0.95, ">="),
-    "decode tokens/s, onnxruntime-genai, converted folder / builder's original, Llama fp32 batch 1": (
-        "genai/llama/fp32/batch1", "converted", 0.95, ">="),
-    "decode tokens/s, onnxruntime-genai, converted folder / builder's original, Llama fp32 batch 8": (
-        "genai/llama/fp32/batch8", "converted", 0.95, ">="),
-    "decode tokens/s, onnxruntime-genai, converted folder / builder's original, Llama int4 batch 1": (
-        "genai/llama/int4/batch1", "converted", 0.95, ">="),
-    "decode tokens/s, onnxruntime-genai, converted folder / builder's original, Llama int4 batch 8": (
-        "genai/llama/int4/batch8", "converted", 0.95, ">="),
-    "onnxruntime-genai peak memory, converted folder / builder's original, Llama fp32": (
-        "genai/llama/fp32/memory", "converted", 1.05, "<="),
-    "onnxruntime-genai peak memory, converted folder / builder's original, Llama int4": (
-        "genai/llama/int4/memory", "converted", 1.05, "<="),
-    "decode tokens/s, onnxruntime-genai, converted folder / builder's original, Llama 1024x16 int4 batch 1": (
-        "genai/llama_1024x16/int4/batch1", "converted", 0.95, ">="),
-    "decode tokens/s, onnxruntime-genai, converted folder / builder's original, Llama 1024x16 int4 batch 8": (
-        "genai/llama_1024x16/int4/batch8", "converted", 0.95, ">="),
-    "onnxruntime-genai peak memory, converted folder / builder's original, Llama 1024x16 int4": (
-        "genai/llama_1024x16/int4/memory", "converted", 1.05, "<="),
+    **_genai_targets("llama", "Llama", ("fp32", "int4")),
+    **_genai_targets("llama_1024x16", "Llama 1024x16", ("int4",)),
     "op / streaming bound, C++ kernel (fewest of its source counts)": ("op", "kernel_worst", 0.8, ">="),
     "op / streaming bound, compiled (fewest of its source counts)": ("op", "compiled_worst", 0.8, ">="),
     "training peak memory, bench": ("memory/train", "converted", 1.08, "<="),
