@@ -43,10 +43,18 @@ test-integration: venv
 	$(PYTEST) -m integration || status=1; \
 	exit $$status
 
-# Line coverage of make test's selection, per package (attnres_fx, passes, export), in coverage.json too.
+# Line coverage per package (attnres_fx, passes, export) of what .ci/run runs at the default versions: make test's
+# selection and the integration tests in .venv, then the vLLM tests in their venv, every process they start
+# included ([tool.coverage.run] in pyproject.toml); a report, and coverage.json. Each part runs, also after an
+# earlier one failed; the target fails if any did.
 coverage: venv
-	$(PYTEST) -m "not integration" --cov=attnres_fx --cov=passes --cov=export --cov-report=term \
-		--cov-report=json:coverage.json
+	@rm -f .coverage .coverage.*; status=0; \
+	$(PY) -m coverage run -m pytest -q -n 2 --dist loadfile -p no:cacheprovider -m "not integration" || status=1; \
+	$(PY) -m coverage run -m pytest -q -n 2 --dist loadfile -p no:cacheprovider -m integration || status=1; \
+	venv=$$(bash .ci/vllm-venv) && $$venv/bin/python -m coverage run -m pytest -q -p no:cacheprovider -m integration \
+		tests/serving/test_vllm.py || status=1; \
+	$(PY) -m coverage combine -q && $(PY) -m coverage report && $(PY) -m coverage json -q -o coverage.json || status=1; \
+	exit $$status
 
 # The ends of the supported range (pyproject.toml), torch:transformers: the GPU machines' pair and the newest
 # releases that install (make's .venv runs torch 2.13 with the newest transformers too). Each
