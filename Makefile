@@ -46,12 +46,13 @@ test-integration: venv
 # Line coverage per package (attnres_fx, passes, export) of what .ci/run runs at the default versions: make test's
 # selection and the integration tests in .venv, then the vLLM tests in their venv, every process they start
 # included ([tool.coverage.run] in pyproject.toml); a report, and coverage.json. Each part runs, also after an
-# earlier one failed; the target fails if any did.
+# earlier one failed; the target fails if any did. Under coverage's tracer Python-heavy tests (the Triton
+# interpreter, onnxruntime-genai's model builder) run 2-3x longer: 600 s each instead of 120.
 coverage: venv
 	@rm -f .coverage .coverage.*; status=0; \
-	$(PY) -m coverage run -m pytest -q -n 2 --dist loadfile -p no:cacheprovider -m "not integration" || status=1; \
-	$(PY) -m coverage run -m pytest -q -n 2 --dist loadfile -p no:cacheprovider -m integration || status=1; \
-	venv=$$(bash .ci/vllm-venv) && $$venv/bin/python -m coverage run -m pytest -q -p no:cacheprovider -m integration \
+	$(PY) -m coverage run -m pytest -q -n 2 --dist loadfile -p no:cacheprovider --timeout=600 -m "not integration" || status=1; \
+	$(PY) -m coverage run -m pytest -q -n 2 --dist loadfile -p no:cacheprovider --timeout=600 -m integration || status=1; \
+	venv=$$(bash .ci/vllm-venv) && $$venv/bin/python -m coverage run -m pytest -q -p no:cacheprovider --timeout=600 -m integration \
 		tests/serving/test_vllm.py || status=1; \
 	$(PY) -m coverage combine -q && $(PY) -m coverage report && $(PY) -m coverage json -q -o coverage.json || status=1; \
 	exit $$status
