@@ -41,7 +41,8 @@ from ..passes.layers import LayerSpan
 from ..passes.pipeline import LayerTarget
 from ..passes.rewrite import Entry
 from . import dynamo, graphs, host
-from .graphs import Layout, LayerGraphSignature, at_path, replaced_at
+from ..passes.signature import LayerGraphSignature, at_path, replaced_at
+from .graphs import Layout
 from .state import (ATTRIBUTE, StreamState, attach, bundle, edited, remember_for_recomputation, restated, returned,
                     state_of, unbundle)
 from .watch import note_stream_end, note_stream_start, refuse_foreign_fullgraph
@@ -438,21 +439,18 @@ class LayerRouter(Router):
         before, reentrant = (state, False) if given is None or not given.requires_grad else \
             self._recomputable(given, state)
         tensors: tuple[torch.Tensor, ...] = ()
-        state_inputs: tuple = ()
         if layout is not None:
             view, tensors = unbundle(state, carrier)
             if changed:
                 tensors = (*tensors[:layout[1]], restated(view, tensors[:layout[1]]))
             inputs[routes.stream_input] = view
-            # The graph takes the completed blocks as one list, then the partial sum.
-            count = layout[1]
-            state_inputs = (list(tensors[:count]), *tensors[count:])
-        results = variant.forward(variant.bound, *inputs, *state_inputs)
-        after = self._state_after(state, tensors, signature.next_offset, results[1:])
+        results = variant.forward(variant.bound, *inputs, *signature.state_arguments(tensors))
+        # The graph returns the block's result as its one output, the state after it.
+        after = self._state_after(state, tensors, signature.next_offset, results[signature.results:])
         if after is None:
             return routes.traced.result(results[0])
-        carrier_out = self._leaving(at_path(results[0], signature.carrier), after, before, via, reentrant)
-        return routes.traced.result(replaced_at(results[0], signature.carrier, carrier_out))
+        carrier_out = self._leaving(at_path(results, signature.carrier), after, before, via, reentrant)
+        return routes.traced.result(replaced_at(results, signature.carrier, carrier_out)[0])
 
     def _entering(self, routes: _ShapeRoutes, inputs: list) -> tuple[torch.Tensor | None, StreamState | None, str]:
         """The carrier this call takes and the state it brings (``None`` at the stream's start)."""
@@ -574,17 +572,11 @@ class LayerRouter(Router):
     def _dynamo_backend(self, compiler: str, layout: _DynamoLayout | None):
         def backend(gm: fx.GraphModule, example_inputs: list):
             start = time.perf_counter()
-            outputs = len(gm.graph.find_nodes(op="output")[0].args[0])
             entry = (None if layout is None
                      else Entry(layout.position, layout.blocks, layout.has_partial, layout.tensors))
             target = LayerTarget(self.planned, self.span, entry, self.ends)
             compiled, result = graphs.rewritten_dynamo_graph(self, gm, example_inputs, compiler, layer=target)
-            state_in = tuple(node.name for node in result.rewrite.state_inputs)
-            signature = LayerGraphSignature(
-                inputs=len(example_inputs), stream_input=result.start_input, state_inputs=state_in,
-                carrier=result.carrier_output, next_offset=result.next_position - self.span.start,
-                state_outputs=("partial", *(f"block_{k}" for k in range(result.rewrite.state_outputs - 1))))
-            graph = _DynamoLayerGraph(compiled, outputs, signature)
+            graph = _DynamoLayerGraph(compiled, result.signature)
             LOG.info("rewrote the graph Dynamo captured for a call of %s (layer route, %s) in %.2f s", self.where,
                      compiler, time.perf_counter() - start)
             return graph
@@ -646,25 +638,23 @@ def _active(call: _DynamoCall):
 
 
 class _DynamoLayerGraph:
-    """What Dynamo calls for a block's rewritten graph (``outputs``: how many of the graph's outputs are
-    Dynamo's own; ``signature``: the rest, with the carrier's place among them): appends this thread's
-    current call's state tensors to its inputs and hands the graph's extra outputs (the new state) to
-    the call."""
+    """What Dynamo calls for a block's rewritten graph (``signature``: what it takes and returns beyond
+    Dynamo's own inputs and outputs): appends this thread's current call's state tensors to its inputs
+    and hands the graph's extra outputs (the new state) to the call."""
 
-    def __init__(self, run, outputs: int, signature: LayerGraphSignature):
+    def __init__(self, run, signature: LayerGraphSignature):
         self.run = run
-        self.outputs = outputs
         self.signature = signature
 
     def __call__(self, *args):
         call = _CALLS.stack[-1]
         signature = self.signature
-        results = self.run(*args, *call.state_tensors)
+        results = self.run(*args, *signature.state_arguments(call.state_tensors))
         call.carrier = at_path(results, signature.carrier) if signature.carrier is not None else None
-        call.state_out = tuple(results[self.outputs:])
+        call.state_out = tuple(results[signature.results:])
         call.start = args[signature.stream_input] if signature.stream_input is not None else None
         call.next_offset = signature.next_offset
-        return tuple(results[:self.outputs])
+        return tuple(results[:signature.results])
 
 
 def _find_state(tree, owner, stream: int) -> tuple[torch.Tensor | None, StreamState | None, str]:
