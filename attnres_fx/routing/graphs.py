@@ -18,7 +18,6 @@ from __future__ import annotations
 import operator
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -50,16 +49,6 @@ from .. import compat
 if TYPE_CHECKING:
     from .router import LayerRouter, Router
 
-
-
-@dataclass(frozen=True)
-class Layout:
-    """The stream's state where a block's call begins: before residual site ``position``, ``blocks``
-    committed, with or without a partial sum; ``None`` as a whole when the call starts the stream."""
-
-    position: int
-    blocks: int
-    has_partial: bool
 
 
 class BlockVariant:
@@ -289,12 +278,6 @@ class SiteModuleCalls(Emitter):
         return graph.call_function(run_site_at, (graph.get_attr(SITES), site.name, *sources))
 
 
-def entry_of(layout: Layout | None) -> Entry | None:
-    """The rewrite's entry for a block receiving the stream's state in ``layout``: the completed blocks as
-    one list, however many."""
-    return None if layout is None else Entry(layout.position, layout.blocks, layout.has_partial, as_list=True)
-
-
 def rewrite_block(traced: TracedBlock, plan, target: LayerTarget, block_path: str,
                   modules: dict[str, BlockAttnRes], where: str) -> fx.GraphModule:
     """A copy of ``traced`` with the block's planned sites rewritten (``target``: its stream, span, the
@@ -309,7 +292,7 @@ def rewrite_block(traced: TracedBlock, plan, target: LayerTarget, block_path: st
     return gm
 
 
-def variant_key(kind: tuple, shape: CallShape, planned, span, path: str, layout: Layout | None,
+def variant_key(kind: tuple, shape: CallShape, planned, span, path: str, layout: Entry | None,
                 baked: tuple | None = None) -> tuple:
     """What a rewritten block graph is shared by: the kind of block and call shape, its place in a stream
     block (where the state it receives stands), whether it ends the stream, and the names of its
@@ -322,7 +305,7 @@ def variant_key(kind: tuple, shape: CallShape, planned, span, path: str, layout:
     return ("variant", kind, shape, baked, place, span.stop == planned.num_positions, names)
 
 
-def block_variant(router: LayerRouter, traced: TracedBlock, shape: CallShape, layout: Layout | None,
+def block_variant(router: LayerRouter, traced: TracedBlock, shape: CallShape, layout: Entry | None,
                   baked: tuple | None = None) -> BlockVariant:
     """``traced`` rewritten for ``router``'s block with the stream's state in ``layout``; see the module
     docstring. The rewritten code is shared by the blocks of one kind that sit at the same place in a
@@ -337,7 +320,7 @@ def block_variant(router: LayerRouter, traced: TracedBlock, shape: CallShape, la
     return BlockVariant(forward, gm.meta[SIGNATURE], Bound(router.module, final, **others))
 
 
-def rewritten_block(router: LayerRouter, traced: TracedBlock, shape: CallShape, layout: Layout | None,
+def rewritten_block(router: LayerRouter, traced: TracedBlock, shape: CallShape, layout: Entry | None,
                     baked: tuple | None = None, modules: dict[str, BlockAttnRes] | None = None) -> tuple:
     """``(forward, graph_module)``: ``traced`` rewritten for ``router``'s block with the stream's
     state in ``layout``, from the conversion's cache (shared as :func:`block_variant` says). ``modules``: the
@@ -346,7 +329,7 @@ def rewritten_block(router: LayerRouter, traced: TracedBlock, shape: CallShape, 
     key = variant_key(router.kind, shape, planned, router.span, router.path, layout, baked)
 
     def rewrite() -> tuple:
-        target = LayerTarget(planned, router.span, entry_of(layout), router.ends)
+        target = LayerTarget(planned, router.span, layout, router.ends)
         # The block's own (another block's may be gone: a pipeline stage holds some of the model's blocks).
         own = {site.name: modules[site.name] if modules is not None else router.root.get_submodule(site.name)
                for site in router.own_sites}

@@ -42,7 +42,6 @@ from ..passes.pipeline import LayerTarget
 from ..passes.rewrite import Entry
 from . import dynamo, graphs, host
 from ..passes.signature import LayerGraphSignature, at_path, replaced_at
-from .graphs import Layout
 from .state import (ATTRIBUTE, StreamState, attach, bundle, edited, remember_for_recomputation, restated, returned,
                     state_of, unbundle)
 from .watch import note_stream_end, note_stream_start, refuse_foreign_fullgraph
@@ -351,7 +350,7 @@ class LayerRouter(Router):
                 return self._run_block_graph(routes, inputs)
         return self._run_dynamo(args, kwargs)
 
-    def prepare(self, args: tuple, kwargs: dict, layout: Layout | None, modules: dict) -> _ShapeRoutes:
+    def prepare(self, args: tuple, kwargs: dict, layout: Entry | None, modules: dict) -> _ShapeRoutes:
         """What a first call with ``args``, ``kwargs`` and the stream's state in ``layout`` makes before it
         runs (:mod:`attnres_fx.routing.trial` calls it before the model is converted, ``modules``: the
         AttnRes modules by site name, not registered yet): the block's trace and its rewritten graph,
@@ -426,12 +425,13 @@ class LayerRouter(Router):
         carrier, state, via = self._entering(routes, inputs)
         changed = via == "carrier" and edited(carrier, state)
         # The state made at the stream's start (for reentrant checkpointing's recomputation) holds nothing.
-        layout = None if state is None or not (state.position or state.tensors) else (
-            state.position, len(state.blocks), changed or state.partial is not None)
+        # A block graph takes the completed blocks as one list, however many: it serves every depth.
+        layout = None if state is None or not (state.position or state.tensors) else Entry(
+            state.position, len(state.blocks), changed or state.partial is not None, as_list=True)
         variant = routes.variants.get(layout)
         if variant is None:
-            variant = routes.variants[layout] = graphs.block_variant(
-                self, routes.traced, routes.shape, layout if layout is None else Layout(*layout), routes.values)
+            variant = routes.variants[layout] = graphs.block_variant(self, routes.traced, routes.shape, layout,
+                                                                     routes.values)
             if routes.stream_input is None:
                 routes.stream_input = variant.signature.stream_input
         signature = variant.signature
@@ -442,7 +442,7 @@ class LayerRouter(Router):
         if layout is not None:
             view, tensors = unbundle(state, carrier)
             if changed:
-                tensors = (*tensors[:layout[1]], restated(view, tensors[:layout[1]]))
+                tensors = (*tensors[:layout.blocks], restated(view, tensors[:layout.blocks]))
             inputs[routes.stream_input] = view
         results = variant.forward(variant.bound, *inputs, *signature.state_arguments(tensors))
         # The graph returns the block's result as its one output, the state after it.
@@ -541,7 +541,9 @@ class LayerRouter(Router):
             if via == "carrier" and edited(carrier, state):
                 tensors = (*tensors[:len(state.blocks)], restated(view, tensors[:len(state.blocks)]))
             args, kwargs = _replaced((args, kwargs), carrier, view)
-        layout = None if state is None or not (state.position or state.tensors) else _DynamoLayout(
+        # What the graph depends on besides what Dynamo guards: the state's layout and, for each of its
+        # tensors, what the placeholder's example value is made from.
+        layout = None if state is None or not (state.position or state.tensors) else Entry(
             state.position, len(state.blocks), len(tensors) > len(state.blocks),
             tuple(_described(t, carrier) for t in tensors))
         call = _DynamoCall(tensors)
@@ -569,12 +571,10 @@ class LayerRouter(Router):
                 "compute another function. Train without a cache (model(..., use_cache=False), as transformers' "
                 "gradient_checkpointing_enable() does), or compile with attnres_fx.compile(model, backend=\"eager\").")
 
-    def _dynamo_backend(self, compiler: str, layout: _DynamoLayout | None):
+    def _dynamo_backend(self, compiler: str, layout: Entry | None):
         def backend(gm: fx.GraphModule, example_inputs: list):
             start = time.perf_counter()
-            entry = (None if layout is None
-                     else Entry(layout.position, layout.blocks, layout.has_partial, layout.tensors))
-            target = LayerTarget(self.planned, self.span, entry, self.ends)
+            target = LayerTarget(self.planned, self.span, layout, self.ends)
             compiled, result = graphs.rewritten_dynamo_graph(self, gm, example_inputs, compiler, layer=target)
             graph = _DynamoLayerGraph(compiled, result.signature)
             LOG.info("rewrote the graph Dynamo captured for a call of %s (layer route, %s) in %.2f s", self.where,
@@ -596,19 +596,8 @@ class LayerRouter(Router):
                 "modules in order with what each returns, or convert with route='model'.")
 
 
-@dataclass(frozen=True)
-class _DynamoLayout:
-    """What a block's Dynamo graph depends on besides what Dynamo guards: the state's layout, and for each
-    of its tensors the dtype, whether it needs a gradient and whether it has the carrier's shape (else
-    its shape): the placeholders' example values are made from them."""
-
-    position: int
-    blocks: int
-    has_partial: bool
-    tensors: tuple
-
-
 def _described(tensor: torch.Tensor, carrier: torch.Tensor) -> tuple:
+    """Per state tensor: its dtype, whether it needs a gradient, its shape (``None``: the carrier's)."""
     return tensor.dtype, tensor.requires_grad, None if tensor.shape == carrier.shape else tuple(tensor.shape)
 
 
