@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo lint test test-fast test-integration test-compat coverage fuzz bench bench-quick gpu-check gpu-check-dry gpu-wheels compare compare-quick clean
+.PHONY: venv demo lint test test-fast test-integration test-compat integration-venvs coverage fuzz bench bench-quick gpu-check gpu-check-dry gpu-wheels compare compare-quick clean
 
 venv: $(STAMP)
 
@@ -66,6 +66,12 @@ test-compat:
 		$$venv/bin/python -m pytest -q -n 2 --dist loadfile -p no:cacheprovider -m "not slow and not integration" || status=1; \
 		$$venv/bin/python -m pytest -q -n 2 --dist loadfile -p no:cacheprovider -m slow $(COMPAT_SLOW) || status=1; \
 	done; exit $$status
+
+# The integration tier's venvs, built (or brought up to date) without running a test: .ci/run builds them while make
+# test runs, since on a machine's first run they are mostly downloads (GBs of torch).
+integration-venvs:
+	@status=0; for pair in $(COMPAT_PAIRS); do bash .ci/compat-venv $${pair%%:*} $${pair##*:} || status=1; done; \
+	bash .ci/vllm-venv || status=1; exit $$status
 
 # Serving converted folders with vLLM (tests/serving/test_vllm.py): its CPU build in a venv of its own under ~/.cache
 # (.ci/vllm-venv), built on a machine's first run and reused after.

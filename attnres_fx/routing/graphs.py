@@ -364,21 +364,31 @@ def block_variant(router: LayerRouter, traced: TracedBlock, shape: CallShape, la
     stream block and name their aggregations alike: it takes the completed blocks as one list and finds
     the block's modules on the ``self`` it is given."""
     planned = router.planned
-    key = variant_key(router.kind, shape, planned, router.span, router.path, layout, baked)
-
-    def rewrite() -> tuple:
-        target = LayerTarget(planned, router.span, entry_of(layout), router.ends)
-        # The block's own (another block's may be gone: a pipeline stage holds some of the model's blocks).
-        modules = {site.name: router.root.get_submodule(site.name) for site in router.own_sites}
-        gm, signature = rewrite_block(traced, router.conversion.plan, target, router.path, modules, router.where)
-        router.conversion.stats.rewrites += 1
-        return compiled_forward(gm.graph, f"{type(router.module).__name__} graph"), signature, gm
-    forward, signature, gm = router.conversion.traces.get(key, rewrite)
+    forward, signature, gm = rewritten_block(router, traced, shape, layout, baked)
     others = {node.target: getattr(gm, node.target) for node in gm.graph.find_nodes(op="get_attr")
               if not node.target.startswith(BLOCK + ".") and node.target != FINAL}
     final = place_of(router.root, planned.final.name) if FINAL in gm._modules else None
     router.rewritten.append(gm)
     return BlockVariant(forward, signature, Bound(router.module, final, **others), gm)
+
+
+def rewritten_block(router: LayerRouter, traced: TracedBlock, shape: CallShape, layout: Layout | None,
+                    baked: tuple | None = None, modules: dict[str, BlockAttnRes] | None = None) -> tuple:
+    """``(forward, signature, graph_module)``: ``traced`` rewritten for ``router``'s block with the stream's
+    state in ``layout``, from the conversion's cache (shared as :func:`block_variant` says). ``modules``: the
+    AttnRes modules by site name, where they are not the model's yet (the conversion's trial)."""
+    planned = router.planned
+    key = variant_key(router.kind, shape, planned, router.span, router.path, layout, baked)
+
+    def rewrite() -> tuple:
+        target = LayerTarget(planned, router.span, entry_of(layout), router.ends)
+        # The block's own (another block's may be gone: a pipeline stage holds some of the model's blocks).
+        own = {site.name: modules[site.name] if modules is not None else router.root.get_submodule(site.name)
+               for site in router.own_sites}
+        gm, signature = rewrite_block(traced, router.conversion.plan, target, router.path, own, router.where)
+        router.conversion.stats.rewrites += 1
+        return compiled_forward(gm.graph, f"{type(router.module).__name__} graph"), signature, gm
+    return router.conversion.traces.get(key, rewrite)
 
 
 def _stream_input(gm: fx.GraphModule, result) -> int | None:

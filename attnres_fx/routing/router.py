@@ -237,6 +237,7 @@ class _ShapeRoutes:
     baked: tuple[int, ...] | None = None
     by_value: dict | None = None
     values: tuple | None = None
+    refusal: TraceError | None = None        # why the block's code could not be traced for this shape
 
 
 class LayerRouter(Router):
@@ -273,6 +274,12 @@ class LayerRouter(Router):
     def reset(self) -> None:
         super().reset()
         self._shapes.clear()
+
+    def installed(self) -> None:
+        """Now the module's ``forward`` (an attribute the module did not have when the trial read its
+        constants): the constants are watched from here."""
+        if self._forwards:
+            self._watched = graphs.watched_constants(self.traced_modules)
 
     def _class_forward(self) -> tuple[Callable, bool, tuple]:
         """``(forward, checkpointed, kind)`` for the module's class now (FSDP2 swaps it): the forward the
@@ -338,14 +345,34 @@ class LayerRouter(Router):
                 # Another kind of block now: its own traces (shared with the blocks of that kind).
                 self._forwards.clear()
                 self._shapes.clear()
-            shape, inputs = call_shape(args, kwargs, self.traced_modules)
-            routes = self._shapes.get(shape) or self._routes_for(shape, args, kwargs, inputs)
-            if routes.baked is not None:
-                values = tuple([inputs[k] for k in routes.baked])
-                routes = routes.by_value.get(values) or self._value_routes_for(routes, values, args, kwargs)
-            if routes.traced is not None and not (self.opened and self._opened_hooks()):
+            routes, inputs = self._routes(args, kwargs)
+            if self._runs_block_graph(routes):
                 return self._run_block_graph(routes, inputs)
         return self._run_dynamo(args, kwargs)
+
+    def prepare(self, args: tuple, kwargs: dict, layout: Layout | None, modules: dict) -> _ShapeRoutes:
+        """What a first call with ``args``, ``kwargs`` and the stream's state in ``layout`` makes before it
+        runs (:mod:`attnres_fx.routing.trial` calls it before the model is converted, ``modules``: the
+        AttnRes modules by site name, not registered yet): the block's trace and its rewritten graph,
+        kept here and in the conversion's cache, so that such a call traces and rewrites nothing. Returns
+        the call shape's routes (``traced`` is ``None`` where the call runs on TorchDynamo)."""
+        routes, _ = self._routes(args, kwargs)
+        if self._runs_block_graph(routes):
+            graphs.rewritten_block(self, routes.traced, routes.shape, layout, routes.values, modules)
+        return routes
+
+    def _routes(self, args: tuple, kwargs: dict) -> tuple[_ShapeRoutes, list]:
+        """The routes of this call's shape (and of its Python numbers' values where the code needs them),
+        made at the shape's first call; and the call's graph inputs."""
+        shape, inputs = call_shape(args, kwargs, self.traced_modules)
+        routes = self._shapes.get(shape) or self._routes_for(shape, args, kwargs, inputs)
+        if routes.baked is not None:
+            values = tuple([inputs[k] for k in routes.baked])
+            routes = routes.by_value.get(values) or self._value_routes_for(routes, values, args, kwargs)
+        return routes, inputs
+
+    def _runs_block_graph(self, routes: _ShapeRoutes) -> bool:
+        return routes.traced is not None and not (self.opened and self._opened_hooks())
 
     # -- block graphs --------------------------------------------------------------------------------
 
@@ -364,7 +391,7 @@ class LayerRouter(Router):
                 if found.traced is not None:
                     return self._kept(self._shapes, shape, routes)
             LOG.info("%s runs on TorchDynamo for this call shape: %s", self.where, first_line(err))
-            routes = _ShapeRoutes(shape, None, None, {})
+            routes = _ShapeRoutes(shape, None, None, {}, refusal=err)
             # A failure the traced code happened to raise (not its refusal) is tried again at the next call.
             return self._kept(self._shapes, shape, routes) if graphs.failure_kept(err) else routes
         return self._kept(self._shapes, shape, _ShapeRoutes(shape, traced, None, {}))
@@ -376,7 +403,7 @@ class LayerRouter(Router):
             traced = graphs.trace(self, args, kwargs, routes.shape, values)
         except TraceError as err:
             LOG.info("%s runs on TorchDynamo for this call shape: %s", self.where, first_line(err))
-            found = _ShapeRoutes(routes.shape, None, None, {}, values=values)
+            found = _ShapeRoutes(routes.shape, None, None, {}, values=values, refusal=err)
             return self._kept(routes.by_value, values, found) if graphs.failure_kept(err) else found
         return self._kept(routes.by_value, values, _ShapeRoutes(routes.shape, traced, None, {}, values=values))
 
