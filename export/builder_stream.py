@@ -25,7 +25,8 @@ blocks and the partial, then that norm without the skip. Two forms (``rewrite(fo
 - ``"per_site"`` (the default; any precision): the sources in one buffer ``[slots, batch, sequence,
   hidden]`` of a slot per source of the final aggregation (the embedding, then one per block), made once
   (``Pad`` of the embedding with zeros); each site writes its block's partial sum into the block's slot
-  (``ScatterND``, in place: the buffer before is read last there), then the key RMSNorm over all slots, a
+  (``ScatterND``: onnxruntime 1.32 copies the buffer there, off the peak: opset 24's ``TensorScatter``,
+  which writes in place, measured the same peak), then the key RMSNorm over all slots, a
   ``MatMul`` with the pseudo-query, the slots of blocks not begun masked out (an ``Add``), a ``Softmax``
   over slots and the weighted sum (``Mul``, ``ReduceSum``): 8-10 nodes per site (the 4 more that zeroed
   the weights below ``NEGLIGIBLE_WEIGHT`` cost 5-10% of the decoding speed at hidden 256; see the end of
@@ -455,8 +456,6 @@ def _per_site(graph: onnx.GraphProto, stream: GraphStream, block_size: int, aggr
         builder.begin(f"/attnres/{site.name}")
         branch = builder.to_fp32(found.branch, "branch")
         partial = branch if position % block_size == 0 else builder.node("Add", [partial, branch], "partial")
-        # The block's partial sum written into its slot: the sources before are read last by this
-        # ScatterND, so onnxruntime writes in place rather than copying the buffer.
         slot = position // block_size + 1
         sources = builder.node("ScatterND", [sources, builder.shape([[slot]], "slot"),
                                              builder.node("Unsqueeze", [partial, first], "partial_slot")], "sources")
