@@ -22,7 +22,6 @@ import contextlib
 import functools
 import inspect
 import logging
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -41,6 +40,7 @@ from ..passes.layers import LayerSpan
 from ..passes.pipeline import LayerTarget
 from ..passes.rewrite import Entry
 from . import dynamo, graphs, host
+from .context import call_context
 from ..passes.signature import LayerGraphSignature, at_path, replaced_at
 from .state import (ATTRIBUTE, StreamState, attach, bundle, edited, remember_for_recomputation, restated, returned,
                     state_of, unbundle)
@@ -206,15 +206,12 @@ class WholeCallRouter(ModelRouter):
         self.whole = True
 
 
-_INTERCEPTORS = threading.local()
-
-
 @contextlib.contextmanager
 def intercepting(interceptor):
     """Within, in this thread: every call of a layer-routed module of ``interceptor.conversion`` goes to
     ``interceptor.intercept(router, args, kwargs, proceed)``, where ``proceed(*args, **kwargs)`` runs the
     call as usual (:mod:`attnres_fx.integrations.pipelining`: stage boundaries, and the probe that prepares them)."""
-    stack = _INTERCEPTORS.__dict__.setdefault("stack", [])
+    stack = call_context().interceptors
     stack.append(interceptor)
     try:
         yield interceptor
@@ -326,12 +323,12 @@ class LayerRouter(Router):
             self._refuse_export()
         if checkpointed and compat.hf_checkpointing_on(self.module):
             return compat.hf_checkpointed_call(self.module, lambda *a, **k: self._intercepted(a, k), args, kwargs)
-        if _INTERCEPTORS.__dict__.get("stack"):
+        if call_context().interceptors:
             return self._intercepted(args, kwargs)
         return self.proceed(*args, **kwargs)
 
     def _intercepted(self, args: tuple, kwargs: dict):
-        for interceptor in reversed(_INTERCEPTORS.__dict__.get("stack") or ()):
+        for interceptor in reversed(call_context().interceptors):
             if interceptor.conversion is self.conversion:
                 return interceptor.intercept(self, args, kwargs, self.proceed)
         return self.proceed(*args, **kwargs)
@@ -613,12 +610,9 @@ class _DynamoCall:
         self.next_offset = 0
 
 
-_CALLS = threading.local()
-
-
 @contextlib.contextmanager
 def _active(call: _DynamoCall):
-    stack = _CALLS.__dict__.setdefault("stack", [])
+    stack = call_context().dynamo_calls
     stack.append(call)
     try:
         yield call
@@ -628,15 +622,16 @@ def _active(call: _DynamoCall):
 
 class _DynamoLayerGraph:
     """What Dynamo calls for a block's rewritten graph (``signature``: what it takes and returns beyond
-    Dynamo's own inputs and outputs): appends this thread's current call's state tensors to its inputs
-    and hands the graph's extra outputs (the new state) to the call."""
+    Dynamo's own inputs and outputs): appends the state tensors of the innermost block call on TorchDynamo
+    (:mod:`attnres_fx.routing.context`) to its inputs and hands the graph's extra outputs (the new state) to
+    that call."""
 
     def __init__(self, run, signature: LayerGraphSignature):
         self.run = run
         self.signature = signature
 
     def __call__(self, *args):
-        call = _CALLS.stack[-1]
+        call = call_context().dynamo_calls[-1]
         signature = self.signature
         results = self.run(*args, *signature.state_arguments(call.state_tensors))
         call.carrier = at_path(results, signature.carrier) if signature.carrier is not None else None
