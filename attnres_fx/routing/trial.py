@@ -24,8 +24,7 @@ from ..config import AttnResConfig
 from ..errors import TraceError
 from ..passes.pipeline import LayerTarget, rewrite_captured
 from ..passes.plan import Plan, StreamPlan
-from ..passes.rewrite import ModuleCalls
-from .graphs import Layout, entry_of
+from ..passes.rewrite import Entry, ModuleCalls
 from .install import Prepared, prepared_routes
 
 
@@ -48,7 +47,7 @@ def _try_block(prepared: Prepared, plan: Plan, stream: StreamPlan, span, modules
     router = prepared.routers[span.owner]
     args, kwargs = call
     position = span.start
-    layout = None if position == 0 else Layout(position, stream.completed_before(position), True)
+    layout = None if position == 0 else Entry(position, stream.completed_before(position), True, as_list=True)
     routes = router.prepare(args, kwargs, layout, modules)
     if routes.traced is not None:
         return
@@ -61,8 +60,7 @@ def _try_block(prepared: Prepared, plan: Plan, stream: StreamPlan, span, modules
                          "the layer route needs for a block whose own code torch.fx cannot trace "
                          f"({reason}): {err}", {**reason.causes, **err.causes}) from err
     # A Dynamo graph takes the blocks one by one, as the route's Dynamo graphs do.
-    entry = entry_of(layout)
-    entry = entry and dataclasses.replace(entry, as_list=False)
+    entry = layout and dataclasses.replace(layout, as_list=False)
     target = LayerTarget(stream, span, entry, span.stop == stream.num_positions)
     rewrite_captured(graph_module, plan, lambda g: ModuleCalls(g, modules), where=router.where, layer=target)
 

@@ -153,10 +153,14 @@ def test_per_site_form_puts_one_aggregation_before_each_sublayer_and_the_head():
     writers = {out: n for n in model.graph.node for out in n.output}
     assert [writers[f"n{i}"].input[0] for i in range(1, 5)] == [
         f"/attnres/{site.name}/aggregate" for site in plan.sites[1:]]
-    # Sources stack up: 2, 2, 3 (the first block completed), 3.
-    concat_inputs = [len(n.input) for n in model.graph.node if n.op_type == "Concat"]
-    assert concat_inputs == [2] * 4
+    # One buffer of 3 slots (the embedding, then a slot per block), written in place at each site: the
+    # two sites of the first block mask out the second block's slot.
     assert [s.num_sources for s in plan.sites[1:]] == [2, 2, 3, 3]
+    assert ops.count("Pad") == 1 and ops.count("ScatterND") == 4 and "Concat" not in ops
+    slots = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
+    assert [int(slots[n.input[1]].item()) for n in model.graph.node if n.op_type == "ScatterND"] == [1, 1, 2, 2]
+    assert [n.name.split("/")[2] for n in model.graph.node if n.name.endswith("/masked")] == [
+        site.name for site in plan.sites[1:3]]
 
 
 def test_attention_form_is_one_attention_per_site_over_the_completed_blocks():

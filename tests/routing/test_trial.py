@@ -17,7 +17,7 @@ import attnres_fx
 from attnres_fx import routing
 from attnres_fx.conversion import conversion_of
 from attnres_fx.models import TinyTransformer, example_ids
-from attnres_fx.routing.graphs import LayerGraphSignature
+from attnres_fx.passes.signature import SIGNATURE
 from attnres_fx.testing import randomise_pseudo_queries
 
 
@@ -27,9 +27,9 @@ def tiny(layers=6):
 
 
 def made_by_the_trial(model) -> dict:
-    """The rewritten block graphs in the conversion's cache, by id: ``(forward, signature, graph_module)``."""
-    return {id(found[2]): found for found in conversion_of(model).traces._entries.values()
-            if isinstance(found, tuple) and isinstance(found[1], LayerGraphSignature)}
+    """The rewritten block graphs in the conversion's cache, by id."""
+    return {id(found[1]): found[1] for found in conversion_of(model).traces._entries.values()
+            if isinstance(found, tuple) and SIGNATURE in found[1].meta}
 
 
 def test_the_first_call_runs_what_the_trial_made_and_traces_nothing():
@@ -55,9 +55,8 @@ def test_the_first_call_runs_what_the_trial_made_and_traces_nothing():
     assert (fresh_stats.traces - counted[0], fresh_stats.rewrites - counted[1]) == (1, 4)
     for trial_graph, route_graph in zip(ran, [router.rewritten[-1] for router in routing.routers(fresh)]):
         assert route_graph.code == trial_graph.code
-    signatures = [made[id(graph)][1] for graph in ran]
-    fresh_made = made_by_the_trial(fresh)
-    assert [fresh_made[id(r.rewritten[-1])][1] for r in routing.routers(fresh)] == signatures
+    signatures = [graph.meta[SIGNATURE] for graph in ran]
+    assert [r.rewritten[-1].meta[SIGNATURE] for r in routing.routers(fresh)] == signatures
 
 
 class ByWidth(nn.Module):
