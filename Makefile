@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo lint test test-fast test-integration test-compat coverage fuzz bench bench-quick gpu-check gpu-check-dry gpu-wheels compare compare-quick clean
+.PHONY: venv demo lint test test-fast test-integration test-compat integration-venvs coverage fuzz bench bench-quick gpu-check gpu-check-dry gpu-wheels compare compare-quick clean
 
 venv: $(STAMP)
 
@@ -61,10 +61,11 @@ coverage: venv
 # releases that install (make's .venv runs torch 2.13 with the newest transformers too). Each
 # pair has its own venv under ~/.cache, built on a machine's first run (PyPI's CUDA builds of torch: minutes,
 # ~5 GB) and reused after. In each: the fast suite, then the slow tests of conversion, the Hugging Face
-# workflow and compilation.
+# workflow, compilation and distributed training (pipeline stages included).
 COMPAT_PAIRS ?= 2.11.0:5.17.0 2.14.1:5.25.0
 COMPAT_SLOW  := tests/test_api.py tests/passes/test_rewrite.py tests/integrations/test_hf_workflow.py \
-                tests/routing/test_live.py tests/routing/test_layer_route.py
+                tests/routing/test_live.py tests/routing/test_layer_route.py tests/integrations/test_distributed.py \
+                tests/test_readme.py::test_the_pipelining_block_on_two_ranks
 
 # Every pair runs, also after a failure in an earlier one; the target fails if any run failed.
 test-compat:
@@ -74,6 +75,12 @@ test-compat:
 		$$venv/bin/python -m pytest -q -n 2 --dist loadfile -p no:cacheprovider -m "not slow and not integration" || status=1; \
 		$$venv/bin/python -m pytest -q -n 2 --dist loadfile -p no:cacheprovider -m slow $(COMPAT_SLOW) || status=1; \
 	done; exit $$status
+
+# The integration tier's venvs, built (or brought up to date) without running a test: .ci/run builds them while make
+# test runs, since on a machine's first run they are mostly downloads (GBs of torch).
+integration-venvs:
+	@status=0; for pair in $(COMPAT_PAIRS); do bash .ci/compat-venv $${pair%%:*} $${pair##*:} || status=1; done; \
+	bash .ci/vllm-venv || status=1; exit $$status
 
 # Serving converted folders with vLLM (tests/serving/test_vllm.py): its CPU build in a venv of its own under ~/.cache
 # (.ci/vllm-venv), built on a machine's first run and reused after.

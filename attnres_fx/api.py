@@ -105,8 +105,8 @@ def attnresify(model: nn.Module, example_inputs: Any = None, *, example_kwargs: 
         plan = make_plan(detection, dict(model.named_modules()), num_blocks=num_blocks, block_size=block_size,
                          preserve_scale=preserve_scale, eps=eps, route=route)
         modules = new_modules(plan, like=model)
-        _try_routes(model, plan, modules, traced, example_inputs, example_kwargs)
-    routing.install(model, plan, modules, config)
+        prepared = _try_routes(model, plan, modules, traced, example_inputs, example_kwargs, config)
+    routing.install(model, plan, modules, config, prepared)
     LOG.info("converted %s in %.1f s (%s capture): %d sites in %d stream(s), block sizes %s, routes %s",
              type(model).__name__, time.perf_counter() - start, traced.frontend, len(plan.sites),
              len(plan.streams), ", ".join(map(str, plan.block_sizes)), ", ".join(plan.routes))
@@ -219,17 +219,20 @@ def detect(model: nn.Module, example_inputs: Any = None, *, example_kwargs: dict
     return detect_residual_streams(gm)
 
 
-def _try_routes(model: nn.Module, plan, modules: dict, traced, example_inputs, example_kwargs) -> None:
+def _try_routes(model: nn.Module, plan, modules: dict, traced, example_inputs, example_kwargs,
+                config: AttnResConfig):
     """Every route's rewrite tried before the model is touched (:mod:`attnres_fx.routing.trial`): a plan
-    that cannot be applied fails here, not at the model's first call. A graph that is no recording (fx
-    symbolic tracing, TorchDynamo's capture) is the routes' own IR: its rewrite is the trial."""
+    that cannot be applied fails here, not at the model's first call. Returns what the layer route's trial
+    prepared, to install (``None``: nothing). A graph that is no recording (fx symbolic tracing,
+    TorchDynamo's capture) is the routes' own IR: its rewrite is the trial."""
     calls = traced.graph_module.meta.get(MODULE_CALLS)
     if calls is None:
         rewrite_captured(traced.graph_module, plan, lambda g: ModuleCalls(g, modules), where=type(model).__name__)
-        return
-    trial.try_layer_route(model, plan, modules, calls)
+        return None
+    prepared = trial.try_layer_route(model, plan, modules, calls, config)
     if "model" in plan.routes:
         trial.try_model_route(model, plan, modules, plan_inputs(model, example_inputs, example_kwargs))
+    return prepared
 
 
 def _config(config: AttnResConfig | None, options: dict[str, Any]) -> AttnResConfig:

@@ -22,11 +22,17 @@ The rewrite, per site ``j`` (branch output ``f_j``): the partial sum of the curr
 at a block start), the aggregation read by the next sublayer (or by the final norm) over the completed
 blocks and the partial, then that norm without the skip. Two forms (``rewrite(form=...)``):
 
-- ``"per_site"`` (the default; any precision): the sources kept stacked ``[batch, sequence, sources,
-  hidden]`` (a block is stacked once, when its last partial is), each aggregation one ``Concat``, the
-  key RMSNorm, a ``MatMul`` with the pseudo-query, a ``Softmax`` over sources and the weighted sum
-  (``Mul``, ``ReduceSum``): 8-9 nodes per site (the 4 more that zeroed the weights below
-  ``NEGLIGIBLE_WEIGHT`` cost 5-10% of the decoding speed at hidden 256; see the end of this docstring).
+- ``"per_site"`` (the default; any precision): the sources in one buffer ``[slots, batch, sequence,
+  hidden]`` of a slot per source of the final aggregation (the embedding, then one per block), made once
+  (``Pad`` of the embedding with zeros); each site writes its block's partial sum into the block's slot
+  (``ScatterND``: onnxruntime 1.32 copies the buffer there, off the peak: opset 24's ``TensorScatter``,
+  which writes in place, measured the same peak), then the key RMSNorm over all slots, a
+  ``MatMul`` with the pseudo-query, the slots of blocks not begun masked out (an ``Add``), a ``Softmax``
+  over slots and the weighted sum (``Mul``, ``ReduceSum``): 8-10 nodes per site (the 4 more that zeroed
+  the weights below ``NEGLIGIBLE_WEIGHT`` cost 5-10% of the decoding speed at hidden 256; see the end of
+  this docstring). Stacking the sources afresh at each site instead (a ``Concat`` of the completed blocks
+  and the partial, both live beside the result) took more memory through a prompt: 1.13x the builder's
+  original's peak where the buffer takes 1.09x (hidden 1024 x 16, int4, batch 8, 128-token prompts).
   Softmax and sums run in fp32; an fp16 graph casts each branch output up and each aggregate down. The
   sources are scored afresh at every site: at a decoding step's few sources the two-phase schedule's
   merge would add more nodes than it saves arithmetic.
@@ -45,7 +51,7 @@ blocks and the partial, then that norm without the skip. Two forms (``rewrite(fo
   batch 1 / 8: 0.97-1.17 / 0.98-1.03 of the builder's original tokens/s, the per-site form 0.92-1.02 /
   0.91-0.98, one thread in its CPU time), but takes more memory through a prompt: batch 8 after
   128-token prompts at hidden 1024 x 16 layers, int4, 1.47x the builder's original's peak over the
-  process (1.18x after 32-token prompts), the per-site form 1.14x (1.05x).
+  process (1.18x after 32-token prompts), the per-site form 1.09x (1.04x).
 
 Neither form zeroes the softmax weights below ``NEGLIGIBLE_WEIGHT`` (2^-32) of the largest, which the other
 implementations do (Note [negligible weights] in :mod:`attnres_fx.op.aggregation`): their terms are below
@@ -435,30 +441,36 @@ def _per_site(graph: onnx.GraphProto, stream: GraphStream, block_size: int, aggr
               builder: "_Builder") -> tuple[dict, list]:
     """The replacements of the per-site form (see the module's docstring) and the new initializers."""
     by_name = {node.name: node for node in graph.node}
+    slots = _sources(len(stream.sites), block_size)
     builder.begin("/attnres")
-    partial = builder.to_fp32(stream.start, "embedding")
-    committed = stacked = None
+    first = builder.shape([0], "slot_axis")
+    embedding = builder.node("Unsqueeze", [builder.to_fp32(stream.start, "embedding"), first], "embedding_slot")
+    # [slots, batch, sequence, hidden], the embedding in slot 0 and zeros after it.
+    sources = builder.node("Pad", [embedding, builder.shape([0, 0, 0, 0, slots - 1, 0, 0, 0], "empty_slots")],
+                           "sources")
+    partial = None
     replacements: dict[str, list[onnx.NodeProto]] = {}
     for position, found in enumerate(stream.sites):
         aggregation = aggregations[position + 1]
         site = aggregation.site
         builder.begin(f"/attnres/{site.name}")
         branch = builder.to_fp32(found.branch, "branch")
-        if position % block_size == 0:
-            committed = stacked if stacked is not None else builder.node("Unsqueeze", [partial, builder.axes()],
-                                                                         "embedding_stacked")
-            partial = branch
-        else:
-            partial = builder.node("Add", [partial, branch], "partial")
-        partial_stacked = builder.node("Unsqueeze", [partial, builder.axes()], "partial_stacked")
-        stacked = builder.node("Concat", [committed, partial_stacked], "sources", axis=2)
+        partial = branch if position % block_size == 0 else builder.node("Add", [partial, branch], "partial")
+        slot = position // block_size + 1
+        sources = builder.node("ScatterND", [sources, builder.shape([[slot]], "slot"),
+                                             builder.node("Unsqueeze", [partial, first], "partial_slot")], "sources")
         key_norm = builder.constant(aggregation.key_norm, "key_norm")
-        keys = builder.node("SimplifiedLayerNormalization", [stacked, key_norm], "keys", axis=-1,
+        keys = builder.node("SimplifiedLayerNormalization", [sources, key_norm], "keys", axis=-1,
                             epsilon=aggregation.eps)
         logits = builder.node("MatMul", [keys, builder.constant(aggregation.query.reshape(-1, 1), "query")], "logits")
-        weights = builder.node("Softmax", [logits], "softmax", axis=2)
-        weighted = builder.node("Mul", [stacked, weights], "weighted")
-        total = builder.node("ReduceSum", [weighted, builder.axes()], "aggregate", keepdims=0)
+        if slot + 1 < slots:
+            # The slots of blocks not begun yet (zeros) get no weight.
+            mask = np.zeros((slots, 1, 1, 1), np.float32)
+            mask[slot + 1:] = np.finfo(np.float32).min
+            logits = builder.node("Add", [logits, builder.constant(mask, "later_blocks")], "masked")
+        weights = builder.node("Softmax", [logits], "softmax", axis=0)
+        weighted = builder.node("Mul", [sources, weights], "weighted")
+        total = builder.node("ReduceSum", [weighted, first], "aggregate", keepdims=0)
         if aggregation.preserve_scale:
             total = builder.node("Mul", [total, builder.constant(np.array(site.num_sources, np.float32), "count")],
                                  "scaled")
@@ -508,7 +520,6 @@ class _Builder:
         self.initializers: list[onnx.TensorProto] = []
         self.prefix = ""
         self.pending: list[onnx.NodeProto] = []
-        self._axes = None
 
     def begin(self, prefix: str) -> None:
         self.prefix = prefix
@@ -538,12 +549,6 @@ class _Builder:
         tensor = numpy_helper.from_array(np.asarray(value, dtype=np.float32), f"{self.prefix}/{name}")
         self.initializers.append(tensor)
         return tensor.name
-
-    def axes(self) -> str:
-        if self._axes is None:
-            self._axes = "/attnres/source_axis"
-            self.initializers.append(numpy_helper.from_array(np.array([2], np.int64), self._axes))
-        return self._axes
 
     def to_fp32(self, value: str, name: str) -> str:
         if self.stream_type == TensorProto.FLOAT:

@@ -33,10 +33,10 @@ class DecoderWithCache(nn.Module):
         self.model = model
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, past: list[torch.Tensor]):
-        from transformers import DynamicCache
-
         layers = [(past[2 * i], past[2 * i + 1]) for i in range(len(past) // 2)]
-        cache = DynamicCache(ddp_cache_data=layers, config=self.model.config)
+        # Sliding-window layers keep every position too (their masks apply the window): a windowed cache's
+        # length is decided by branches the trace would fix at the example's length.
+        cache = compat.full_length_cache(layers, self.model.config)
         out = self.model(input_ids=input_ids, attention_mask=attention_mask,
                          **{compat.cache_argument(self.model.forward): cache}, use_cache=True, return_dict=True)
         present = [tensor for layer in compat.output_cache(out).layers for tensor in (layer.keys, layer.values)]

@@ -17,7 +17,7 @@ Contract
     ensures   what :class:`~attnres_fx.passes.rewrite.BlockAttnResRewrite` ensures, with checkpointed
               regions checkpointed again with their new inputs and outputs.
     returns   :class:`Rewritten`: the rewrite pass (its ``records`` say what it did) and, for a layer's
-              graph, which output carries the stream and which input starts it.
+              graph, its :class:`~attnres_fx.passes.signature.LayerGraphSignature` (also stored with it).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from .layers import LayerSpan
 from .node_kinds import is_stream_op
 from .plan import Plan, StreamPlan, match_in_order, match_layer, match_streams
 from .rewrite import BlockAttnResRewrite, Emitter, Entry, StreamSpan
+from .signature import SIGNATURE, LayerGraphSignature, layer_signature
 
 
 @dataclass(frozen=True)
@@ -52,14 +53,11 @@ class LayerTarget:
 
 @dataclass(frozen=True)
 class Rewritten:
-    """What :func:`rewrite_captured` did: the pass, and for a layer's graph where the stream leaves it (a
-    path into its output; ``None`` where the graph ends the stream), the input it starts from (``None``
-    unless the graph starts the stream there) and the residual site after its last one."""
+    """What :func:`rewrite_captured` did: the pass, and for a layer's graph what the graph takes and
+    returns (also kept in ``graph_module.meta[SIGNATURE]``)."""
 
     rewrite: BlockAttnResRewrite
-    carrier_output: tuple | None = None
-    start_input: int | None = None
-    next_position: int | None = None
+    signature: LayerGraphSignature | None = None
 
 
 def rewrite_captured(graph_module: fx.GraphModule, plan: Plan, emitter: Callable[[fx.GraphModule], Emitter], *,
@@ -116,8 +114,11 @@ class _RewriteStreams(PassBase):
             # The graph that ends the stream hands nothing on: its result may hold the final aggregation
             # in any form (normalised, in a ModelOutput).
             carrier = None if layer.ends else _output_path(graph_module, rewrite.carriers[0], where)
-            start = _start_index(graph_module, detection.streams[0]) if layer.entry is None else None
-            self.result = Rewritten(rewrite, carrier, start, positions[-1] + 1)
+            stream = _start(graph_module, detection.streams[0]) if layer.entry is None else rewrite.stream_origin
+            signature = layer_signature(graph_module, rewrite, layer.entry, stream, carrier,
+                                        positions[-1] + 1 - layer.span.start)
+            graph_module.meta[SIGNATURE] = signature
+            self.result = Rewritten(rewrite, signature)
         return PassResult(graph_module, True)
 
 
@@ -149,10 +150,9 @@ def _path_to(value, node: fx.Node) -> tuple | None:
     return None
 
 
-def _start_index(graph_module: fx.GraphModule, stream) -> int | None:
-    """The input a first layer's graph starts the stream from (``b_0``), by position among the graph's
-    inputs; None if the stream starts from a value the graph computes."""
+def _start(graph_module: fx.GraphModule, stream) -> fx.Node | None:
+    """The input a first layer's graph starts the stream from (``b_0``); None if the stream starts from a
+    value the graph computes."""
     first = stream.sites[0]
     origin = first.inbound[0].all_input_nodes[0] if first.inbound else first.stream_in
-    placeholders = list(graph_module.graph.find_nodes(op="placeholder"))
-    return placeholders.index(origin) if origin in placeholders else None
+    return origin if origin.op == "placeholder" else None

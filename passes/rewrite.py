@@ -64,6 +64,7 @@ from . import provenance
 from .checkpoints import REGION
 from .detect import Detection, ResidualSite, ResidualStream
 from .plan import Plan, Site, StreamPlan
+from .signature import WEIGHT_INPUT
 
 ATTNRES_META = "attnres"
 _ATTNRES_CLASS = f"{BlockAttnRes.__module__}.{BlockAttnRes.__qualname__}"
@@ -132,6 +133,7 @@ class ParameterInputs(Emitter):
         for parameter in ("proj.weight", "norm.weight"):
             with graph.inserting_after(last_input):
                 last_input = graph.placeholder(f"{site.name}.{parameter}".replace(".", "_"))
+            last_input.meta[WEIGHT_INPUT] = True
             self.names.append(f"{site.name}.{parameter}")
             weights.append(last_input)
         return graph.call_function(fusable, (weights[0], weights[1], list(sources)),

@@ -119,6 +119,22 @@ def output_cache(output):
     return output["cache"] if "cache" in output else output.get("past_key_values")
 
 
+def full_length_cache(key_values: list[tuple], config):
+    """A ``DynamicCache`` of ``config``'s layers holding ``key_values``, in which every sliding-window (and
+    chunked-attention) layer keeps all its positions, as a full-attention layer does: the models' masks then
+    apply the window over absolute positions. A ``DynamicSlidingWindowLayer`` drops the positions past its
+    window, a length that decides what it returns and its mask sizes by Python branches, which a trace
+    fixes at the example's length. The cache's layer list and classes as transformers 5.16-5.25 have them."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    cache = DynamicCache(config=config)
+    cache.layers = [DynamicLayer() if type(layer) is DynamicSlidingWindowLayer else layer for layer in cache.layers]
+    for layer, (key, value) in zip(cache.layers, key_values):
+        layer.update(key, value)
+    return cache
+
+
 def hf_checkpointed_forward(cls: type) -> Callable | None:
     """The forward that transformers' gradient-checkpointing wrapper wraps on ``cls`` (a
     ``GradientCheckpointingLayer``: its class ``forward`` is ``forward_with_checkpointing``, once per
@@ -506,6 +522,7 @@ __all__ = [
     "CACHE_ARGUMENTS",
     "cache_argument",
     "output_cache",
+    "full_length_cache",
     "SUPPORTED_TRANSFORMERS",
     "check_transformers_version",
     "mark_hf_initialized",

@@ -20,20 +20,17 @@ another runs.
 from __future__ import annotations
 
 import contextlib
-import threading
 from contextlib import ExitStack
 from typing import Any, Callable
 
 from .. import compat
 from ..capture.tracers import capture_settings, entry_function, in_own_call, own_call
 from ..errors import AttnResError, RoutingError
+from .context import call_context
 
 # Dynamo's default is 8 graphs per code object; one converted module can legitimately need more (train
 # and eval, two dtypes, prefill and decode, static and dynamic shapes).
 RECOMPILE_LIMIT = 64
-
-_SETTINGS = threading.local()        # the capture settings a compilation in this thread entered
-
 
 @compat.assume_constant_result
 def inside_own_capture() -> bool:
@@ -46,11 +43,11 @@ def _on_compile_start(args) -> None:
         return
     stack = ExitStack()
     stack.enter_context(capture_settings())
-    _SETTINGS.stacks = [*getattr(_SETTINGS, "stacks", []), stack]
+    call_context().compile_settings.append(stack)
 
 
 def _on_compile_end(args) -> None:
-    stacks = getattr(_SETTINGS, "stacks", None)
+    stacks = call_context().compile_settings
     if compat.is_dynamo_frame_compile(args) and stacks:
         stacks.pop().close()
 

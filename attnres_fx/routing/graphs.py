@@ -5,8 +5,8 @@
   blocks that run the same code with the same constants share it), then rewritten for one block and one
   state layout (:func:`block_variant`): a copy of the trace, the block's planned sites matched and
   rewritten with the stream's state as extra inputs and outputs, compiled to Python that resolves the
-  block's modules when it runs. What the graph takes and returns is one record,
-  :class:`LayerGraphSignature`.
+  block's modules when it runs. What the graph takes and returns is one record, the
+  :class:`~attnres_fx.passes.signature.LayerGraphSignature` the rewrite stored with it.
 - **Dynamo graphs** (the model route; the layer route under Inductor, or for a block whose own code fx
   cannot trace): the backends that rewrite a copy of each graph TorchDynamo captures
   (:func:`rewritten_dynamo_graph`) and run it eagerly or hand it to Inductor with the AttnRes weights as
@@ -18,7 +18,6 @@ from __future__ import annotations
 import operator
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -43,6 +42,7 @@ from ..passes.detect import detect_residual_streams
 from ..passes.node_kinds import is_reshape
 from ..passes.pipeline import LayerTarget, rewrite_captured
 from ..passes.rewrite import Emitter, Entry, ModuleCalls, ParameterInputs, lift_attnres_weights
+from ..passes.signature import SIGNATURE, LayerGraphSignature
 from ..passes.two_phase import apply_two_phase
 from .. import compat
 
@@ -51,51 +51,14 @@ if TYPE_CHECKING:
 
 
 
-@dataclass(frozen=True)
-class Layout:
-    """The stream's state where a block's call begins: before residual site ``position``, ``blocks``
-    committed, with or without a partial sum; ``None`` as a whole when the call starts the stream."""
-
-    position: int
-    blocks: int
-    has_partial: bool
-
-
-@dataclass(frozen=True)
-class LayerGraphSignature:
-    """What one block's rewritten graph takes and returns, in order (after ``torch.export``'s
-    ``ExportGraphSignature``).
-
-    Inputs: the call's own graph inputs (``inputs`` of them; for a block graph the tensors and objects of
-    the call, in :func:`~attnres_fx.capture.block_tracer.call_shape` order), then ``state_inputs``: the committed
-    block sums ``b_0 ..`` and the partial sum. ``stream_input``: which of the call's inputs is the stream
-    (the carrier; ``None`` if the graph starts the stream from a value it computes).
-
-    Outputs: the block's result, then ``state_outputs``: the partial sum and the blocks committed by
-    this block, unless the graph ends the stream. ``carrier``: where the stream leaves in the result (a
-    path of indices and keys; ``None`` where the graph ends the stream: its result holds the final
-    aggregation). ``next_offset``: the residual site after the block's last one, counted from the block's
-    first (the graph then serves every block of its kind at that place in a stream block).
-    """
-
-    inputs: int
-    stream_input: int | None
-    state_inputs: tuple[str, ...]
-    carrier: tuple | None
-    state_outputs: tuple[str, ...]
-    next_offset: int | None
-
-
 class BlockVariant:
     """One block's rewritten graph for one call shape and state layout; ``forward(bound, *inputs, *state)``
     returns ``(result, partial, *committed)`` (``(result,)`` where the graph ends the stream)."""
 
-    def __init__(self, forward: Callable, signature: LayerGraphSignature, bound: Bound,
-                 graph_module: fx.GraphModule):
+    def __init__(self, forward: Callable, signature: LayerGraphSignature, bound: Bound):
         self.forward = forward
         self.signature = signature
         self.bound = bound
-        self.graph_module = graph_module
 
 
 class TraceCache:
@@ -315,36 +278,21 @@ class SiteModuleCalls(Emitter):
         return graph.call_function(run_site_at, (graph.get_attr(SITES), site.name, *sources))
 
 
-def entry_of(layout: Layout | None) -> Entry | None:
-    """The rewrite's entry for a block receiving the stream's state in ``layout``: the completed blocks as
-    one list, however many."""
-    return None if layout is None else Entry(layout.position, layout.blocks, layout.has_partial, as_list=True)
-
-
 def rewrite_block(traced: TracedBlock, plan, target: LayerTarget, block_path: str,
-                  modules: dict[str, BlockAttnRes], where: str) -> tuple[fx.GraphModule, LayerGraphSignature]:
+                  modules: dict[str, BlockAttnRes], where: str) -> fx.GraphModule:
     """A copy of ``traced`` with the block's planned sites rewritten (``target``: its stream, span, the
-    state it receives and whether it ends the stream; ``modules``: the AttnRes modules by site name), and
-    the record of what it takes and returns."""
+    state it receives and whether it ends the stream; ``modules``: the AttnRes modules by site name); its
+    :class:`~attnres_fx.passes.signature.LayerGraphSignature` in its ``meta``. The graph returns the block's
+    result as one output, the state outputs after it."""
     with compat.lazy_graph_modules():        # the code is generated once, from the final graph
         gm = copy_graph_module(traced.graph_module, where)
         (output,) = gm.graph.find_nodes(op="output")
-        output.args = ((output.args[0],),)       # the result as one value, the state outputs after it
-        result = rewrite_captured(gm, plan, lambda g: BlockModuleCalls(g, block_path, modules), where=where,
-                                  layer=target)
-    state_in = [node.name for node in result.rewrite.state_inputs]
-    signature = LayerGraphSignature(
-        inputs=len(gm.graph.find_nodes(op="placeholder")) - len(state_in),
-        stream_input=result.start_input if target.entry is None else _stream_input(gm, result),
-        state_inputs=tuple(state_in),
-        # The graph returns (result, *state): where the stream leaves, within the result.
-        carrier=None if target.ends else result.carrier_output[1:],
-        state_outputs=("partial", *(f"block_{k}" for k in range(result.rewrite.state_outputs - 1))),
-        next_offset=result.next_position - target.span.start)
-    return gm, signature
+        output.args = ((output.args[0],),)
+        rewrite_captured(gm, plan, lambda g: BlockModuleCalls(g, block_path, modules), where=where, layer=target)
+    return gm
 
 
-def variant_key(kind: tuple, shape: CallShape, planned, span, path: str, layout: Layout | None,
+def variant_key(kind: tuple, shape: CallShape, planned, span, path: str, layout: Entry | None,
                 baked: tuple | None = None) -> tuple:
     """What a rewritten block graph is shared by: the kind of block and call shape, its place in a stream
     block (where the state it receives stands), whether it ends the stream, and the names of its
@@ -357,35 +305,38 @@ def variant_key(kind: tuple, shape: CallShape, planned, span, path: str, layout:
     return ("variant", kind, shape, baked, place, span.stop == planned.num_positions, names)
 
 
-def block_variant(router: LayerRouter, traced: TracedBlock, shape: CallShape, layout: Layout | None,
+def block_variant(router: LayerRouter, traced: TracedBlock, shape: CallShape, layout: Entry | None,
                   baked: tuple | None = None) -> BlockVariant:
     """``traced`` rewritten for ``router``'s block with the stream's state in ``layout``; see the module
     docstring. The rewritten code is shared by the blocks of one kind that sit at the same place in a
     stream block and name their aggregations alike: it takes the completed blocks as one list and finds
     the block's modules on the ``self`` it is given."""
     planned = router.planned
-    key = variant_key(router.kind, shape, planned, router.span, router.path, layout, baked)
-
-    def rewrite() -> tuple:
-        target = LayerTarget(planned, router.span, entry_of(layout), router.ends)
-        # The block's own (another block's may be gone: a pipeline stage holds some of the model's blocks).
-        modules = {site.name: router.root.get_submodule(site.name) for site in router.own_sites}
-        gm, signature = rewrite_block(traced, router.conversion.plan, target, router.path, modules, router.where)
-        router.conversion.stats.rewrites += 1
-        return compiled_forward(gm.graph, f"{type(router.module).__name__} graph"), signature, gm
-    forward, signature, gm = router.conversion.traces.get(key, rewrite)
+    forward, gm = rewritten_block(router, traced, shape, layout, baked)
     others = {node.target: getattr(gm, node.target) for node in gm.graph.find_nodes(op="get_attr")
               if not node.target.startswith(BLOCK + ".") and node.target != FINAL}
     final = place_of(router.root, planned.final.name) if FINAL in gm._modules else None
     router.rewritten.append(gm)
-    return BlockVariant(forward, signature, Bound(router.module, final, **others), gm)
+    return BlockVariant(forward, gm.meta[SIGNATURE], Bound(router.module, final, **others))
 
 
-def _stream_input(gm: fx.GraphModule, result) -> int | None:
-    """The call input a block graph with state inputs takes the stream from (the rewrite's entry origin)."""
-    placeholders = list(gm.graph.find_nodes(op="placeholder"))
-    origin = result.rewrite.stream_origin
-    return placeholders.index(origin) if origin in placeholders else None
+def rewritten_block(router: LayerRouter, traced: TracedBlock, shape: CallShape, layout: Entry | None,
+                    baked: tuple | None = None, modules: dict[str, BlockAttnRes] | None = None) -> tuple:
+    """``(forward, graph_module)``: ``traced`` rewritten for ``router``'s block with the stream's
+    state in ``layout``, from the conversion's cache (shared as :func:`block_variant` says). ``modules``: the
+    AttnRes modules by site name, where they are not the model's yet (the conversion's trial)."""
+    planned = router.planned
+    key = variant_key(router.kind, shape, planned, router.span, router.path, layout, baked)
+
+    def rewrite() -> tuple:
+        target = LayerTarget(planned, router.span, layout, router.ends)
+        # The block's own (another block's may be gone: a pipeline stage holds some of the model's blocks).
+        own = {site.name: modules[site.name] if modules is not None else router.root.get_submodule(site.name)
+               for site in router.own_sites}
+        gm = rewrite_block(traced, router.conversion.plan, target, router.path, own, router.where)
+        router.conversion.stats.rewrites += 1
+        return compiled_forward(gm.graph, f"{type(router.module).__name__} graph"), gm
+    return router.conversion.traces.get(key, rewrite)
 
 
 # -- TorchDynamo graphs --------------------------------------------------------------------------------------
@@ -459,26 +410,3 @@ class RoutedGraph:
 
     def __call__(self, *args):
         return self.compiled(*args, *self.weights.read())
-
-
-def at_path(value: Any, path: tuple) -> Any:
-    for key in path:
-        value = value[key]
-    return value
-
-
-def replaced_at(value: Any, path: tuple, new: Any) -> Any:
-    """``value`` with the item at ``path`` replaced by ``new`` (tuples and lists rebuilt, dicts copied)."""
-    if not path:
-        return new
-    key, rest = path[0], path[1:]
-    item = replaced_at(value[key], rest, new)
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return (*value[:key], item, *value[key + 1:])
-    if isinstance(value, tuple):
-        return value._replace(**{value._fields[key]: item})
-    if isinstance(value, list):
-        return [*value[:key], item, *value[key + 1:]]
-    copied = type(value)(value) if isinstance(value, dict) else value
-    copied[key] = item
-    return copied

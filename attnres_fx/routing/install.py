@@ -34,13 +34,34 @@ class Installed:
     handles: tuple
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """A conversion not installed yet and the layer routers it will install, by path, with what the
+    conversion's trial made through them (:mod:`attnres_fx.routing.trial`)."""
+
+    conversion: Conversion
+    routers: dict[str, LayerRouter]
+
+
+def prepared_routes(model: nn.Module, plan: Plan, config: AttnResConfig) -> Prepared:
+    """The conversion of ``model`` to ``plan`` and its layer routers, made without touching ``model``."""
+    conversion = Conversion(plan, config)
+    conversion.traces = TraceCache(config.trace_cache_size, conversion.stats)
+    routers = {span.owner: LayerRouter(model, model.get_submodule(span.owner), span.owner, conversion, stream.index,
+                                       span, span.opened)
+               for stream in plan.streams for span in stream.layers}
+    return Prepared(conversion, routers)
+
+
 def routers(model: nn.Module) -> list[Router]:
     """The routers installed on ``model`` and its submodules."""
     return [m.__dict__["forward"] for m in model.modules() if isinstance(m.__dict__.get("forward"), Router)]
 
 
-def install(model: nn.Module, plan: Plan, modules: dict[str, BlockAttnRes], config: AttnResConfig) -> Conversion:
-    """Register the AttnRes modules, the routers and the stream watches on ``model``; all or nothing."""
+def install(model: nn.Module, plan: Plan, modules: dict[str, BlockAttnRes], config: AttnResConfig,
+            prepared: Prepared | None = None) -> Conversion:
+    """Register the AttnRes modules, the routers and the stream watches on ``model``; all or nothing.
+    ``prepared``: the conversion and layer routers its trial made (new ones otherwise)."""
     model_routed = [stream.owner for stream in plan.streams if stream.route == "model"]
     routed = dict.fromkeys(([""] if model_routed else []) + model_routed)
     layers = {span.owner: (stream.index, span) for stream in plan.streams for span in stream.layers}
@@ -53,8 +74,8 @@ def install(model: nn.Module, plan: Plan, modules: dict[str, BlockAttnRes], conf
                 f"wrapper installed by another library, e.g. accelerate's device-map hooks: "
                 f"{module.__dict__['forward']!r}); attnres_fx routes calls through forward itself. Convert "
                 "the model before adding such wrappers.")
-    conversion = Conversion(plan, config)
-    conversion.traces = TraceCache(config.trace_cache_size, conversion.stats)
+    prepared = prepared or prepared_routes(model, plan, config)
+    conversion = prepared.conversion
     registered: list[tuple[nn.Module, str]] = []
     handles = []
     try:
@@ -65,8 +86,8 @@ def install(model: nn.Module, plan: Plan, modules: dict[str, BlockAttnRes], conf
             registered.append((holder, attribute))
         for path, module in targets:
             if path in layers:
-                stream, span = layers[path]
-                module.forward = LayerRouter(model, module, path, conversion, stream, span, span.opened)
+                module.forward = prepared.routers[path]
+                module.forward.installed()
             else:
                 module.forward = ModelRouter(model, module, path, conversion)
         model_routers = [module.forward for _, module in targets if isinstance(module.forward, ModelRouter)]

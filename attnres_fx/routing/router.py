@@ -22,7 +22,6 @@ import contextlib
 import functools
 import inspect
 import logging
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -41,7 +40,8 @@ from ..passes.layers import LayerSpan
 from ..passes.pipeline import LayerTarget
 from ..passes.rewrite import Entry
 from . import dynamo, graphs, host
-from .graphs import Layout, LayerGraphSignature, at_path, replaced_at
+from .context import call_context
+from ..passes.signature import LayerGraphSignature, at_path, replaced_at
 from .state import (ATTRIBUTE, StreamState, attach, bundle, edited, remember_for_recomputation, restated, returned,
                     state_of, unbundle)
 from .watch import note_stream_end, note_stream_start, refuse_foreign_fullgraph
@@ -206,15 +206,12 @@ class WholeCallRouter(ModelRouter):
         self.whole = True
 
 
-_INTERCEPTORS = threading.local()
-
-
 @contextlib.contextmanager
 def intercepting(interceptor):
     """Within, in this thread: every call of a layer-routed module of ``interceptor.conversion`` goes to
     ``interceptor.intercept(router, args, kwargs, proceed)``, where ``proceed(*args, **kwargs)`` runs the
     call as usual (:mod:`attnres_fx.integrations.pipelining`: stage boundaries, and the probe that prepares them)."""
-    stack = _INTERCEPTORS.__dict__.setdefault("stack", [])
+    stack = call_context().interceptors
     stack.append(interceptor)
     try:
         yield interceptor
@@ -237,6 +234,7 @@ class _ShapeRoutes:
     baked: tuple[int, ...] | None = None
     by_value: dict | None = None
     values: tuple | None = None
+    refusal: TraceError | None = None        # why the block's code could not be traced for this shape
 
 
 class LayerRouter(Router):
@@ -273,6 +271,12 @@ class LayerRouter(Router):
     def reset(self) -> None:
         super().reset()
         self._shapes.clear()
+
+    def installed(self) -> None:
+        """Now the module's ``forward`` (an attribute the module did not have when the trial read its
+        constants): the constants are watched from here."""
+        if self._forwards:
+            self._watched = graphs.watched_constants(self.traced_modules)
 
     def _class_forward(self) -> tuple[Callable, bool, tuple]:
         """``(forward, checkpointed, kind)`` for the module's class now (FSDP2 swaps it): the forward the
@@ -319,12 +323,12 @@ class LayerRouter(Router):
             self._refuse_export()
         if checkpointed and compat.hf_checkpointing_on(self.module):
             return compat.hf_checkpointed_call(self.module, lambda *a, **k: self._intercepted(a, k), args, kwargs)
-        if _INTERCEPTORS.__dict__.get("stack"):
+        if call_context().interceptors:
             return self._intercepted(args, kwargs)
         return self.proceed(*args, **kwargs)
 
     def _intercepted(self, args: tuple, kwargs: dict):
-        for interceptor in reversed(_INTERCEPTORS.__dict__.get("stack") or ()):
+        for interceptor in reversed(call_context().interceptors):
             if interceptor.conversion is self.conversion:
                 return interceptor.intercept(self, args, kwargs, self.proceed)
         return self.proceed(*args, **kwargs)
@@ -338,14 +342,34 @@ class LayerRouter(Router):
                 # Another kind of block now: its own traces (shared with the blocks of that kind).
                 self._forwards.clear()
                 self._shapes.clear()
-            shape, inputs = call_shape(args, kwargs, self.traced_modules)
-            routes = self._shapes.get(shape) or self._routes_for(shape, args, kwargs, inputs)
-            if routes.baked is not None:
-                values = tuple([inputs[k] for k in routes.baked])
-                routes = routes.by_value.get(values) or self._value_routes_for(routes, values, args, kwargs)
-            if routes.traced is not None and not (self.opened and self._opened_hooks()):
+            routes, inputs = self._routes(args, kwargs)
+            if self._runs_block_graph(routes):
                 return self._run_block_graph(routes, inputs)
         return self._run_dynamo(args, kwargs)
+
+    def prepare(self, args: tuple, kwargs: dict, layout: Entry | None, modules: dict) -> _ShapeRoutes:
+        """What a first call with ``args``, ``kwargs`` and the stream's state in ``layout`` makes before it
+        runs (:mod:`attnres_fx.routing.trial` calls it before the model is converted, ``modules``: the
+        AttnRes modules by site name, not registered yet): the block's trace and its rewritten graph,
+        kept here and in the conversion's cache, so that such a call traces and rewrites nothing. Returns
+        the call shape's routes (``traced`` is ``None`` where the call runs on TorchDynamo)."""
+        routes, _ = self._routes(args, kwargs)
+        if self._runs_block_graph(routes):
+            graphs.rewritten_block(self, routes.traced, routes.shape, layout, routes.values, modules)
+        return routes
+
+    def _routes(self, args: tuple, kwargs: dict) -> tuple[_ShapeRoutes, list]:
+        """The routes of this call's shape (and of its Python numbers' values where the code needs them),
+        made at the shape's first call; and the call's graph inputs."""
+        shape, inputs = call_shape(args, kwargs, self.traced_modules)
+        routes = self._shapes.get(shape) or self._routes_for(shape, args, kwargs, inputs)
+        if routes.baked is not None:
+            values = tuple([inputs[k] for k in routes.baked])
+            routes = routes.by_value.get(values) or self._value_routes_for(routes, values, args, kwargs)
+        return routes, inputs
+
+    def _runs_block_graph(self, routes: _ShapeRoutes) -> bool:
+        return routes.traced is not None and not (self.opened and self._opened_hooks())
 
     # -- block graphs --------------------------------------------------------------------------------
 
@@ -364,7 +388,7 @@ class LayerRouter(Router):
                 if found.traced is not None:
                     return self._kept(self._shapes, shape, routes)
             LOG.info("%s runs on TorchDynamo for this call shape: %s", self.where, first_line(err))
-            routes = _ShapeRoutes(shape, None, None, {})
+            routes = _ShapeRoutes(shape, None, None, {}, refusal=err)
             # A failure the traced code happened to raise (not its refusal) is tried again at the next call.
             return self._kept(self._shapes, shape, routes) if graphs.failure_kept(err) else routes
         return self._kept(self._shapes, shape, _ShapeRoutes(shape, traced, None, {}))
@@ -376,7 +400,7 @@ class LayerRouter(Router):
             traced = graphs.trace(self, args, kwargs, routes.shape, values)
         except TraceError as err:
             LOG.info("%s runs on TorchDynamo for this call shape: %s", self.where, first_line(err))
-            found = _ShapeRoutes(routes.shape, None, None, {}, values=values)
+            found = _ShapeRoutes(routes.shape, None, None, {}, values=values, refusal=err)
             return self._kept(routes.by_value, values, found) if graphs.failure_kept(err) else found
         return self._kept(routes.by_value, values, _ShapeRoutes(routes.shape, traced, None, {}, values=values))
 
@@ -398,12 +422,13 @@ class LayerRouter(Router):
         carrier, state, via = self._entering(routes, inputs)
         changed = via == "carrier" and edited(carrier, state)
         # The state made at the stream's start (for reentrant checkpointing's recomputation) holds nothing.
-        layout = None if state is None or not (state.position or state.tensors) else (
-            state.position, len(state.blocks), changed or state.partial is not None)
+        # A block graph takes the completed blocks as one list, however many: it serves every depth.
+        layout = None if state is None or not (state.position or state.tensors) else Entry(
+            state.position, len(state.blocks), changed or state.partial is not None, as_list=True)
         variant = routes.variants.get(layout)
         if variant is None:
-            variant = routes.variants[layout] = graphs.block_variant(
-                self, routes.traced, routes.shape, layout if layout is None else Layout(*layout), routes.values)
+            variant = routes.variants[layout] = graphs.block_variant(self, routes.traced, routes.shape, layout,
+                                                                     routes.values)
             if routes.stream_input is None:
                 routes.stream_input = variant.signature.stream_input
         signature = variant.signature
@@ -411,21 +436,18 @@ class LayerRouter(Router):
         before, reentrant = (state, False) if given is None or not given.requires_grad else \
             self._recomputable(given, state)
         tensors: tuple[torch.Tensor, ...] = ()
-        state_inputs: tuple = ()
         if layout is not None:
             view, tensors = unbundle(state, carrier)
             if changed:
-                tensors = (*tensors[:layout[1]], restated(view, tensors[:layout[1]]))
+                tensors = (*tensors[:layout.blocks], restated(view, tensors[:layout.blocks]))
             inputs[routes.stream_input] = view
-            # The graph takes the completed blocks as one list, then the partial sum.
-            count = layout[1]
-            state_inputs = (list(tensors[:count]), *tensors[count:])
-        results = variant.forward(variant.bound, *inputs, *state_inputs)
-        after = self._state_after(state, tensors, signature.next_offset, results[1:])
+        results = variant.forward(variant.bound, *inputs, *signature.state_arguments(tensors))
+        # The graph returns the block's result as its one output, the state after it.
+        after = self._state_after(state, tensors, signature.next_offset, results[signature.results:])
         if after is None:
             return routes.traced.result(results[0])
-        carrier_out = self._leaving(at_path(results[0], signature.carrier), after, before, via, reentrant)
-        return routes.traced.result(replaced_at(results[0], signature.carrier, carrier_out))
+        carrier_out = self._leaving(at_path(results, signature.carrier), after, before, via, reentrant)
+        return routes.traced.result(replaced_at(results, signature.carrier, carrier_out)[0])
 
     def _entering(self, routes: _ShapeRoutes, inputs: list) -> tuple[torch.Tensor | None, StreamState | None, str]:
         """The carrier this call takes and the state it brings (``None`` at the stream's start)."""
@@ -516,7 +538,9 @@ class LayerRouter(Router):
             if via == "carrier" and edited(carrier, state):
                 tensors = (*tensors[:len(state.blocks)], restated(view, tensors[:len(state.blocks)]))
             args, kwargs = _replaced((args, kwargs), carrier, view)
-        layout = None if state is None or not (state.position or state.tensors) else _DynamoLayout(
+        # What the graph depends on besides what Dynamo guards: the state's layout and, for each of its
+        # tensors, what the placeholder's example value is made from.
+        layout = None if state is None or not (state.position or state.tensors) else Entry(
             state.position, len(state.blocks), len(tensors) > len(state.blocks),
             tuple(_described(t, carrier) for t in tensors))
         call = _DynamoCall(tensors)
@@ -544,20 +568,12 @@ class LayerRouter(Router):
                 "compute another function. Train without a cache (model(..., use_cache=False), as transformers' "
                 "gradient_checkpointing_enable() does), or compile with attnres_fx.compile(model, backend=\"eager\").")
 
-    def _dynamo_backend(self, compiler: str, layout: _DynamoLayout | None):
+    def _dynamo_backend(self, compiler: str, layout: Entry | None):
         def backend(gm: fx.GraphModule, example_inputs: list):
             start = time.perf_counter()
-            outputs = len(gm.graph.find_nodes(op="output")[0].args[0])
-            entry = (None if layout is None
-                     else Entry(layout.position, layout.blocks, layout.has_partial, layout.tensors))
-            target = LayerTarget(self.planned, self.span, entry, self.ends)
+            target = LayerTarget(self.planned, self.span, layout, self.ends)
             compiled, result = graphs.rewritten_dynamo_graph(self, gm, example_inputs, compiler, layer=target)
-            state_in = tuple(node.name for node in result.rewrite.state_inputs)
-            signature = LayerGraphSignature(
-                inputs=len(example_inputs), stream_input=result.start_input, state_inputs=state_in,
-                carrier=result.carrier_output, next_offset=result.next_position - self.span.start,
-                state_outputs=("partial", *(f"block_{k}" for k in range(result.rewrite.state_outputs - 1))))
-            graph = _DynamoLayerGraph(compiled, outputs, signature)
+            graph = _DynamoLayerGraph(compiled, result.signature)
             LOG.info("rewrote the graph Dynamo captured for a call of %s (layer route, %s) in %.2f s", self.where,
                      compiler, time.perf_counter() - start)
             return graph
@@ -577,19 +593,8 @@ class LayerRouter(Router):
                 "modules in order with what each returns, or convert with route='model'.")
 
 
-@dataclass(frozen=True)
-class _DynamoLayout:
-    """What a block's Dynamo graph depends on besides what Dynamo guards: the state's layout, and for each
-    of its tensors the dtype, whether it needs a gradient and whether it has the carrier's shape (else
-    its shape): the placeholders' example values are made from them."""
-
-    position: int
-    blocks: int
-    has_partial: bool
-    tensors: tuple
-
-
 def _described(tensor: torch.Tensor, carrier: torch.Tensor) -> tuple:
+    """Per state tensor: its dtype, whether it needs a gradient, its shape (``None``: the carrier's)."""
     return tensor.dtype, tensor.requires_grad, None if tensor.shape == carrier.shape else tuple(tensor.shape)
 
 
@@ -605,12 +610,9 @@ class _DynamoCall:
         self.next_offset = 0
 
 
-_CALLS = threading.local()
-
-
 @contextlib.contextmanager
 def _active(call: _DynamoCall):
-    stack = _CALLS.__dict__.setdefault("stack", [])
+    stack = call_context().dynamo_calls
     stack.append(call)
     try:
         yield call
@@ -619,25 +621,24 @@ def _active(call: _DynamoCall):
 
 
 class _DynamoLayerGraph:
-    """What Dynamo calls for a block's rewritten graph (``outputs``: how many of the graph's outputs are
-    Dynamo's own; ``signature``: the rest, with the carrier's place among them): appends this thread's
-    current call's state tensors to its inputs and hands the graph's extra outputs (the new state) to
-    the call."""
+    """What Dynamo calls for a block's rewritten graph (``signature``: what it takes and returns beyond
+    Dynamo's own inputs and outputs): appends the state tensors of the innermost block call on TorchDynamo
+    (:mod:`attnres_fx.routing.context`) to its inputs and hands the graph's extra outputs (the new state) to
+    that call."""
 
-    def __init__(self, run, outputs: int, signature: LayerGraphSignature):
+    def __init__(self, run, signature: LayerGraphSignature):
         self.run = run
-        self.outputs = outputs
         self.signature = signature
 
     def __call__(self, *args):
-        call = _CALLS.stack[-1]
+        call = call_context().dynamo_calls[-1]
         signature = self.signature
-        results = self.run(*args, *call.state_tensors)
+        results = self.run(*args, *signature.state_arguments(call.state_tensors))
         call.carrier = at_path(results, signature.carrier) if signature.carrier is not None else None
-        call.state_out = tuple(results[self.outputs:])
+        call.state_out = tuple(results[signature.results:])
         call.start = args[signature.stream_input] if signature.stream_input is not None else None
         call.next_offset = signature.next_offset
-        return tuple(results[:self.outputs])
+        return tuple(results[:signature.results])
 
 
 def _find_state(tree, owner, stream: int) -> tuple[torch.Tensor | None, StreamState | None, str]:

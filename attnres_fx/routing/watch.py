@@ -2,24 +2,21 @@
 
 On the layer route the owner's code (``LlamaModel.forward``) runs as written and calls the blocks; a call
 that runs the stream's first blocks but not its last (fewer layers than converted) never takes the final
-aggregation. Forward hooks on the owner (:class:`StreamWatch`) keep a per-thread record of each of its
-calls; the first and last blocks mark it (:func:`note_stream_start`, :func:`note_stream_end`), and a call
-that started the stream without ending it raises :class:`~attnres_fx.StreamMismatchError`, as the model
-route does for the same call.
+aggregation. Forward hooks on the owner (:class:`StreamWatch`) keep a record of each of its calls in the
+call context (:mod:`attnres_fx.routing.context`: one per thread); the first and last blocks mark it
+(:func:`note_stream_start`, :func:`note_stream_end`), and a call that started the stream without ending it
+raises :class:`~attnres_fx.StreamMismatchError`, as the model route does for the same call.
 """
 
 from __future__ import annotations
 
 import sys
-import threading
 
 import torch
 from torch import nn
 
 from ..errors import StreamMismatchError, refuse_fullgraph_trace
-
-_WATCHED = threading.local()
-
+from .context import call_context
 
 class _Record:
     __slots__ = ("conversion", "stream", "started", "finished")
@@ -58,7 +55,7 @@ class StreamWatch:
     @torch.compiler.disable
     def _enter(self):
         self.check_layers()
-        _WATCHED.__dict__.setdefault("stack", []).append(_Record(self.conversion, self.stream))
+        call_context().watched.append(_Record(self.conversion, self.stream))
 
     def check_layers(self) -> None:
         """Raise :class:`~attnres_fx.StreamMismatchError` where a container holds other layers than when
@@ -82,7 +79,7 @@ class StreamWatch:
         record = _current(self.conversion, self.stream)
         if record is None:
             return None
-        _WATCHED.stack.remove(record)
+        call_context().watched.remove(record)
         if record.started and not record.finished and sys.exc_info()[0] is None:
             raise stream_ended_early(self.conversion, self.stream, module)
         return None
@@ -97,7 +94,7 @@ def _present(root: nn.Module, path: str) -> nn.Module | None:
 
 
 def _current(conversion, stream: int) -> _Record | None:
-    for record in reversed(_WATCHED.__dict__.get("stack") or ()):
+    for record in reversed(call_context().watched):
         if record.conversion is conversion and record.stream == stream:
             return record
     return None

@@ -231,7 +231,11 @@ def check_pipeline(rank, want, schedule, stages_per_rank=1, cached=False, microb
     for step in range(STEPS):
         ids, targets = batch(step)
         optimizer.zero_grad()
-        runner.step(ids if rank == 0 else None, target=targets if rank == (num_stages - 1) % world else None)
+        # As torch 2.11 takes them: the first stage's inputs contiguous (its PipelineStage checks their strides
+        # against a contiguous copy) and no inputs on the other ranks (a None would reach a later stage of
+        # ScheduleGPipe and Schedule1F1B as an input).
+        inputs = (ids.contiguous(),) if rank == 0 else ()
+        runner.step(*inputs, target=targets if rank == (num_stages - 1) % world else None)
         optimizer.step()
     names = {id(p): name for name, p in net.named_parameters()}
     owned = {names[id(p)]: p.detach().clone() for p in parameters}

@@ -156,3 +156,22 @@ def test_a_model_route_call_leaves_other_threads_output_recorders_alone():
         stop.set()
         runner.join()
     assert not short, f"{len(short)} of 120 calls lost hidden states: {short[:4]}"
+
+
+def test_the_routing_keeps_what_calls_share_in_one_call_context_per_thread():
+    """Structural: no module of the routing holds a thread-local; the one call context (interceptors,
+    stream watches, block calls on TorchDynamo, compilation settings) is another object in each thread."""
+    import importlib
+    import pkgutil
+
+    from attnres_fx import routing
+    from attnres_fx.routing.context import call_context
+
+    modules = [importlib.import_module(f"attnres_fx.routing.{info.name}")
+               for info in pkgutil.iter_modules(routing.__path__)]
+    held = [f"{module.__name__}.{name}" for module in [routing, *modules] for name, value in vars(module).items()
+            if isinstance(value, threading.local)]
+    assert held == []
+    contexts = []
+    run_threads(lambda index: contexts.append(call_context()), count=2)
+    assert len({id(context) for context in [call_context(), *contexts]}) == 3

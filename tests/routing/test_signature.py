@@ -1,0 +1,68 @@
+"""Contract of :class:`~attnres_fx.passes.signature.LayerGraphSignature`, per path: a block's graph traced by
+torch.fx and the same block's graph captured by TorchDynamo (where fx cannot trace it) carry one signature,
+built by the rewrite and stored with the graph, with the same layout of the stream's state: the stream
+entering by one of the call's inputs, the completed blocks (one list in the fx graph, which serves every
+depth; one input each in the Dynamo graph) and the partial sum after the call's inputs, the partial sum and
+the committed blocks after the block's own outputs, the carrier at the same place in the result, the same
+next residual site. Numerical: the two compute the same (fp32 sums in another order: 1e-6).
+"""
+
+import copy
+
+import torch
+
+import attnres_fx
+from attnres_fx import routing
+from attnres_fx.errors import TraceError
+from attnres_fx.models import TinyTransformer, example_ids
+from attnres_fx.passes.signature import (BLOCK, BLOCKS, INPUT, OUTPUT, PARTIAL, SIGNATURE, STREAM,
+                                         LayerGraphSignature)
+from attnres_fx.routing import graphs
+from attnres_fx.testing import randomise_pseudo_queries
+
+
+def tiny():
+    torch.manual_seed(0)
+    return TinyTransformer(dim=32, num_layers=4, num_heads=4).eval()
+
+
+def signatures(model, ids) -> list[LayerGraphSignature]:
+    with torch.no_grad():
+        out = model(ids)
+    return out, [router.rewritten[-1].meta[SIGNATURE] for router in routing.routers(model)]
+
+
+def state_inputs(signature: LayerGraphSignature) -> tuple:
+    return tuple(kind for kind in signature.inputs if kind not in (INPUT, STREAM))
+
+
+def test_fx_traced_and_dynamo_captured_blocks_carry_one_signature_layout(monkeypatch):
+    ids = example_ids(tiny().config)
+    model = randomise_pseudo_queries(attnres_fx.attnresify(tiny(), (ids,), block_size=3))
+    fx_out, by_fx = signatures(model, ids)
+
+    captured = copy.deepcopy(model)
+
+    def refuse(*args, **kwargs):
+        raise TraceError("refused for this test: the block runs on TorchDynamo")
+    monkeypatch.setattr(graphs, "routable_trace", refuse)
+    dynamo_out, by_dynamo = signatures(captured, ids)
+    assert attnres_fx.conversion.conversion_of(captured).stats.captures == 4, "every block captured by Dynamo"
+    torch.testing.assert_close(dynamo_out, fx_out, rtol=1e-6, atol=1e-6)
+
+    planned = attnres_fx.conversion.conversion_of(model).plan.streams[0]
+    for router, fx_signature, dynamo_signature in zip(routing.routers(model), by_fx, by_dynamo):
+        first, last = router.span.start == 0, router.span.stop == planned.num_positions
+        completed = planned.completed_before(router.span.start)
+        for signature in (fx_signature, dynamo_signature):
+            assert signature.inputs.count(STREAM) == 1 and signature.stream_input is not None
+            assert signature.next_offset == router.span.stop - router.span.start
+        # The state inputs: none at the stream's start; else the blocks (a list / one each), the partial sum.
+        assert state_inputs(fx_signature) == (() if first else (BLOCKS, PARTIAL))
+        assert state_inputs(dynamo_signature) == (() if first else (BLOCK,) * completed + (PARTIAL,))
+        # The outputs: the block's own, then the state it hands on (nothing where it ends the stream).
+        assert fx_signature.outputs[:1] == (OUTPUT,) and fx_signature.results == 1
+        fx_state = fx_signature.outputs[fx_signature.results:]
+        assert fx_state == dynamo_signature.outputs[dynamo_signature.results:]
+        assert fx_state == (() if last else (PARTIAL,) + (BLOCK,) * (len(fx_state) - 1))
+        assert fx_signature.carrier == dynamo_signature.carrier == (None if last else (0,))

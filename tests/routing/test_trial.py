@@ -1,0 +1,105 @@
+"""Contract of the conversion's trial (attnres_fx.routing.trial) with the layer route: the trial prepares each
+block through the router the conversion installs, and what it made is what the first call runs.
+
+Structural: after conversion the work counters (``conversion.stats``) hold the trial's traces and rewrites, and
+a first call like the conversion's adds none; the graphs the first call runs are the very graphs the trial
+made, and the ones a route preparing at its first call makes (no trial) are the same code with the same
+signature; a block torch.fx cannot trace is decided for TorchDynamo by the trial, as by the route.
+Numerical: the outputs of the two are equal bit for bit (the same code on the same weights).
+"""
+
+import copy
+
+import torch
+from torch import nn
+
+import attnres_fx
+from attnres_fx import routing
+from attnres_fx.conversion import conversion_of
+from attnres_fx.models import TinyTransformer, example_ids
+from attnres_fx.passes.signature import SIGNATURE
+from attnres_fx.testing import randomise_pseudo_queries
+
+
+def tiny(layers=6):
+    torch.manual_seed(0)
+    return TinyTransformer(dim=32, num_layers=layers, num_heads=4).eval()
+
+
+def made_by_the_trial(model) -> dict:
+    """The rewritten block graphs in the conversion's cache, by id."""
+    return {id(found[1]): found[1] for found in conversion_of(model).traces._entries.values()
+            if isinstance(found, tuple) and SIGNATURE in found[1].meta}
+
+
+def test_the_first_call_runs_what_the_trial_made_and_traces_nothing():
+    ids = example_ids(tiny().config)
+    model = randomise_pseudo_queries(attnres_fx.attnresify(tiny(), (ids,), block_size=4))
+    stats = conversion_of(model).stats
+    # One trace for the six identical blocks; one rewritten graph per place in a stream block.
+    assert (stats.traces, stats.rewrites, stats.captures) == (1, 4, 0)
+    made = made_by_the_trial(model)
+    assert len(made) == 4
+    with torch.no_grad():
+        out = model(ids)
+    assert (stats.traces, stats.rewrites, stats.captures) == (1, 4, 0), "the first call made nothing"
+    ran = [router.rewritten[-1] for router in routing.routers(model)]
+    assert all(id(graph) in made for graph in ran), "the first call runs the trial's graphs"
+
+    # The same route preparing at its first call (no trial): the same decisions, code and signatures.
+    fresh = copy.deepcopy(model)          # a copy keeps no graphs: made again at its first call
+    fresh_stats = conversion_of(fresh).stats
+    counted = (fresh_stats.traces, fresh_stats.rewrites)
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(ids), out, rtol=0, atol=0)
+    assert (fresh_stats.traces - counted[0], fresh_stats.rewrites - counted[1]) == (1, 4)
+    for trial_graph, route_graph in zip(ran, [router.rewritten[-1] for router in routing.routers(fresh)]):
+        assert route_graph.code == trial_graph.code
+    signatures = [graph.meta[SIGNATURE] for graph in ran]
+    assert [r.rewritten[-1].meta[SIGNATURE] for r in routing.routers(fresh)] == signatures
+
+
+class ByWidth(nn.Module):
+    """A block whose code branches on its input's width: torch.fx refuses the trace (control flow on a
+    traced value), TorchDynamo takes it (a guard on the shape)."""
+
+    def __init__(self, dim=32):
+        super().__init__()
+        self.norm, self.mlp = nn.LayerNorm(dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        h = self.norm(x)
+        if x.shape[-1] > 16:
+            h = h * 2
+        return x + self.mlp(h)
+
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.layers = nn.ModuleList(ByWidth() for _ in range(3))
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_a_block_fx_cannot_trace_is_decided_for_dynamo_by_the_trial():
+    torch.manual_seed(0)
+    original = Stack().eval()
+    ids = torch.randint(0, 64, (2, 5))
+    model = attnres_fx.attnresify(copy.deepcopy(original), (ids,), preserve_scale=True)
+    stats = conversion_of(model).stats
+    routers = routing.routers(model)
+    decided = [[routes.traced for routes in router._shapes.values()] for router in routers]
+    assert decided == [[None]] * 3, "each block's call shape is kept as TorchDynamo's"
+    traces = stats.traces
+    with torch.no_grad():
+        # preserve_scale at zero init: the original function; fp32 sums in another order, 1e-5.
+        torch.testing.assert_close(model(ids), original(ids), rtol=1e-5, atol=1e-5)
+    assert stats.traces == traces == 0, "the first call tries no trace"
+    assert stats.captures >= 1
