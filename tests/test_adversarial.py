@@ -771,11 +771,12 @@ class _Interrupt:
                     raise KeyboardInterrupt(f"line {self.count}")
             return local
 
+        previous = sys.gettrace()  # a tracer running the suite (coverage's) gets its function back
         sys.settrace(lambda frame, event, arg: local if frame.f_code.co_filename.startswith(self.roots) else None)
         try:
             call()
         finally:
-            sys.settrace(None)
+            sys.settrace(previous)
         return self.count
 
 

@@ -157,6 +157,7 @@ def retrace(model):
 
 
 def call_under(model, ids, interrupt: Interrupt):
+    previous = sys.gettrace()      # a tracer running the suite (coverage's) gets its function back
     sys.settrace(interrupt)
     try:
         with torch.no_grad():
@@ -164,7 +165,7 @@ def call_under(model, ids, interrupt: Interrupt):
     except KeyboardInterrupt:
         pass
     finally:
-        sys.settrace(None)
+        sys.settrace(previous)
 
 
 def nothing_left_behind():
