@@ -23,6 +23,7 @@ import attnres_fx
 from attnres_fx.checks import relative_error
 from attnres_fx.conversion import conversion_of
 from attnres_fx.models import TinyTransformer, example_ids
+from toy_models import LayerStack
 
 TOL = 1e-5
 
@@ -54,23 +55,9 @@ class Flaky(nn.Module):
         return x + self.mlp(self.norm(x))
 
 
-class FlakyStack(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(64, 32)
-        self.layers = nn.ModuleList(Flaky() for _ in range(3))
-        self.head = nn.Linear(32, 64)
-
-    def forward(self, ids):
-        x = self.emb(ids)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
-
-
 def test_a_trace_that_fails_for_a_moment_is_made_again_at_the_next_call():
     torch.manual_seed(0)
-    original = FlakyStack().eval()
+    original = LayerStack([Flaky() for _ in range(3)]).eval()
     ids = torch.randint(0, 64, (2, 5))
     model = attnres_fx.attnresify(copy.deepcopy(original), (ids,), preserve_scale=True)
     retrace(model)                         # the conversion's trial traced the blocks: the first call traces
@@ -103,7 +90,7 @@ def test_a_trace_that_fails_twice_is_kept_and_the_calls_settle_on_dynamo(monkeyp
     from attnres_fx.routing import graphs
 
     torch.manual_seed(0)
-    original = FlakyStack().eval()
+    original = LayerStack([Flaky() for _ in range(3)]).eval()
     original.layers = nn.ModuleList(Measured() for _ in range(3))
     ids = torch.randint(0, 64, (2, 5))
     attempts = []

@@ -19,6 +19,7 @@ from attnres_fx.conversion import conversion_of
 from attnres_fx.models import TinyTransformer, example_ids
 from attnres_fx.passes.signature import SIGNATURE
 from attnres_fx.testing import randomise_pseudo_queries
+from toy_models import LayerStack
 
 
 def tiny(layers=6):
@@ -74,23 +75,9 @@ class ByWidth(nn.Module):
         return x + self.mlp(h)
 
 
-class Stack(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(64, 32)
-        self.layers = nn.ModuleList(ByWidth() for _ in range(3))
-        self.head = nn.Linear(32, 64)
-
-    def forward(self, ids):
-        x = self.emb(ids)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
-
-
 def test_a_block_fx_cannot_trace_is_decided_for_dynamo_by_the_trial():
     torch.manual_seed(0)
-    original = Stack().eval()
+    original = LayerStack([ByWidth() for _ in range(3)]).eval()
     ids = torch.randint(0, 64, (2, 5))
     model = attnres_fx.attnresify(copy.deepcopy(original), (ids,), preserve_scale=True)
     stats = conversion_of(model).stats
