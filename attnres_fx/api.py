@@ -106,7 +106,7 @@ def attnresify(model: nn.Module, example_inputs: Any = None, *, example_kwargs: 
                          preserve_scale=preserve_scale, eps=eps, route=route)
         modules = new_modules(plan, like=model)
         prepared = _try_routes(model, plan, modules, traced, example_inputs, example_kwargs, config)
-    routing.install(model, plan, modules, config, prepared)
+    routing.install(model, plan, modules, config, prepared).captured_training = model.training
     LOG.info("converted %s in %.1f s (%s capture): %d sites in %d stream(s), block sizes %s, routes %s",
              type(model).__name__, time.perf_counter() - start, traced.frontend, len(plan.sites),
              len(plan.streams), ", ".join(map(str, plan.block_sizes)), ", ".join(plan.routes))

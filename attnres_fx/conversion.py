@@ -76,6 +76,7 @@ class Conversion:
     host: str = ""            # a host compiler that captures the model's calls whole (attnres_fx.routing.host)
     host_graphs: int = 0      # the host's graphs rewritten so far
     stats: RouteStats = field(default_factory=RouteStats)
+    captured_training: bool | None = None   # the mode of the call the plan was captured from (None: a saved plan)
 
 
 def conversion_of(model: nn.Module) -> Conversion | None:

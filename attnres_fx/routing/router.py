@@ -581,6 +581,17 @@ class LayerRouter(Router):
 
     def _stateless_message(self) -> str:
         first = self.planned.layers[0].owner
+        captured, now = self.conversion.captured_training, self.module.training
+        if captured is not None and captured != now:
+            # Another mode, another code path between the blocks (RWKV halves its stream every few layers in
+            # eval mode only): the route='model' advice below would fail the same way.
+            modes = {True: "train", False: "eval"}
+            return (f"{self.where} was called with no AttnRes state for stream {self.stream}: the model was "
+                    f"converted in {modes[captured]} mode and is called in {modes[now]} mode, and the code that "
+                    f"calls its blocks passes the stream from {first} on differently in this mode (an op on the "
+                    f"stream, such as a scaling in eval mode, that the conversion's call did not run). Convert it "
+                    f"in the mode it runs in (model.{modes[now]}() before attnres_fx.attnresify, which names such "
+                    f"an op), or call it in {modes[captured]} mode.")
         return (f"{self.where} was called with no AttnRes state for stream {self.stream}: its residual sites "
                 f"come after those of {first}, so it needs the result the module before it returned, which "
                 "carries the completed block sums. Causes: the module was called on its own or with a tensor "
