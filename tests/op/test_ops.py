@@ -331,3 +331,38 @@ def test_without_a_compiler_one_warning_and_the_same_result(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "C++ CPU kernel is not available (no C++ compiler" in done.stdout
     assert "PyTorch ops" in done.stdout
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                    (torch.float32, torch.float16)], ids=["fp32", "bf16-proj", "fp16-norm"])
+def test_the_cpu_nodes_weight_gradients_in_each_weights_dtype(dtypes):
+    """The C++ node's dL/dproj and dL/dnorm (one loop, ``attnres_cpu::weight_grads``) against autograd
+    through the PyTorch formulation: each in its weight's dtype and shape, equal to that dtype's rounding
+    (1e-5 relative in fp32, where only the order of the fp32 sums differs; one unit of the weight's dtype
+    otherwise); and only the gradients asked for."""
+    proj, norm = _weights(37)
+    proj_weight = proj.weight.detach().to(dtypes[0]).requires_grad_()
+    norm_weight = norm.weight.detach().to(dtypes[1]).requires_grad_()
+    sources = _sources((3, 5, 37), 6)
+    grad = torch.randn(3, 5, 37)
+    got = torch.autograd.grad(torch.ops.attnres_cpu.aggregate(sources, proj_weight, norm_weight, EPS, False),
+                              [proj_weight, norm_weight], grad)
+    want = torch.autograd.grad(aggregation.fusable(proj_weight, norm_weight, sources, eps=EPS, preserve_scale=False),
+                               [proj_weight, norm_weight], grad)
+    for g, w, weight in zip(got, want, (proj_weight, norm_weight)):
+        assert g.dtype == weight.dtype and g.shape == weight.shape
+        tolerance = 1e-5 if weight.dtype == torch.float32 else torch.finfo(weight.dtype).eps
+        torch.testing.assert_close(g.float(), w.float(), rtol=tolerance, atol=tolerance * w.float().abs().max().item())
+    only_norm = torch.autograd.grad(torch.ops.attnres_cpu.aggregate(sources, proj_weight.detach(), norm_weight, EPS,
+                                                                    False), [norm_weight], grad)
+    torch.testing.assert_close(only_norm[0].float(), got[1].float(), rtol=0, atol=0)
+
+
+@needs_cpu_kernel
+def test_opcheck_of_the_weight_gradients():
+    proj, norm = _weights(33)
+    torch.library.opcheck(torch.ops.attnres_cpu.weight_grads.default,
+                          (torch.randn(33), proj.weight.detach(), norm.weight.detach()))
+    with pytest.raises(RuntimeError, match="weights of as many elements"):
+        torch.ops.attnres_cpu.weight_grads(torch.randn(33), proj.weight.detach(), torch.ones(32))

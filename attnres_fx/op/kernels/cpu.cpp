@@ -273,6 +273,50 @@ void aggregate_rows(const T* const* __restrict sources, int64_t K, const float* 
   }
 }
 
+// The second look of the backward at one token, for G of its sources: dL/dv_k = w_k g + gd_k q + c_k v_k
+// written to outs[k], and sum_k gd_k v_k added to dq. The per-source scalars (at stride kTile) are
+// copied into registers first: read through the stats pointer inside the loop, they were reloaded after
+// every store (the compiler cannot rule out that a gradient row aliases them), which made this loop, not
+// memory, the backward's bottleneck. Groups of at most four keep the row pointers in registers too; dq
+// is accumulated in the same order as one pass over all sources would.
+template <typename T, int G>
+inline void source_grads(const T* const* __restrict rows, T* const* __restrict outs, const float* __restrict q,
+                         const float* __restrict g, const float* __restrict weight, const float* __restrict grad_dot,
+                         const float* __restrict coefficient, int64_t D, float* __restrict dq) {
+  const T* r[G];
+  T* o[G];
+  Vec w[G], gd[G], c[G];
+  float ws[G], gds[G], cs[G];
+  for (int k = 0; k < G; ++k) {
+    r[k] = rows[k];
+    o[k] = outs[k];
+    ws[k] = weight[k * kTile];
+    gds[k] = grad_dot[k * kTile];
+    cs[k] = coefficient[k * kTile];
+    w[k] = Vec(ws[k]);
+    gd[k] = Vec(gds[k]);
+    c[k] = Vec(cs[k]);
+  }
+  int64_t d = 0;
+  for (; d + kLanes <= D; d += kLanes) {
+    const Vec qv = Vec::loadu(q + d), gv = Vec::loadu(g + d);
+    Vec dqv = Vec::loadu(dq + d);
+    for (int k = 0; k < G; ++k) {
+      const Vec x = load_fp32(r[k] + d);
+      store_fp32(o[k] + d, at::vec::fmadd(x, c[k], at::vec::fmadd(qv, gd[k], gv * w[k])));
+      dqv = at::vec::fmadd(x, gd[k], dqv);
+    }
+    dqv.store(dq + d);
+  }
+  for (; d < D; ++d) {
+    for (int k = 0; k < G; ++k) {
+      const float x = static_cast<float>(r[k][d]);
+      o[k][d] = static_cast<T>(ws[k] * g[d] + gds[k] * q[d] + cs[k] * x);
+      dq[d] += gds[k] * x;
+    }
+  }
+}
+
 // Note [backward] of attnres_fx/aggregation.py, per tile of tokens: the first look at each token's K
 // source rows gives their logits and g . v; the softmax and the per-source coefficients run on vectors
 // across the tile's tokens; the second look (from cache) writes every dL/dv and adds the token's dL/dq,
@@ -341,26 +385,18 @@ void backward_rows(const T* __restrict grad, const T* const* __restrict sources,
     }
     for (int64_t i = 0; i < n; ++i) {
       const int64_t t = first + i;
-      const T* const* token_rows = rows + i * K;
       const float* g = std::is_same_v<T, float> ? reinterpret_cast<const float*>(grad + t * D) : g_rows + i * D;
-      int64_t d = 0;
-      for (; d + kLanes <= D; d += kLanes) {
-        const Vec qv = Vec::loadu(q + d), gv = Vec::loadu(g + d);
-        Vec dqv = Vec::loadu(dq + d);
-        for (int64_t k = 0; k < K; ++k) {
-          const Vec x = load_fp32(token_rows[k] + d), gd(grad_dot[k * kTile + i]);
-          store_fp32(grads[k] + t * D + d, at::vec::fmadd(x, Vec(coefficient[k * kTile + i]),
-                                                          at::vec::fmadd(qv, gd, gv * Vec(weight[k * kTile + i]))));
-          dqv = at::vec::fmadd(x, gd, dqv);
-        }
-        dqv.store(dq + d);
-      }
-      for (; d < D; ++d) {
-        for (int64_t k = 0; k < K; ++k) {
-          const float x = static_cast<float>(token_rows[k][d]);
-          const int64_t j = k * kTile + i;
-          grads[k][t * D + d] = static_cast<T>(weight[j] * g[d] + grad_dot[j] * q[d] + coefficient[j] * x);
-          dq[d] += grad_dot[j] * x;
+      for (int64_t k = 0; k < K; k += 4) {
+        T* outs[4];
+        const int64_t G = std::min<int64_t>(4, K - k);
+        for (int64_t j = 0; j < G; ++j) outs[j] = grads[k + j] + t * D;
+        const T* const* token_rows = rows + i * K + k;
+        const int64_t j = k * kTile + i;
+        switch (G) {
+          case 4: source_grads<T, 4>(token_rows, outs, q, g, weight + j, grad_dot + j, coefficient + j, D, dq); break;
+          case 3: source_grads<T, 3>(token_rows, outs, q, g, weight + j, grad_dot + j, coefficient + j, D, dq); break;
+          case 2: source_grads<T, 2>(token_rows, outs, q, g, weight + j, grad_dot + j, coefficient + j, D, dq); break;
+          default: source_grads<T, 1>(token_rows, outs, q, g, weight + j, grad_dot + j, coefficient + j, D, dq); break;
         }
       }
     }
@@ -621,6 +657,36 @@ at::Tensor phase2(const at::Tensor& acc_in, const at::Tensor& top_in, const at::
   return out;
 }
 
+// dL/dproj = dL/dq * norm.weight and dL/dnorm = dL/dq * proj.weight (the folded query is their product),
+// each in its weight's dtype and shape: one loop where the same through ATen ops took six calls (some
+// 7 us, per aggregation of a training step's backward).
+std::tuple<at::Tensor, at::Tensor> weight_grads(const at::Tensor& grad_query_in, const at::Tensor& proj_weight,
+                                                const at::Tensor& norm_weight) {
+  const int64_t D = grad_query_in.numel();
+  TORCH_CHECK(grad_query_in.scalar_type() == at::kFloat && proj_weight.numel() == D && norm_weight.numel() == D,
+              "attnres_cpu::weight_grads: a float32 dL/dq and weights of as many elements (", D, "), got ",
+              grad_query_in.scalar_type(), ", ", proj_weight.sizes(), " and ", norm_weight.sizes());
+  const at::Tensor grad_query = grad_query_in.contiguous();
+  const at::Tensor proj = proj_weight.to(at::kFloat).contiguous(), norm = norm_weight.to(at::kFloat).contiguous();
+  at::Tensor grad_proj = at::empty(proj_weight.sizes(), proj_weight.options().dtype(at::kFloat));
+  at::Tensor grad_norm = at::empty(norm_weight.sizes(), norm_weight.options().dtype(at::kFloat));
+  const float* dq = grad_query.const_data_ptr<float>();
+  const float* p = proj.const_data_ptr<float>();
+  const float* g = norm.const_data_ptr<float>();
+  float* gp = grad_proj.mutable_data_ptr<float>();
+  float* gn = grad_norm.mutable_data_ptr<float>();
+  for (int64_t d = 0; d < D; ++d) {
+    gp[d] = dq[d] * g[d];
+    gn[d] = dq[d] * p[d];
+  }
+  return {grad_proj.to(proj_weight.scalar_type()), grad_norm.to(norm_weight.scalar_type())};
+}
+
+std::tuple<at::Tensor, at::Tensor> weight_grads_meta(const at::Tensor& grad_query, const at::Tensor& proj_weight,
+                                                     const at::Tensor& norm_weight) {
+  return {at::empty_like(proj_weight), at::empty_like(norm_weight)};
+}
+
 // ------------------------------------------------------------------------------------- autograd
 // The operators through the dispatcher (below autograd, under the guards the callers set): whatever
 // implements them for the tensors' device, and whatever dispatch modes are active, see the calls.
@@ -634,6 +700,12 @@ const c10::TypedOperatorHandle<decltype(aggregate_backward)>& backward_op() {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("attnres_cpu::aggregate_backward", "")
                              .typed<decltype(aggregate_backward)>();
+  return op;
+}
+
+const c10::TypedOperatorHandle<decltype(weight_grads)>& weight_grads_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("attnres_cpu::weight_grads", "").typed<decltype(weight_grads)>();
   return op;
 }
 
@@ -670,14 +742,15 @@ class AggregateFunction : public torch::autograd::Function<AggregateFunction> {
                                                   ctx->saved_data["eps"].toDouble(),
                                                   ctx->saved_data["preserve_scale"].toBool());
     torch::autograd::variable_list out(grads.begin(), grads.end());
-    // dL/dproj = dL/dq * norm.weight, dL/dnorm = dL/dq * proj.weight (the query is their product).
-    out.push_back(ctx->needs_input_grad(K) ? (grad_query * norm_weight.to(at::kFloat))
-                                                 .reshape(proj_weight.sizes())
-                                                 .to(proj_weight.scalar_type())
-                                           : at::Tensor());
-    out.push_back(ctx->needs_input_grad(K + 1)
-                      ? (grad_query * proj_weight.reshape(-1).to(at::kFloat)).to(norm_weight.scalar_type())
-                      : at::Tensor());
+    const bool wants_proj = ctx->needs_input_grad(K), wants_norm = ctx->needs_input_grad(K + 1);
+    if (wants_proj || wants_norm) {
+      auto [grad_proj, grad_norm] = weight_grads_op().call(grad_query, proj_weight, norm_weight);
+      out.push_back(wants_proj ? grad_proj : at::Tensor());
+      out.push_back(wants_norm ? grad_norm : at::Tensor());
+    } else {
+      out.emplace_back();
+      out.emplace_back();
+    }
     out.emplace_back();  // eps
     out.emplace_back();  // preserve_scale
     return out;
@@ -739,6 +812,7 @@ TORCH_LIBRARY(attnres_cpu, m) {
   m.def("aggregate(Tensor[] sources, Tensor proj_weight, Tensor norm_weight, float eps, bool preserve_scale) -> Tensor");
   m.def("aggregate_backward(Tensor grad, Tensor[] sources, Tensor proj_weight, Tensor norm_weight, float eps, "
         "bool preserve_scale) -> (Tensor[], Tensor)");
+  m.def("weight_grads(Tensor grad_query, Tensor proj_weight, Tensor norm_weight) -> (Tensor, Tensor)");
   m.def("phase1(Tensor[] blocks, Tensor[] proj_weights, Tensor[] norm_weights, float eps) -> (Tensor[], Tensor[], "
         "Tensor[])");
   m.def("phase2(Tensor acc, Tensor max, Tensor sum, Tensor partial, Tensor proj_weight, Tensor norm_weight, "
@@ -748,6 +822,7 @@ TORCH_LIBRARY(attnres_cpu, m) {
 TORCH_LIBRARY_IMPL(attnres_cpu, CPU, m) {
   m.impl("aggregate", &attnres_cpu::aggregate);
   m.impl("aggregate_backward", &attnres_cpu::aggregate_backward);
+  m.impl("weight_grads", &attnres_cpu::weight_grads);
   m.impl("phase1", &attnres_cpu::phase1);
   m.impl("phase2", &attnres_cpu::phase2);
 }
@@ -759,4 +834,5 @@ TORCH_LIBRARY_IMPL(attnres_cpu, Autograd, m) {
 TORCH_LIBRARY_IMPL(attnres_cpu, Meta, m) {
   m.impl("aggregate", &attnres_cpu::aggregate_meta);
   m.impl("aggregate_backward", &attnres_cpu::aggregate_backward_meta);
+  m.impl("weight_grads", &attnres_cpu::weight_grads_meta);
 }
