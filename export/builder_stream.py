@@ -56,7 +56,7 @@ blocks and the partial, then that norm without the skip. Two forms (``rewrite(fo
   batch 1 / 8: 0.97-1.17 / 0.98-1.03 of the builder's original tokens/s, the per-site form 0.92-1.02 /
   0.91-0.98, one thread in its CPU time), but takes more memory through a prompt: batch 8 after
   128-token prompts at hidden 1024 x 16 layers, int4, 1.47x the builder's original's peak over the
-  process (1.18x after 32-token prompts), the per-site form 1.09x (1.04x).
+  process (1.18x after 32-token prompts), the per-site form 1.08x (1.04x).
 
 Neither form zeroes the softmax weights below ``NEGLIGIBLE_WEIGHT`` (2^-32) of the largest, which the other
 implementations do (Note [negligible weights] in :mod:`attnres_fx.op.aggregation`): their terms are below
