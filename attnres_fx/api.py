@@ -26,7 +26,8 @@ from attnres_fx.passes.rewrite import ModuleCalls, new_modules
 from . import routing
 from .op.module import BlockAttnRes
 from .config import AttnResConfig
-from .capture.tracers import as_args, capture_dynamo, capture_for_plan, plan_inputs, ready_to_capture, trace
+from .capture.tracers import (as_args, capture_dynamo, capture_for_plan, default_call, plan_inputs, ready_to_capture,
+                              trace)
 from .capture.recording import MODULE_CALLS
 from .routing import trial
 from .compat import unwrapped, wrappers
@@ -106,6 +107,8 @@ def attnresify(model: nn.Module, example_inputs: Any = None, *, example_kwargs: 
                          preserve_scale=preserve_scale, eps=eps, route=route)
         modules = new_modules(plan, like=model)
         prepared = _try_routes(model, plan, modules, traced, example_inputs, example_kwargs, config)
+    if prepared is not None and (call := default_call(model, example_inputs, example_kwargs)) is not None:
+        trial.try_default_call(model, plan, modules, prepared, call)
     routing.install(model, plan, modules, config, prepared).captured_training = model.training
     LOG.info("converted %s in %.1f s (%s capture): %d sites in %d stream(s), block sizes %s, routes %s",
              type(model).__name__, time.perf_counter() - start, traced.frontend, len(plan.sites),

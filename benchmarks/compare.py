@@ -54,7 +54,7 @@ import sys
 import sysconfig
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -107,20 +107,33 @@ VALIDATION_MODULES = ("calendar", "configparser", "difflib", "fractions", "mailb
 
 
 @dataclass
-class Config:
-    layers: int = 24
-    dim: int = 64
-    heads: int = 4
-    seq: int = 128
-    batch: int = 16
-    steps: int = 400
+class Optimiser:
+    """AdamW (betas 0.9, 0.95) over ``attnres_fx.param_groups``, its gradients clipped to ``grad_clip``."""
+
     lr: float = 3e-3
-    warmup: float = 0.05               # fraction of the steps
-    min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
     attnres_lr_mult: float = 2.0
     attnres_weight_decay: float = 0.0
     grad_clip: float = 1.0
+
+    def param_groups(self, model: nn.Module) -> list[dict]:
+        return attnres_fx.param_groups(model, lr=self.lr, weight_decay=self.weight_decay,
+                                       attnres_lr_mult=self.attnres_lr_mult,
+                                       attnres_weight_decay=self.attnres_weight_decay)
+
+
+def _deep_narrow() -> TinyConfig:
+    return TinyConfig(vocab_size=256, dim=64, num_layers=24, num_heads=4, max_seq_len=128)
+
+
+@dataclass
+class Config:
+    model: TinyConfig = field(default_factory=_deep_narrow)  # its max_seq_len is the windows' length
+    batch: int = 16
+    steps: int = 400
+    warmup: float = 0.05               # fraction of the steps
+    min_lr_ratio: float = 0.1
+    optimiser: Optimiser = field(default_factory=Optimiser)
     seeds: int = 3
     eval_every: int = 50
     eval_windows: int = 64             # validation windows at every evaluation during training
@@ -130,6 +143,10 @@ class Config:
     freeze_fraction: float = 0.1       # of the steps after conversion
 
     @property
+    def seq(self) -> int:
+        return self.model.max_seq_len
+
+    @property
     def warmup_steps(self) -> int:
         return max(1, round(self.warmup * self.steps))
 
@@ -137,14 +154,10 @@ class Config:
     def tokens_per_step(self) -> int:
         return self.batch * self.seq
 
-    def model_config(self) -> TinyConfig:
-        return TinyConfig(vocab_size=256, dim=self.dim, num_layers=self.layers, num_heads=self.heads,
-                          max_seq_len=self.seq)
-
 
 FULL = Config()
-QUICK = Config(layers=2, dim=32, heads=4, seq=16, batch=4, steps=8, eval_every=4, eval_windows=4,
-               final_windows=8, seeds=2)
+QUICK = Config(TinyConfig(vocab_size=256, dim=32, num_layers=2, num_heads=4, max_seq_len=16), batch=4, steps=8,
+               eval_every=4, eval_windows=4, final_windows=8, seeds=2)
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -191,7 +204,7 @@ class Corpus:
 def build(cfg: Config, variant: str, seed: int) -> nn.Module:
     """The seed's initial weights, converted as ``variant`` says (the AttnRes parameters start at zero)."""
     torch.manual_seed(seed)
-    model = TinyTransformer(cfg.model_config()).train()
+    model = TinyTransformer(cfg.model).train()
     options = VARIANTS[variant]
     if options is not None:
         example = torch.zeros(1, cfg.seq, dtype=torch.long)
@@ -216,9 +229,7 @@ def set_rates(optimizer: torch.optim.Optimizer, step: int, cfg: Config) -> None:
 
 
 def optimizer_for(model: nn.Module, cfg: Config, start: int = 0) -> torch.optim.Optimizer:
-    groups = attnres_fx.param_groups(model, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                     attnres_lr_mult=cfg.attnres_lr_mult,
-                                     attnres_weight_decay=cfg.attnres_weight_decay)
+    groups = cfg.optimiser.param_groups(model)
     return torch.optim.AdamW(scheduled(groups, start), betas=(0.9, 0.95), eps=1e-8)
 
 
@@ -269,7 +280,7 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, corpus: Corpus, cf
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        nn.utils.clip_grad_norm_(model.parameters(), cfg.optimiser.grad_clip)
         optimizer.step()
         if step != steps.start:
             curve.train_seconds += time.perf_counter() - started
@@ -304,7 +315,7 @@ def depth_record(model: nn.Module, corpus: Corpus, cfg: Config, out: Path, name:
     weights = depth_map(model, corpus, cfg)
     if plot:
         weights.plot(out / f"depth_{name}.png", title=f"Depth attention after training: {LABELS[name]} "
-                                                      f"({cfg.layers} layers, d={cfg.dim})")
+                                                      f"({cfg.model.num_layers} layers, d={cfg.model.dim})")
     return {"sites": [row.site.name for row in weights],
             "weights": [[round(float(w), 6) for w in row.weights] for row in weights],
             "entropy": [row.entropy for row in weights], "max_weight": [row.max_weight for row in weights]}
@@ -358,9 +369,7 @@ def continue_converted(model: nn.Module, optimizer: torch.optim.Optimizer, corpu
     # AttnRes parameters get groups of their own (fresh moments, their own learning rate), starting
     # to train when the freeze ends, with a warm-up of their own from there.
     release = half + round(cfg.freeze_fraction * (cfg.steps - half))
-    groups = attnres_fx.param_groups(model, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                     attnres_lr_mult=cfg.attnres_lr_mult,
-                                     attnres_weight_decay=cfg.attnres_weight_decay)
+    groups = cfg.optimiser.param_groups(model)
     for group in scheduled([g for g in groups if g["name"].startswith("attnres")], release):
         optimizer.add_param_group(group)
     attnres_fx.freeze(model)
@@ -434,13 +443,14 @@ def markdown(cfg: Config, results: dict) -> str:
     def pm(pair, digits=3):
         return f"{pair[0]:.{digits}f} ± {pair[1]:.{digits}f}"
 
+    shape, opt = cfg.model, cfg.optimiser
     lines = ["# Training comparison: baseline, Block AttnRes, Full AttnRes", "",
-             f"TinyTransformer (pre-norm, LayerNorm), {cfg.layers} layers, d={cfg.dim}, {cfg.heads} heads, "
-             f"context {cfg.seq} bytes; {cfg.steps} steps of {cfg.batch} x {cfg.seq} bytes "
-             f"({cfg.steps * cfg.tokens_per_step / 1e6:.2f} M tokens per run); AdamW (0.9, 0.95), lr {cfg.lr:g}, "
-             f"warm-up {cfg.warmup_steps} steps, cosine to {cfg.min_lr_ratio:g}x, weight decay {cfg.weight_decay:g} "
-             f"(matrices and embeddings), AttnRes parameters at {cfg.attnres_lr_mult:g}x the rate with decay "
-             f"{cfg.attnres_weight_decay:g}, gradient clipping {cfg.grad_clip:g}; {cfg.seeds} seed(s).",
+             f"TinyTransformer (pre-norm, LayerNorm), {shape.num_layers} layers, d={shape.dim}, {shape.num_heads} "
+             f"heads, context {cfg.seq} bytes; {cfg.steps} steps of {cfg.batch} x {cfg.seq} bytes "
+             f"({cfg.steps * cfg.tokens_per_step / 1e6:.2f} M tokens per run); AdamW (0.9, 0.95), lr {opt.lr:g}, "
+             f"warm-up {cfg.warmup_steps} steps, cosine to {cfg.min_lr_ratio:g}x, weight decay {opt.weight_decay:g} "
+             f"(matrices and embeddings), AttnRes parameters at {opt.attnres_lr_mult:g}x the rate with decay "
+             f"{opt.attnres_weight_decay:g}, gradient clipping {opt.grad_clip:g}; {cfg.seeds} seed(s).",
              "", f"Data: {corpus['train_bytes'] / 1e6:.2f} MB of Python {corpus['python']} standard-library "
              f"source ({corpus['train_modules']} modules) for training, {corpus['validation_bytes'] / 1e3:.0f} kB "
              f"held out ({', '.join(corpus['validation_modules'])}); final validation loss (nats per byte) "
@@ -513,8 +523,8 @@ def plot_curves(cfg: Config, results: dict, out: Path) -> None:
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend()
-    figure.suptitle(f"{cfg.layers} layers, d={cfg.dim}, {cfg.steps} steps: mean over {cfg.seeds} seed(s), "
-                    "band from min to max")
+    figure.suptitle(f"{cfg.model.num_layers} layers, d={cfg.model.dim}, {cfg.steps} steps: mean over "
+                    f"{cfg.seeds} seed(s), band from min to max")
     figure.savefig(out / "curves.png")
 
     conversions = [r for r in results["runs"] if "conversion" in r]
@@ -586,6 +596,15 @@ def run_all(cfg: Config, out: Path, workers: int, threads: int) -> list[dict]:
     return results
 
 
+# Command-line flags: where each sets its value in a Config (part of it, field) and its type.
+FLAGS = {"layers": ("model", "num_layers", int), "dim": ("model", "dim", int), "heads": ("model", "num_heads", int),
+         "seq": ("model", "max_seq_len", int), **{name: ("", name, int) for name in (
+             "batch", "steps", "seeds", "eval_every", "eval_windows", "final_windows")},
+         **{name: ("optimiser", name, float) for name in (
+             "lr", "weight_decay", "attnres_lr_mult", "attnres_weight_decay")},
+         **{name: ("", name, float) for name in ("warmup", "min_lr_ratio", "freeze_fraction")}}
+
+
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Config]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, few steps (under a minute)")
@@ -596,18 +615,14 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Config]:
     parser.add_argument("--variants", help=f"subset of {','.join(VARIANTS)}")
     parser.add_argument("--convert-variant", choices=[v for v in VARIANTS if v != "baseline"] + ["none"],
                         help="blocks of experiment 2 (none: skip it)")
-    for name in ("layers", "dim", "heads", "seq", "batch", "steps", "seeds", "eval_every", "eval_windows",
-                 "final_windows"):
-        parser.add_argument(f"--{name.replace('_', '-')}", type=int)
-    for name in ("lr", "warmup", "min_lr_ratio", "weight_decay", "attnres_lr_mult", "attnres_weight_decay",
-                 "freeze_fraction"):
-        parser.add_argument(f"--{name.replace('_', '-')}", type=float)
+    for flag, (_, _, kind) in FLAGS.items():
+        parser.add_argument(f"--{flag.replace('_', '-')}", type=kind)
     args = parser.parse_args(argv)
-    cfg = replace(QUICK if args.quick else FULL)
-    for name in Config.__dataclass_fields__:
-        value = getattr(args, name, None)
-        if value is not None and name not in ("variants", "convert_variant"):
-            setattr(cfg, name, value)
+    cfg = copy.deepcopy(QUICK if args.quick else FULL)
+    for flag, (part, name, _) in FLAGS.items():
+        value = getattr(args, flag)
+        if value is not None:
+            setattr(getattr(cfg, part) if part else cfg, name, value)
     if args.variants:
         variants = tuple(args.variants.split(","))
         unknown = set(variants) - set(VARIANTS)

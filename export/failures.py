@@ -28,6 +28,10 @@ _HINTS = (
     (("torch._dynamo.exc.Unsupported",),
      "attnres_fx.export.compile uses fullgraph=True, so a graph break is an error. Remove the construct "
      "named above from forward(), or pass fullgraph=False to accept graph breaks."),
+    (("complex-valued input",),
+     "forward() computes with complex tensors (rotary embeddings as a complex product, as Llama 4's), which "
+     "the ONNX exporter translates at no opset; the unconverted model fails the same way. Compute the "
+     "rotation with real tensors (cos/sin), or run the model in PyTorch (eager or attnres_fx.compile)."),
     (("DispatchError", "No ONNX function found", "not supported by the ONNX"),
      "an operator has no ONNX translation at this opset: try a newer opset=..., or replace the operator."),
 )

@@ -22,6 +22,7 @@ TorchDynamo instead.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from typing import Any
 
@@ -54,7 +55,6 @@ def record_graph(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
     """The graph of ``model(*args, **kwargs)``, recorded as it runs; see the module docstring. Its
     ``meta[MODULE_CALLS]`` holds the inputs each module was first called with."""
     recorder = _Recorder(model)
-    buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
     handles = []
     for path, module in model.named_modules():
         handles.append(module.register_forward_pre_hook(
@@ -62,7 +62,7 @@ def record_graph(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
         handles.append(module.register_forward_hook(lambda m, a, out: recorder.leave(), always_call=True))
     try:
         inputs = recorder.placeholders((args, kwargs))
-        with torch.random.fork_rng(devices=[]), torch.no_grad(), recorder:
+        with _state_kept(model), recorder:
             # The class's forward, as TorchDynamo captures it: not a wrapper another library set on the
             # instance, not the root's own hooks.
             output = type(model).forward(model, *inputs[0], **inputs[1])
@@ -75,13 +75,45 @@ def record_graph(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
     finally:
         for handle in handles:
             handle.remove()
-        with torch.no_grad():
-            for name, buffer in model.named_buffers():
-                buffer.copy_(buffers[name])
     recorder.graph.output(recorder.argument(_plain(output)))
     graph_module = fx.GraphModule(model, recorder.graph, class_name=type(model).__name__)
     graph_module.meta[MODULE_CALLS] = recorder.calls
     return graph_module
+
+
+def record_calls(model: nn.Module, args: tuple, kwargs: dict, paths) -> dict[str, tuple[tuple, dict]]:
+    """The first call of each module at ``paths`` in ``model(*args, **kwargs)``, run for real (its hooks
+    included, as a user's call runs), ``{path: (args, kwargs)}``; the model's state is left as it was, as
+    by :func:`record_graph`. A failure of the call is the model's own: raised as it is."""
+    calls: dict[str, tuple[tuple, dict]] = {}
+
+    def recorder(path: str):
+        def record(module, args, kwargs):
+            calls.setdefault(path, (args, kwargs))
+        return record
+    handles = [model.get_submodule(path).register_forward_pre_hook(recorder(path), with_kwargs=True)
+               for path in paths]
+    try:
+        with _state_kept(model):
+            model(*args, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return calls
+
+
+@contextlib.contextmanager
+def _state_kept(model: nn.Module):
+    """Within: no gradients recorded; afterwards the random state and every buffer (a batch norm's
+    running statistics) are as before."""
+    buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            yield
+    finally:
+        with torch.no_grad():
+            for name, buffer in model.named_buffers():
+                buffer.copy_(buffers[name])
 
 
 def _tensors(value: Any, found: list | None = None) -> list:

@@ -278,18 +278,39 @@ def plan_inputs(model: nn.Module, example_inputs: tuple | None,
     return args, kwargs
 
 
+def default_call(model: nn.Module, example_inputs: tuple | None,
+                 example_kwargs: dict | None) -> tuple[tuple, dict] | None:
+    """The call the conversion's capture turns into another (:func:`plan_inputs`), as users make it: a
+    Hugging Face model's key/value cache on where its config or the call turns it on (the blocks then
+    receive a cache object, another call shape); ``None`` where the capture's call is that call. A cache
+    object given is left out, the model making its own: the user's is not written to."""
+    inputs = (example_inputs or (), dict(example_kwargs or {})) if example_inputs is not None or example_kwargs \
+        else dummy_inputs(model)
+    if inputs is None:
+        return None
+    args, kwargs = inputs
+    caches = [key for key, value in kwargs.items() if compat.is_hf_cache(value)]
+    kwargs.update(dict.fromkeys(caches))
+    if kwargs.get("use_cache") is None:
+        cache_on = any(getattr(getattr(module, "config", None), "use_cache", False) is True
+                       for module in model.modules())
+    else:
+        cache_on = bool(kwargs["use_cache"])
+    return (args, kwargs) if cache_on else None
+
+
 @contextlib.contextmanager
-def ready_to_capture(model: nn.Module):
+def ready_to_capture(model: nn.Module, cache_off: bool = True):
     """What a conversion's capture needs of a Hugging Face model: its output-recording hooks installed
     (outside any trace; removed again afterwards), and ``config.use_cache`` off while it captures: a forward without a
     ``use_cache`` argument (a question-answering head passes ``**kwargs`` on) falls back to the config,
-    and would build a cache of real tensors inside the capture; and the checkpointing flags of modules
-    transformers flags without checkpointing them off, as in the routes' graphs
-    (:func:`attnres_fx.compat.hf_inner_checkpointing_flags_off`)."""
+    and would build a cache of real tensors inside the capture (``cache_off=False``: the config as it
+    is, for a call as users make it); and the checkpointing flags of modules transformers flags without
+    checkpointing them off, as in the routes' graphs (:func:`attnres_fx.compat.hf_inner_checkpointing_flags_off`)."""
     config = getattr(model, "config", None)
     with (compat.output_recorders_installed(model),
           compat.hf_inner_checkpointing_flags_off(compat.checkpointing_flag_holders(model))):
-        if not getattr(config, "use_cache", False):
+        if not (cache_off and getattr(config, "use_cache", False)):
             yield
             return
         config.use_cache = False

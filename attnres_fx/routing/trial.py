@@ -9,7 +9,9 @@ apply fails in :func:`attnres_fx.attnresify`, atomically, not at the model's fir
 - model route: TorchDynamo's capture of the whole call, rewritten (a check only, as above).
 
 The blocks are tried on the inputs the conversion's recording saw them called with
-(:data:`attnres_fx.capture.recording.MODULE_CALLS`).
+(:data:`attnres_fx.capture.recording.MODULE_CALLS`), and on those of the conversion's call as users make
+it where the capture's call is another (a Hugging Face model's key/value cache on: the blocks receive a
+cache object), recorded on a run of the model (:func:`try_default_call`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import dataclasses
 import torch
 from torch import nn
 
-from ..capture.tracers import capture_dynamo
+from .. import compat
+from ..capture.recording import record_calls
+from ..capture.tracers import capture_dynamo, ready_to_capture
 from ..config import AttnResConfig
 from ..errors import TraceError
 from ..passes.pipeline import LayerTarget, rewrite_captured
@@ -33,6 +37,25 @@ def try_layer_route(model: nn.Module, plan: Plan, modules: dict, calls: dict, co
     gradients, as the recording runs: its tensors take no gradient-recording op); what the routers made,
     to install."""
     prepared = prepared_routes(model, plan, config)
+    _try_blocks(prepared, plan, modules, calls)
+    return prepared
+
+
+def try_default_call(model: nn.Module, plan: Plan, modules: dict, prepared: Prepared, call: tuple[tuple, dict]) -> None:
+    """Prepare the layer-routed blocks of ``plan`` through ``prepared``'s routers for ``call`` too, the
+    conversion's call as users make it (:func:`~attnres_fx.capture.tracers.default_call`: a Hugging Face
+    model's key/value cache on, where the capture's is off), its blocks' calls recorded on a real run of
+    the model: a first call with the model's default arguments (and ``generate()``, whose calls have the
+    same shape) traces and rewrites nothing either."""
+    owners = [span.owner for stream in plan.streams if stream.route == "layer" for span in stream.layers]
+    if not owners:
+        return
+    with ready_to_capture(model, cache_off=False), compat.mha_fast_path_off():
+        calls = record_calls(model, *call, owners)
+    _try_blocks(prepared, plan, modules, calls)
+
+
+def _try_blocks(prepared: Prepared, plan: Plan, modules: dict, calls: dict) -> None:
     with torch.no_grad():
         for stream in plan.streams:
             if stream.route != "layer":
@@ -40,7 +63,6 @@ def try_layer_route(model: nn.Module, plan: Plan, modules: dict, calls: dict, co
             for span in stream.layers:
                 if span.owner in calls:
                     _try_block(prepared, plan, stream, span, modules, calls[span.owner])
-    return prepared
 
 
 def _try_block(prepared: Prepared, plan: Plan, stream: StreamPlan, span, modules: dict, call: tuple) -> None:

@@ -43,7 +43,7 @@ def test_quick_run_writes_every_output_with_finite_numbers(tmp_path):
                                                                   run["tokens_per_second"]])
         if run["variant"] != "baseline":
             depth = run["depth"]
-            assert len(depth["weights"]) == len(depth["sites"]) == 2 * config["layers"] + 1
+            assert len(depth["weights"]) == len(depth["sites"]) == 2 * config["model"]["num_layers"] + 1
             assert all(abs(sum(row) - 1) < 1e-4 for row in depth["weights"])
     conversions = [r["conversion"] for r in runs if "conversion" in r]
     assert len(conversions) == 2
@@ -78,7 +78,7 @@ def test_batches_follow_seed_and_step_and_validation_is_held_out():
 
 def test_schedule_warms_up_decays_and_ramps_a_group_that_starts_late():
     compare = _module()
-    cfg = compare.Config(steps=100, warmup=0.1, lr=1.0, min_lr_ratio=0.1)
+    cfg = compare.Config(steps=100, warmup=0.1, min_lr_ratio=0.1)
     weights = [torch.nn.Parameter(torch.zeros(1)) for _ in range(2)]
     optimizer = torch.optim.SGD([{"params": [weights[0]], "lr": 1.0, "base_lr": 1.0, "start": 0},
                                  {"params": [weights[1]], "lr": 2.0, "base_lr": 2.0, "start": 50}])
@@ -96,3 +96,11 @@ def test_schedule_warms_up_decays_and_ramps_a_group_that_starts_late():
 def test_unknown_variants_are_refused(tmp_path):
     with pytest.raises(SystemExit):
         _module().parse_args(["--quick", "--variants", "baseline,block5", "--out", str(tmp_path)])
+
+
+def test_flags_set_the_parts_of_a_copy_of_the_configuration(tmp_path):
+    compare = _module()
+    _, cfg = compare.parse_args(["--quick", "--layers", "3", "--seq", "8", "--lr", "0.5", "--steps", "6",
+                                 "--out", str(tmp_path)])
+    assert (cfg.model.num_layers, cfg.seq, cfg.optimiser.lr, cfg.steps) == (3, 8, 0.5, 6)
+    assert (compare.QUICK.model.num_layers, compare.QUICK.optimiser.lr, compare.QUICK.steps) == (2, 3e-3, 8)

@@ -186,6 +186,21 @@ def test_data_dependent_control_flow_cannot_export(tmp_path):
     assert not (tmp_path / "bad.onnx").exists()
 
 
+class ComplexRotary(torch.nn.Module):
+    """Rotates pairs of features as a complex product, as Llama 4's rotary embedding does."""
+
+    def forward(self, x):
+        turn = torch.polar(torch.ones(x.shape[-1] // 2), torch.arange(x.shape[-1] // 2, dtype=torch.float32))
+        return torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (-1, 2))) * turn.unsqueeze(0)).flatten(-2)
+
+
+def test_complex_arithmetic_is_refused_with_what_to_do(tmp_path):
+    with pytest.raises(ExportError) as info:
+        export.to_onnx(ComplexRotary(), (torch.randn(2, 3, 8),), tmp_path / "bad.onnx")
+    assert_readable(info.value, "ONNX conversion failed", "complex tensors", "cos/sin")
+    assert not (tmp_path / "bad.onnx").exists()
+
+
 def test_graph_break_is_a_compile_error():
     compiled = export.compile(DataDependent())
     with pytest.raises(ExportError) as info:

@@ -430,11 +430,14 @@ def test_a_timm_layout_vision_transformer_with_layer_scale_and_stochastic_depth(
 # -- architectures beyond HF_MODELS, used as a user would -----------------------------------------------------
 
 # Sampled from transformers' causal-LM list, one per mechanism the table above has none of: ALiBi with a fused
-# query-key-value (BLOOM), attention and MLP in parallel off one norm with sliding-window layers (Cohere 2).
-# Tiny, built from their configs; README names the others this check passes on.
+# query-key-value (BLOOM), attention and MLP in parallel off one norm with sliding-window layers (Cohere 2),
+# chunked attention over 4-token chunks with experts and a layer without rotary (Llama 4: the 9-token prompt
+# spans three chunks). Tiny, built from their configs; README names the others this check passes on.
 SAMPLED = {
     "bloom": ("BloomConfig", "BloomForCausalLM", {}),
     "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", {"sliding_window": 4}),
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", {"attention_chunk_size": 4, "num_local_experts": 2,
+                                                         "intermediate_size_mlp": 64, "no_rope_layers": [1, 0]}),
 }
 SAMPLED_FIELDS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=2, head_dim=16, max_position_embeddings=128, pad_token_id=0, bos_token_id=1,

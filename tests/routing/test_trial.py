@@ -4,7 +4,9 @@ block through the router the conversion installs, and what it made is what the f
 Structural: after conversion the work counters (``conversion.stats``) hold the trial's traces and rewrites, and
 a first call like the conversion's adds none; the graphs the first call runs are the very graphs the trial
 made, and the ones a route preparing at its first call makes (no trial) are the same code with the same
-signature; a block torch.fx cannot trace is decided for TorchDynamo by the trial, as by the route.
+signature; a block torch.fx cannot trace is decided for TorchDynamo by the trial, as by the route; a Hugging
+Face model's first call with its default arguments (its key/value cache on, which the capture turns off) and
+generate() make nothing either.
 Numerical: the outputs of the two are equal bit for bit (the same code on the same weights).
 """
 
@@ -19,6 +21,7 @@ from attnres_fx.conversion import conversion_of
 from attnres_fx.models import TinyTransformer, example_ids
 from attnres_fx.passes.signature import SIGNATURE
 from attnres_fx.testing import randomise_pseudo_queries
+from hf_models import build_hf, hf_example_inputs, needs_hf
 from toy_models import LayerStack
 
 
@@ -90,3 +93,29 @@ def test_a_block_fx_cannot_trace_is_decided_for_dynamo_by_the_trial():
         torch.testing.assert_close(model(ids), original(ids), rtol=1e-5, atol=1e-5)
     assert stats.traces == traces == 0, "the first call tries no trace"
     assert stats.captures >= 1
+
+
+@needs_hf
+def test_the_first_call_with_the_default_arguments_traces_nothing():
+    """The capture's call turns a Hugging Face model's key/value cache off; a call with the model's defaults
+    (and generate()) turns it on, so each block receives a cache object: another call shape, prepared by the
+    trial too."""
+    original = build_hf("llama", use_cache=True, hidden_size=64, head_dim=32, num_hidden_layers=4)
+    (ids,), _ = hf_example_inputs("llama", seq=12)
+    model = randomise_pseudo_queries(attnres_fx.attnresify(copy.deepcopy(original), (ids,)))
+    stats = conversion_of(model).stats
+    made = (stats.traces, stats.rewrites, stats.captures)
+    assert made[0] == 2, "one trace per kind of block for each call shape: without the cache and with it"
+    with torch.no_grad():
+        out = model(ids)
+    assert out.past_key_values is not None, "the default call used the cache"
+    assert (stats.traces, stats.rewrites, stats.captures) == made, "the first default call made nothing"
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
+    with torch.no_grad():
+        model(ids, use_cache=False)
+    assert (stats.traces, stats.rewrites, stats.captures) == made, "generate() and the capture's call neither"
+
+    # The trial's graphs compute what graphs made at the first call compute: the same code, bit for bit.
+    fresh = copy.deepcopy(model)
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(ids).logits, out.logits, rtol=0, atol=0)
