@@ -217,13 +217,22 @@ def test_a_model_inside_distributed_data_parallel_is_refused_and_one_converted_b
 @pytest.mark.slow
 @needs_hf
 def test_a_data_parallel_hf_model_saves_a_converted_checkpoint(tmp_path):
+    """Formerly a plain checkpoint that reloaded 0.757 off; now the converted model, reloaded exactly."""
+    import transformers
+
     model = build_hf("llama")
-    attnres_fx.attnresify(torch.nn.DataParallel(model), num_blocks=2)
+    wrapper = torch.nn.DataParallel(model)
+    randomise_pseudo_queries(attnres_fx.attnresify(wrapper, num_blocks=2), seed=2, std=0.5)
     assert attnres_fx.sites(model)[0].name == "model.layers.0.attn_res"
     model.save_pretrained(tmp_path / "converted")
     saved = json.loads((tmp_path / "converted" / "config.json").read_text())["attnres"]
     assert saved["block_sizes"] == list(attnres_fx.plan_of(model).block_sizes)
     assert (tmp_path / "converted" / "attnres.safetensors").is_file()
+    ids = torch.randint(1, 128, (2, 7), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = wrapper(ids).logits
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "converted").eval()
+        _reloaded(loaded(ids).logits, want)
 
 
 # -- transformers' output recorders, pickling -----------------------------------------------------------
@@ -703,9 +712,12 @@ def test_a_config_edited_to_other_layers_is_refused_by_transformers_loaders_too(
     config = json.loads((directory / "config.json").read_text())
     config["num_hidden_layers"] += 2
     (directory / "config.json").write_text(json.dumps(config))
-    with pytest.raises(attnres_fx.CheckpointMismatchError, match=r"(?s)does not convert to the sites saved in "
-                       r".*copy/attnres_config\.json.*found now but not saved: model\.layers\.2, model\.layers\.3"):
-        _auto(directory)
+    import transformers
+
+    for load in (_auto, lambda folder: attnres_fx.from_pretrained(transformers.AutoModelForCausalLM, folder)):
+        with pytest.raises(attnres_fx.CheckpointMismatchError, match=r"(?s)does not convert to the sites saved in "
+                           r".*copy/attnres_config\.json.*found now but not saved: model\.layers\.2, model\.layers\.3"):
+            load(directory)
 
 
 @pytest.mark.slow

@@ -63,7 +63,7 @@ def test_rwkv_converted_in_train_mode_says_at_an_eval_call_that_the_mode_differs
 
 
 @pytest.mark.slow
-def test_rwkv_rewritten_after_a_training_call_is_refused_and_left_as_it_was():
+def test_rwkv_rewritten_after_a_training_call_is_refused_and_left_as_it_was(tmp_path):
     """After a training-mode call RWKV's weights are back to their training scale and its flag says so;
     the next eval call rescales them. A symbolic trace runs that Python but writes no weight: formerly
     the flag was left set with the weights unscaled (every later eval call off by 2.27), and the graph
@@ -81,6 +81,13 @@ def test_rwkv_rewritten_after_a_training_call_is_refused_and_left_as_it_was():
                                                     r"model once in this mode first"):
         attnres_fx.rewrite(model, (IDS,))
     assert model.rwkv.layers_are_rescaled is False
+    assert all(torch.equal(value, state[key]) for key, value in model.state_dict().items())
+    # to_onnx exports the converted model through the same explicit graph: refused alike, nothing written.
+    from attnres_fx import export
+
+    with pytest.raises(attnres_fx.TraceError, match=r"writes into its own parameters in this call"):
+        export.to_onnx(model, (IDS,), tmp_path / "rwkv.onnx", example_kwargs={"use_cache": False})
+    assert model.rwkv.layers_are_rescaled is False and not (tmp_path / "rwkv.onnx").exists()
     assert all(torch.equal(value, state[key]) for key, value in model.state_dict().items())
     with torch.no_grad():
         assert relative_error(model(IDS).logits, want) < 1e-5
