@@ -24,15 +24,20 @@ blocks and the partial, then that norm without the skip. Two forms (``rewrite(fo
 
 - ``"per_site"`` (the default; any precision): the sources in one buffer ``[slots, batch, sequence,
   hidden]`` of a slot per source of the final aggregation (the embedding, then one per block), made once
-  (``Pad`` of the embedding with zeros); each site writes its block's partial sum into the block's slot
-  (``ScatterND``: onnxruntime 1.32 copies the buffer there, off the peak: opset 24's ``TensorScatter``,
-  which writes in place, measured the same peak), then the key RMSNorm over all slots, a
-  ``MatMul`` with the pseudo-query, the slots of blocks not begun masked out (an ``Add``), a ``Softmax``
-  over slots and the weighted sum (``Mul``, ``ReduceSum``): 8-10 nodes per site (the 4 more that zeroed
-  the weights below ``NEGLIGIBLE_WEIGHT`` cost 5-10% of the decoding speed at hidden 256; see the end of
-  this docstring). Stacking the sources afresh at each site instead (a ``Concat`` of the completed blocks
-  and the partial, both live beside the result) took more memory through a prompt: 1.13x the builder's
-  original's peak where the buffer takes 1.09x (hidden 1024 x 16, int4, batch 8, 128-token prompts).
+  (``Pad`` of the embedding with zeros); each site adds its branch into its block's slot (one
+  ``ScatterND`` with ``reduction="add"``: the slot holds the block's partial sum, with no ``Add`` of its
+  own and no partial tensor beside the buffer; onnxruntime 1.32 copies the buffer there, off the peak),
+  then the key RMSNorm over all slots, a ``MatMul`` with the pseudo-query, the slots of blocks not begun
+  masked out (an ``Add``), a ``Softmax`` over slots and the weighted sum (``Mul``, ``ReduceSum``): 7-8
+  nodes per site with the norm after it. Measured against it (hidden 1024 x 16, int4, batch 8, 128-token
+  prompts, peak memory over the builder's original; hidden 256 x 8 for the nodes): a buffer that grows
+  by a slot as each block begins, with no slot to mask (200 nodes against 209 for Llama), 1.13x where
+  this takes 1.08x (its buffers of four sizes are not reused); writing the partial sum, kept beside the
+  buffer, into the slot (``Add``, ``Unsqueeze``, ``ScatterND``: 237 nodes), 1.10x; stacking the sources
+  afresh at each site (a ``Concat`` of the completed blocks and the partial), 1.13x. The 4 nodes per site
+  that zeroed the weights below ``NEGLIGIBLE_WEIGHT`` cost 5-10% of the decoding speed at hidden 256
+  (see the end of this docstring); an ``Einsum`` for the weighted sum decoded slower than ``Mul`` and
+  ``ReduceSum``.
   Softmax and sums run in fp32; an fp16 graph casts each branch output up and each aggregate down. The
   sources are scored afresh at every site: at a decoding step's few sources the two-phase schedule's
   merge would add more nodes than it saves arithmetic.
@@ -51,7 +56,7 @@ blocks and the partial, then that norm without the skip. Two forms (``rewrite(fo
   batch 1 / 8: 0.97-1.17 / 0.98-1.03 of the builder's original tokens/s, the per-site form 0.92-1.02 /
   0.91-0.98, one thread in its CPU time), but takes more memory through a prompt: batch 8 after
   128-token prompts at hidden 1024 x 16 layers, int4, 1.47x the builder's original's peak over the
-  process (1.18x after 32-token prompts), the per-site form 1.09x (1.04x).
+  process (1.18x after 32-token prompts), the per-site form 1.08x (1.04x).
 
 Neither form zeroes the softmax weights below ``NEGLIGIBLE_WEIGHT`` (2^-32) of the largest, which the other
 implementations do (Note [negligible weights] in :mod:`attnres_fx.op.aggregation`): their terms are below
@@ -445,20 +450,20 @@ def _per_site(graph: onnx.GraphProto, stream: GraphStream, block_size: int, aggr
     builder.begin("/attnres")
     first = builder.shape([0], "slot_axis")
     embedding = builder.node("Unsqueeze", [builder.to_fp32(stream.start, "embedding"), first], "embedding_slot")
-    # [slots, batch, sequence, hidden], the embedding in slot 0 and zeros after it.
+    # [slots, batch, sequence, hidden], the embedding in slot 0 and zeros after it: one size throughout
+    # (a buffer grown by a slot per block took more memory through a prompt, its sizes not reused).
     sources = builder.node("Pad", [embedding, builder.shape([0, 0, 0, 0, slots - 1, 0, 0, 0], "empty_slots")],
                            "sources")
-    partial = None
     replacements: dict[str, list[onnx.NodeProto]] = {}
     for position, found in enumerate(stream.sites):
         aggregation = aggregations[position + 1]
         site = aggregation.site
         builder.begin(f"/attnres/{site.name}")
-        branch = builder.to_fp32(found.branch, "branch")
-        partial = branch if position % block_size == 0 else builder.node("Add", [partial, branch], "partial")
+        # The branch added into its block's slot, which so holds the block's partial sum (an index of one
+        # axis addresses a whole [batch, sequence, hidden] slot: the branch is the update as it is).
         slot = position // block_size + 1
-        sources = builder.node("ScatterND", [sources, builder.shape([[slot]], "slot"),
-                                             builder.node("Unsqueeze", [partial, first], "partial_slot")], "sources")
+        sources = builder.node("ScatterND", [sources, builder.shape([slot], "slot"),
+                                             builder.to_fp32(found.branch, "branch")], "sources", reduction="add")
         key_norm = builder.constant(aggregation.key_norm, "key_norm")
         keys = builder.node("SimplifiedLayerNormalization", [sources, key_norm], "keys", axis=-1,
                             epsilon=aggregation.eps)

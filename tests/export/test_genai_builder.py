@@ -153,13 +153,17 @@ def test_per_site_form_puts_one_aggregation_before_each_sublayer_and_the_head():
     writers = {out: n for n in model.graph.node for out in n.output}
     assert [writers[f"n{i}"].input[0] for i in range(1, 5)] == [
         f"/attnres/{site.name}/aggregate" for site in plan.sites[1:]]
-    # One buffer of 3 slots (the embedding, then a slot per block), written in place at each site: the
-    # two sites of the first block mask out the second block's slot.
+    # One buffer of 3 slots (the embedding, then a slot per block); each site adds its branch into its
+    # block's slot, which so holds the block's partial sum (no Add of its own, no partial beside the
+    # buffer); the two sites of the first block mask out the second block's slot.
     assert [s.num_sources for s in plan.sites[1:]] == [2, 2, 3, 3]
     assert ops.count("Pad") == 1 and ops.count("ScatterND") == 4 and "Concat" not in ops
+    scatters = [n for n in model.graph.node if n.op_type == "ScatterND"]
+    assert [helper.get_attribute_value(a) for n in scatters for a in n.attribute] == [b"add"] * 4
     slots = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
-    assert [int(slots[n.input[1]].item()) for n in model.graph.node if n.op_type == "ScatterND"] == [1, 1, 2, 2]
-    assert [n.name.split("/")[2] for n in model.graph.node if n.name.endswith("/masked")] == [
+    assert [slots[n.input[1]].tolist() for n in scatters] == [[1], [1], [2], [2]]
+    assert [n.input[2] for n in scatters] == [f"f{i}" for i in range(4)]
+    assert [n.name.split("/")[2] for n in model.graph.node if n.op_type == "Add"] == [
         site.name for site in plan.sites[1:3]]
 
 
