@@ -14,7 +14,9 @@ Implementations, by the device of the sources:
   (one warning says why). The library also defines ``attnres_cpu::aggregate`` with its autograd
   registered in C++ (and meta kernels for fake tensors): what eager calls on the CPU run
   (:func:`eager`, :func:`attnres_fx.op.module.run_site`), with no Python in a training step's forward
-  or backward;
+  or backward. Its forward keeps, beside its inputs, each token's ``q . v`` and key scale per source
+  ([2, K, T] fp32, ``attnres_cpu::aggregate_saving_logits``), so that its backward
+  (``attnres_cpu::aggregate_backward_saved``) does not recompute them;
 - CUDA: the Triton kernel (:mod:`attnres_fx.op.kernels.gpu`) where Triton is installed;
 - anything else, and CUDA without Triton: the PyTorch formulation.
 
