@@ -22,9 +22,9 @@ Implementations, by the device of the sources:
 
 Autograd: the backward is one more operator, ``attnres::aggregate_backward``, returning the gradients
 of all sources and of the folded query (Note [backward] in :mod:`attnres_fx.op.aggregation`); the
-forward saves only its inputs, through ``ctx.save_for_backward`` (so ``saved_tensors_hooks``,
-activation offloading and checkpointing manage them), and the backward recomputes the per-token
-logits in the same look at each source that gives ``g . v``. Fake (meta) implementations let
+forward of ``attnres::aggregate`` saves only its inputs, through ``ctx.save_for_backward`` (so
+``saved_tensors_hooks``, activation offloading and checkpointing manage them), and the backward
+recomputes the per-token logits in the same look at each source that gives ``g . v``. Fake (meta) implementations let
 torch.export and AOTAutograd trace the operator. Graph captures of :class:`attnres_fx.BlockAttnRes`
 nevertheless see plain ops (:func:`attnres_fx.op.module.aggregate`): Inductor treats a custom
 operator as an opaque call and fuses plain ops with their neighbours; exporters get the form
