@@ -193,8 +193,9 @@ def batched(proj_weight, norm_weight, sources, *, eps: float, preserve_scale: bo
 #   dL/dq   = sum_i sum_tokens dL/dd_i v_i;   dL/dproj = dL/dq * norm.weight;   dL/dnorm = dL/dq * proj
 # Per source that is one dot product with g, one full-size write and one reduction for dL/dq: a few
 # passes, where autograd through `fusable` runs a dozen nodes and accumulates the gradient of each
-# source from three of them. The kernels do it in two looks at each source row per token: the logit
-# (recomputed: nothing but the inputs is saved) with g . v_i, then dL/dv_i and the dL/dq sum.
+# source from three of them. The kernels do it in two looks at each source row per token: g . v_i (with
+# the logit recomputed, or on the CPU read from what the forward kept: q . v_i and r_i per token), then
+# dL/dv_i and the dL/dq sum.
 
 
 def reference_backward(grad, sources, proj_weight, norm_weight, eps: float, preserve_scale: bool):

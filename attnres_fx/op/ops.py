@@ -14,15 +14,17 @@ Implementations, by the device of the sources:
   (one warning says why). The library also defines ``attnres_cpu::aggregate`` with its autograd
   registered in C++ (and meta kernels for fake tensors): what eager calls on the CPU run
   (:func:`eager`, :func:`attnres_fx.op.module.run_site`), with no Python in a training step's forward
-  or backward;
+  or backward. Its forward keeps, beside its inputs, each token's ``q . v`` and key scale per source
+  ([2, K, T] fp32, ``attnres_cpu::aggregate_saving_logits``), so that its backward
+  (``attnres_cpu::aggregate_backward_saved``) does not recompute them;
 - CUDA: the Triton kernel (:mod:`attnres_fx.op.kernels.gpu`) where Triton is installed;
 - anything else, and CUDA without Triton: the PyTorch formulation.
 
 Autograd: the backward is one more operator, ``attnres::aggregate_backward``, returning the gradients
 of all sources and of the folded query (Note [backward] in :mod:`attnres_fx.op.aggregation`); the
-forward saves only its inputs, through ``ctx.save_for_backward`` (so ``saved_tensors_hooks``,
-activation offloading and checkpointing manage them), and the backward recomputes the per-token
-logits in the same look at each source that gives ``g . v``. Fake (meta) implementations let
+forward of ``attnres::aggregate`` saves only its inputs, through ``ctx.save_for_backward`` (so
+``saved_tensors_hooks``, activation offloading and checkpointing manage them), and the backward
+recomputes the per-token logits in the same look at each source that gives ``g . v``. Fake (meta) implementations let
 torch.export and AOTAutograd trace the operator. Graph captures of :class:`attnres_fx.BlockAttnRes`
 nevertheless see plain ops (:func:`attnres_fx.op.module.aggregate`): Inductor treats a custom
 operator as an opaque call and fuses plain ops with their neighbours; exporters get the form

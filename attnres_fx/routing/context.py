@@ -9,7 +9,9 @@ The parts of a converted call that do not call each other find each other here:
 - ``dynamo_calls``: the block calls running on TorchDynamo, whose rewritten graphs take the stream's state
   from the innermost one and hand the new state back to it (:mod:`attnres_fx.routing.router`);
 - ``compile_settings``: what a TorchDynamo compilation of one of attnres_fx's entries entered, left when
-  it ends (:mod:`attnres_fx.routing.dynamo`).
+  it ends (:mod:`attnres_fx.routing.dynamo`);
+- ``hooked_results``: by block, the result a layer-routed block returned to forward hooks, with its carrier
+  and state, for the router's own hook after them (:meth:`~attnres_fx.routing.router.LayerRouter._after_hooks`).
 
 One per thread and asyncio task (a ``ContextVar``, made at its first use): nothing a call in one thread
 does is seen by a call in another.
@@ -21,13 +23,14 @@ from contextvars import ContextVar
 
 
 class CallContext:
-    __slots__ = ("interceptors", "watched", "dynamo_calls", "compile_settings")
+    __slots__ = ("interceptors", "watched", "dynamo_calls", "compile_settings", "hooked_results")
 
     def __init__(self):
         self.interceptors: list = []
         self.watched: list = []
         self.dynamo_calls: list = []
         self.compile_settings: list = []
+        self.hooked_results: dict = {}
 
 
 _CONTEXT: ContextVar[CallContext | None] = ContextVar("attnres_fx_call_context", default=None)

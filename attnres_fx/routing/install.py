@@ -155,7 +155,7 @@ def uninstall(model: nn.Module, conversion: Conversion) -> None:
     for path in installed.routed:
         routed = _present(model, path)
         if routed is not None:
-            routed.__dict__.pop("forward", None)
+            _unroute(routed)
     _sweep_copies(model)
     detach(model)
 
@@ -165,10 +165,17 @@ def _sweep_copies(model: nn.Module) -> None:
     modules of its sites (a free ``BlockAttnRes`` of the user's, with no site, stays)."""
     for module in list(model.modules()):
         if isinstance(module.__dict__.get("forward"), Router):
-            del module.__dict__["forward"]
+            _unroute(module)
         for name, child in list(module._modules.items()):
             if isinstance(child, BlockAttnRes) and child.site is not None:
                 delattr(module, name)
+
+
+def _unroute(module: nn.Module) -> None:
+    """``module``'s router off, with the forward hook a layer router put on it."""
+    router = module.__dict__.pop("forward", None)
+    if isinstance(router, LayerRouter):
+        router.remove_hook()
 
 
 def _present(model: nn.Module, path: str) -> nn.Module | None:

@@ -22,6 +22,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -48,6 +49,8 @@ from .watch import note_stream_end, note_stream_start, refuse_foreign_fullgraph
 
 LOG = logging.getLogger("attnres_fx")
 COMPILERS = ("eager", "inductor")
+# Two threads' first hooked calls of one block register one router hook between them.
+_HOOK_LOCK = threading.Lock()
 
 
 class Router:
@@ -258,6 +261,8 @@ class LayerRouter(Router):
         self._forwards: dict[type, tuple] = {}
         # The constants the kind was read from, to see a change (graphs.watched_constants).
         self._watched: tuple = ()
+        # The key of the router's own forward hook in the block's hooks (:meth:`_after_hooks`), once made.
+        self._after_hooks_id: int | None = None
 
     def __getstate__(self) -> dict:
         return {**super().__getstate__(), "_shapes": {}, "_forwards": {}, "_watched": ()}
@@ -446,8 +451,9 @@ class LayerRouter(Router):
         after = self._state_after(state, tensors, signature.next_offset, results[signature.results:])
         if after is None:
             return routes.traced.result(results[0])
-        carrier_out = self._leaving(at_path(results, signature.carrier), after, before, via, reentrant)
-        return routes.traced.result(replaced_at(results, signature.carrier, carrier_out)[0])
+        carrier_out, hooked = self._leaving(at_path(results, signature.carrier), after, before, via, reentrant)
+        return self._returning(routes.traced.result(replaced_at(results, signature.carrier, carrier_out)[0]),
+                               carrier_out, after, hooked)
 
     def _entering(self, routes: _ShapeRoutes, inputs: list) -> tuple[torch.Tensor | None, StreamState | None, str]:
         """The carrier this call takes and the state it brings (``None`` at the stream's start)."""
@@ -512,19 +518,74 @@ class LayerRouter(Router):
         return state, reentrant
 
     def _leaving(self, carrier: torch.Tensor, after: StreamState, before: StreamState | None, via: str,
-                 reentrant: bool) -> torch.Tensor:
+                 reentrant: bool) -> tuple[torch.Tensor, bool]:
         """The carrier this call returns, with ``after`` attached (and gradients joined for reentrant
-        checkpointing, see :mod:`attnres_fx.routing.state`)."""
+        checkpointing, see :mod:`attnres_fx.routing.state`), and whether forward hooks will see it."""
         if via == "storage" and before is not None and before.successor is not None:
             # Reentrant checkpointing recomputes this call on a detached copy of its input: its result
             # joins the state the original call made, whose gradients the next block's recomputation sent.
-            return bundle(carrier, after.tensors, grads_from=before.successor)
+            return bundle(carrier, after.tensors, grads_from=before.successor), False
         carrier_out = bundle(carrier, after.tensors, grads_from=after)
         attach(carrier_out, after)
-        returned(carrier_out, after, bool(self.module._forward_hooks) or compat.global_forward_hooks())
+        hooked = self._user_hooks()
+        returned(carrier_out, after, hooked)
         if reentrant:
             before.successor = after
-        return carrier_out
+        return carrier_out, hooked
+
+    # -- forward hooks on the block ------------------------------------------------------------------
+
+    def _user_hooks(self) -> bool:
+        """Whether forward hooks other than the router's own (:meth:`_after_hooks`) will see this call's
+        result: the module's, or hooks registered for every module."""
+        hooks = self.module._forward_hooks
+        if hooks and (len(hooks) > 1 or self._after_hooks_id not in hooks):
+            return True
+        return compat.global_forward_hooks()
+
+    def _returning(self, result, carrier: torch.Tensor, state: StreamState, hooked: bool):
+        """``result``, the block's, with ``carrier`` in it carrying ``state``; where forward hooks will see it
+        (``hooked``), the router's own hook is put after them, to find what they return in its place."""
+        if hooked:
+            hooks = self.module._forward_hooks
+            with _HOOK_LOCK:
+                if self._after_hooks_id in hooks:
+                    hooks.move_to_end(self._after_hooks_id)
+                else:
+                    self._after_hooks_id = self.module.register_forward_hook(self._after_hooks).id
+            call_context().hooked_results[id(self.module)] = (result, carrier, state)
+        elif self._after_hooks_id is not None:
+            # The user's hooks are gone: the block's calls take nn.Module's path without hooks again.
+            self.remove_hook()
+        return result
+
+    def _after_hooks(self, module: nn.Module, args: tuple, result):
+        """The last forward hook of the block: where the hooks before it returned a new tensor in place of
+        the carrier (``out + v``, not ``out.add_(v)``), the stream goes on from that tensor, its partial
+        sum restated as for an edit in place (the new value minus the completed blocks): the next block
+        reads what the hooks returned, as in the original model. A result of another structure, or a
+        tensor of another shape, dtype or device, carries no state: the next block refuses it by name."""
+        if torch.compiler.is_dynamo_compiling():
+            return None          # a capture of the call as written: its graph holds the hooks
+        found = call_context().hooked_results.pop(id(module), None)
+        if found is None or result is found[0]:
+            return None
+        original, carrier, state = found
+        leaves, structure = pytree.tree_flatten(original)
+        new_leaves, new_structure = pytree.tree_flatten(result)
+        if new_structure != structure:
+            return None
+        new = next((new_leaves[k] for k, leaf in enumerate(leaves) if leaf is carrier), None)
+        if (isinstance(new, torch.Tensor) and new is not carrier and getattr(new, ATTRIBUTE, None) is None
+                and (new.shape, new.dtype, new.device) == (carrier.shape, carrier.dtype, carrier.device)):
+            state.replaced = True
+            attach(new, state)
+        return None
+
+    def remove_hook(self) -> None:
+        """Take the router's own forward hook off the block (the routing removed)."""
+        self.module._forward_hooks.pop(self._after_hooks_id, None)
+        self._after_hooks_id = None
 
     # -- TorchDynamo ---------------------------------------------------------------------------------
 
@@ -551,8 +612,9 @@ class LayerRouter(Router):
         after = self._state_after(state, tensors, call.next_offset, call.state_out)
         if after is None:
             return out
-        carrier_out = self._leaving(call.carrier, after, before, via, reentrant)
-        return _replaced(out, call.carrier, carrier_out, what=f"the result of {self.where}")
+        carrier_out, hooked = self._leaving(call.carrier, after, before, via, reentrant)
+        return self._returning(_replaced(out, call.carrier, carrier_out, what=f"the result of {self.where}"),
+                               carrier_out, after, hooked)
 
     def _refuse_checkpointed_cache(self, args: tuple, kwargs: dict) -> None:
         """Non-reentrant activation checkpointing recomputes this call in the backward, where a key/value
@@ -586,9 +648,10 @@ class LayerRouter(Router):
                 "carries the completed block sums. Causes: the module was called on its own or with a tensor "
                 "the previous module did not return (a copy, a cast, a tensor computed from it: the code "
                 "that calls them may do that in a mode, train or eval, other than the conversion's, such as "
-                "a scaling of the stream in eval mode; a conversion in this mode names the op; a new result "
-                "a forward hook returned: a hook that edits the result in place, out.add_(v), is taken into "
-                "the stream), or reentrant activation checkpointing recomputes it on inputs it cannot trace "
+                "a scaling of the stream in eval mode; a conversion in this mode names the op; what a forward "
+                "hook returned in place of the block's result, of another structure, shape, dtype or device: "
+                "an edit in place, out.add_(v), or a new tensor like the result, out + v, is taken into the "
+                "stream), or reentrant activation checkpointing recomputes it on inputs it cannot trace "
                 "back (use torch.utils.checkpoint.checkpoint(..., use_reentrant=False)). Call the stream's "
                 "modules in order with what each returns, or convert with route='model'.")
 

@@ -54,6 +54,8 @@ class StreamState:
     # version counter, or a copy where it has none (an inference tensor) and a hook may edit it.
     version: int | None = None
     snapshot: torch.Tensor | None = None
+    # Whether the state travels on a new tensor a forward hook returned in place of the block's carrier.
+    replaced: bool = False
 
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -88,7 +90,9 @@ def returned(carrier: torch.Tensor, state: StreamState, hooked: bool) -> None:
 
 def edited(carrier: torch.Tensor, state: StreamState) -> bool:
     """Whether ``carrier`` was changed in place since its block returned it with ``state`` (a forward hook's
-    ``out.add_(v)``, activation steering)."""
+    ``out.add_(v)``, activation steering), or is a new tensor a forward hook returned in its place."""
+    if state.replaced:
+        return True
     if state.version is not None:
         return carrier._version != state.version
     return state.snapshot is not None and not torch.equal(carrier, state.snapshot)

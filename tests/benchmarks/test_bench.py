@@ -62,7 +62,8 @@ def test_quick_training_overhead_sections(tmp_path):
     rows = results["op_train"]["rows"]
     assert [(row["shape"], row["sources"]) for row in rows] == [([2, 16, 64], 2), ([2, 16, 64], 3), ([1, 1, 64], 2),
                                                                 ([1, 1, 64], 3)]
-    assert all(row["eager_us"] > 0 and row["copy_us"] > 0 and 0 < row["eager_fraction"] for row in rows)
+    assert all(row["eager_us"] > 0 and row["copy_us"] > 0 and row["engine_us"] > 0 and 0 < row["eager_fraction"]
+               for row in rows)
     assert {"Llama training step, std 1 / std 0.1 (median of round ratios)",
             "op forward+backward / same-bytes copy at [2, 128, 512] (fewest of its source counts)",
             } <= set(results["targets"])

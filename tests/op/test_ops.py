@@ -251,8 +251,10 @@ def test_saved_tensors_go_through_saved_tensors_hooks(name):
             out = ops.aggregate(sources, proj.weight, norm.weight, eps=EPS, preserve_scale=False)
         else:
             out = torch.ops.attnres_cpu.aggregate(sources, proj.weight, norm.weight, EPS, False)
-    # The inputs only (both weights, every source): nothing kept beside them.
-    assert sorted(packed) == sorted([proj.weight.shape, norm.weight.shape, *(s.shape for s in sources)])
+    # The inputs (both weights, every source) and, for the C++ operator, the logits' parts its backward
+    # would otherwise recompute: 2 floats per token and source, [2, K, T].
+    logits = [] if name == "operator" else [torch.Size([2, 3, 8])]
+    assert sorted(packed) == sorted([proj.weight.shape, norm.weight.shape, *(s.shape for s in sources), *logits])
     grads = torch.autograd.grad(out.square().sum(), sources)
     want = torch.autograd.grad(aggregation.fusable(proj.weight, norm.weight, sources, eps=EPS,
                                                    preserve_scale=False).square().sum(), sources)
@@ -331,3 +333,92 @@ def test_without_a_compiler_one_warning_and_the_same_result(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "C++ CPU kernel is not available (no C++ compiler" in done.stdout
     assert "PyTorch ops" in done.stdout
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                    (torch.float32, torch.float16)], ids=["fp32", "bf16-proj", "fp16-norm"])
+def test_the_cpu_nodes_weight_gradients_in_each_weights_dtype(dtypes):
+    """The C++ node's dL/dproj and dL/dnorm (one loop, ``attnres_cpu::weight_grads``) against autograd
+    through the PyTorch formulation: each in its weight's dtype and shape, equal to that dtype's rounding
+    (1e-5 relative in fp32, where only the order of the fp32 sums differs; one unit of the weight's dtype
+    otherwise); and only the gradients asked for."""
+    proj, norm = _weights(37)
+    proj_weight = proj.weight.detach().to(dtypes[0]).requires_grad_()
+    norm_weight = norm.weight.detach().to(dtypes[1]).requires_grad_()
+    sources = _sources((3, 5, 37), 6)
+    grad = torch.randn(3, 5, 37)
+    got = torch.autograd.grad(torch.ops.attnres_cpu.aggregate(sources, proj_weight, norm_weight, EPS, False),
+                              [proj_weight, norm_weight], grad)
+    want = torch.autograd.grad(aggregation.fusable(proj_weight, norm_weight, sources, eps=EPS, preserve_scale=False),
+                               [proj_weight, norm_weight], grad)
+    for g, w, weight in zip(got, want, (proj_weight, norm_weight)):
+        assert g.dtype == weight.dtype and g.shape == weight.shape
+        tolerance = 1e-5 if weight.dtype == torch.float32 else torch.finfo(weight.dtype).eps
+        torch.testing.assert_close(g.float(), w.float(), rtol=tolerance, atol=tolerance * w.float().abs().max().item())
+    only_norm = torch.autograd.grad(torch.ops.attnres_cpu.aggregate(sources, proj_weight.detach(), norm_weight, EPS,
+                                                                    False), [norm_weight], grad)
+    torch.testing.assert_close(only_norm[0].float(), got[1].float(), rtol=0, atol=0)
+
+
+@needs_cpu_kernel
+def test_opcheck_of_the_weight_gradients():
+    proj, norm = _weights(33)
+    torch.library.opcheck(torch.ops.attnres_cpu.weight_grads.default,
+                          (torch.randn(33), proj.weight.detach(), norm.weight.detach()))
+    with pytest.raises(RuntimeError, match="weights of as many elements"):
+        torch.ops.attnres_cpu.weight_grads(torch.randn(33), proj.weight.detach(), torch.ones(32))
+
+
+CPU_KERNEL_CASES = [(1, (2, 3, 1), torch.float32), (2, (1, 1, 7), torch.float32), (5, (2, 64, 33), torch.bfloat16),
+                    (9, (2, 16, 128), torch.float32), (3, (4, 50, 1000), torch.float16)]
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("k, shape, dtype", CPU_KERNEL_CASES, ids=[f"{k}x{'x'.join(map(str, s))}-{str(d)[6:]}"
+                                                                   for k, s, d in CPU_KERNEL_CASES])
+def test_the_backward_from_the_forwards_logits_equals_the_one_that_recomputes_them(k, shape, dtype):
+    """``aggregate_saving_logits`` gives ``aggregate``'s result bit for bit and the logits' parts (q . v and
+    the key scale per token and source); the backward given them equals the one that recomputes them up to
+    the order of g . v's fp32 sum (two accumulator chains instead of one): 1e-6 relative in fp32, where
+    the rest is bitwise the same arithmetic; one unit of the storage dtype otherwise."""
+    generator = torch.Generator().manual_seed(k)
+    sources = [torch.randn(shape, generator=generator).to(dtype) for _ in range(k)]
+    proj = torch.randn(1, shape[-1], generator=generator) * 0.3
+    norm = torch.rand(shape[-1], generator=generator) + 0.5
+    grad = torch.randn(shape, generator=generator).to(dtype)
+    out, saved = torch.ops.attnres_cpu.aggregate_saving_logits(sources, proj, norm, EPS, k % 2 == 0)
+    assert torch.equal(out, torch.ops.attnres_cpu.aggregate(sources, proj, norm, EPS, k % 2 == 0))
+    tokens = out.numel() // shape[-1]
+    assert saved.shape == (2, k, tokens) and saved.dtype == torch.float32
+    values = torch.stack([s.float().reshape(tokens, -1) for s in sources])
+    torch.testing.assert_close(saved[0], values @ (proj[0] * norm), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(saved[1], torch.rsqrt(values.square().mean(-1) + EPS), rtol=1e-5, atol=0)
+    want = torch.ops.attnres_cpu.aggregate_backward(grad, sources, proj, norm, EPS, k % 2 == 0)
+    got = torch.ops.attnres_cpu.aggregate_backward_saved(grad, sources, saved, proj, norm, EPS, k % 2 == 0)
+    tolerance = 1e-6 if dtype == torch.float32 else torch.finfo(dtype).eps
+    for g, w in zip([*got[0], got[1]], [*want[0], want[1]]):
+        assert g.dtype == w.dtype
+        torch.testing.assert_close(g.float(), w.float(), rtol=tolerance, atol=tolerance * w.float().abs().max().item())
+
+
+@needs_cpu_kernel
+def test_the_backward_refuses_saved_logits_of_another_shape():
+    sources = [torch.randn(2, 3, 8) for _ in range(2)]
+    proj, norm = torch.randn(1, 8), torch.ones(8)
+    with pytest.raises(RuntimeError, match=r"saved logits must be float32 \[2, K, T\] = \[2, 2, 6\]"):
+        torch.ops.attnres_cpu.aggregate_backward_saved(torch.randn(2, 3, 8), sources, torch.zeros(2, 3, 6), proj,
+                                                       norm, EPS, False)
+
+
+@needs_cpu_kernel
+def test_opcheck_of_the_operators_that_save_and_take_the_logits():
+    proj, norm = _weights(33)
+    sources = [s.detach() for s in _sources((2, 5, 33), 3)]
+    out, saved = torch.ops.attnres_cpu.aggregate_saving_logits(sources, proj.weight.detach(), norm.weight.detach(),
+                                                                EPS, False)
+    torch.library.opcheck(torch.ops.attnres_cpu.aggregate_saving_logits.default,
+                          (sources, proj.weight.detach(), norm.weight.detach(), EPS, False))
+    torch.library.opcheck(torch.ops.attnres_cpu.aggregate_backward_saved.default,
+                          (torch.randn(2, 5, 33), sources, saved, proj.weight.detach(), norm.weight.detach(), EPS,
+                           False))

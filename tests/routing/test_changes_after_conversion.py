@@ -1,6 +1,6 @@
 """What a user changes on a converted model after its first call is honoured at the next call, or refused
 by name: a module replaced (a swapped ``final_res``, PEFT's ``modules_to_save``), a forward hook that
-edits a block's output in place (activation steering), a block's constant (Granite's
+edits a block's output in place or returns a new one (activation steering), a block's constant (Granite's
 ``residual_multiplier``), a Python number that changes at every call (``start_pos``).
 
 Numerical: the changed model's output equals that of a model converted with the change in place
@@ -115,21 +115,23 @@ def test_an_attnres_module_replaced_after_the_first_call_is_the_one_called_on_dy
 # -- a block's output edited in place ---------------------------------------------------------------------
 
 def _steered(model, v, how):
-    """A hook adding ``v`` to layer 1's output: in place on the output (the user's), or as a new MLP output
-    (the reference: in AttnRes terms the same edit, v joins the stream's partial sum)."""
+    """A hook adding ``v`` to layer 1's output: in place on the output or as a new output (the user's), or as a
+    new MLP output (the reference: in AttnRes terms the same edit, v joins the stream's partial sum)."""
     if how == "in place":
         return model.model.layers[1].register_forward_hook(lambda module, args, out: out.add_(v))
+    if how == "new output":
+        return model.model.layers[1].register_forward_hook(lambda module, args, out: out + v)
     return model.model.layers[1].mlp.register_forward_hook(lambda module, args, out: out + v)
 
 
 @pytest.mark.parametrize("mode", ["no_grad", "enable_grad", "inference_mode"])
-def test_a_forward_hook_that_edits_a_block_output_in_place_reaches_the_next_block(mode):
-    """Activation steering: ``out.add_(v)`` on a block's output changes what every later block reads,
-    gradients included."""
+def test_a_forward_hook_that_edits_a_block_output_reaches_the_next_block(mode):
+    """Activation steering: ``out.add_(v)`` on a block's output, or ``out + v`` returned in its place, changes
+    what every later block reads, gradients included."""
     model = converted(llama())
     context = getattr(torch, mode)
     results = {}
-    for how in ("in place", "reference"):
+    for how in ("in place", "new output", "reference"):
         v = torch.randn(32, generator=torch.Generator().manual_seed(2)).requires_grad_(mode == "enable_grad")
         with context():
             model(IDS)                                   # a first call, before the hook
@@ -142,16 +144,38 @@ def test_a_forward_hook_that_edits_a_block_output_in_place_reaches_the_next_bloc
     with torch.no_grad():
         plain = model(IDS).logits
     assert relative_error(results["in place"][0], plain) > 0.01, "the edit has an effect"
-    close(results["in place"][0], results["reference"][0])
-    if mode == "enable_grad":
-        close(results["in place"][1], results["reference"][1])
+    for how in ("in place", "new output"):
+        close(results[how][0], results["reference"][0])
+        if mode == "enable_grad":
+            close(results[how][1], results["reference"][1])
 
 
-def test_a_forward_hook_that_returns_a_new_block_output_is_refused_naming_what_to_do():
-    model = converted(llama())
-    model.model.layers[1].register_forward_hook(lambda module, args, out: out + 1.0)
-    with pytest.raises(attnres_fx.RoutingError, match="(?s)forward hook.*in place"):
+def test_a_forward_hook_that_returns_a_new_block_output_acts_as_on_the_original():
+    """Where the converted model computes the original function (``preserve_scale``, pseudo-queries at zero:
+    every aggregate is the plain sum of its sources), a hook returning a new output, another function of it
+    than a sum (``out * 0.5 + v``), changes the converted model's output as it changes the original's: the next
+    block reads what the hook returned. fp32 sums in another order: 1e-5 relative."""
+    v = torch.randn(32, generator=torch.Generator().manual_seed(2))
+    original = llama()
+    model = attnres_fx.attnresify(copy.deepcopy(original), block_size=2, preserve_scale=True)
+    outputs = []
+    for each in (original, model):
+        with torch.no_grad():
+            each(IDS)                                    # a first call, before the hook
+            handle = each.model.layers[1].register_forward_hook(lambda module, args, out: out * 0.5 + v)
+            outputs.append(each(IDS).logits)
+            handle.remove()
+            plain = each(IDS).logits
+    assert relative_error(outputs[0], plain) > 0.01, "the hook has an effect"
+    close(outputs[1], outputs[0])
+    layer = model.model.layers[1]
+    assert not layer._forward_hooks, "the user's hook removed, the routing's own goes at the next call"
+    handle = layer.register_forward_hook(lambda module, args, out: out + v)
+    with torch.no_grad():
         model(IDS)
+    attnres_fx.remove(model)
+    assert list(layer._forward_hooks) == [handle.id], "remove() takes the routing's hook off, the user's stays"
+
 
 
 @pytest.mark.slow

@@ -107,69 +107,89 @@ inline float dot(const T* __restrict v, const float* __restrict q, int64_t D) {
   return result;
 }
 
-// q . v, v . v and, with a gradient row g, g . v over the rows of G sources at once: q (and g) loaded
-// once per vector for all G rows, and 2G (3G) independent accumulator chains, where one row at a time
-// waits on the latency of a single chain per sum. Source i's sums go to dot[i * stride] (and so on).
-template <typename T, int G, bool WithGrad>
+// What a first look at a token's source rows sums: q . v and v . v (the logits), those and g . v (a
+// backward that recomputes the logits), or g . v alone (a backward given the forward's logits).
+enum Sums { kLogits, kLogitsAndAlong, kAlong };
+
+// The sums of `What` over the rows of G sources at once: q (and g) loaded once per vector for all G rows,
+// and independent accumulator chains (two per source for g . v alone, so that a few sources still keep
+// the FMA units busy), where one row at a time waits on the latency of a single chain per sum. Source i's
+// sums go to dot[i * stride] (and so on).
+template <typename T, int G, Sums What>
 inline void group_dots(const T* const* __restrict rows, const float* __restrict q, const float* __restrict g,
                        int64_t D, int64_t stride, float* __restrict dot, float* __restrict square,
                        float* __restrict along) {
-  Vec dots[G], squares[G], alongs[G];
+  constexpr bool kLogit = What != kAlong, kAlong_ = What != kLogits;
+  Vec dots[G], squares[G], alongs[G], alongs2[G];
   for (int i = 0; i < G; ++i) {
     dots[i] = Vec(0.f);
     squares[i] = Vec(0.f);
     alongs[i] = Vec(0.f);
+    alongs2[i] = Vec(0.f);
   }
   int64_t d = 0;
+  if constexpr (What == kAlong) {
+    for (; d + 2 * kLanes <= D; d += 2 * kLanes) {
+      const Vec gv = Vec::loadu(g + d), gv2 = Vec::loadu(g + d + kLanes);
+      for (int i = 0; i < G; ++i) {
+        alongs[i] = at::vec::fmadd(load_fp32(rows[i] + d), gv, alongs[i]);
+        alongs2[i] = at::vec::fmadd(load_fp32(rows[i] + d + kLanes), gv2, alongs2[i]);
+      }
+    }
+  }
   for (; d + kLanes <= D; d += kLanes) {
-    const Vec qv = Vec::loadu(q + d);
-    Vec gv(0.f);
-    if constexpr (WithGrad) gv = Vec::loadu(g + d);
+    Vec qv(0.f), gv(0.f);
+    if constexpr (kLogit) qv = Vec::loadu(q + d);
+    if constexpr (kAlong_) gv = Vec::loadu(g + d);
     for (int i = 0; i < G; ++i) {
       const Vec x = load_fp32(rows[i] + d);
-      dots[i] = at::vec::fmadd(x, qv, dots[i]);
-      squares[i] = at::vec::fmadd(x, x, squares[i]);
-      if constexpr (WithGrad) alongs[i] = at::vec::fmadd(x, gv, alongs[i]);
+      if constexpr (kLogit) {
+        dots[i] = at::vec::fmadd(x, qv, dots[i]);
+        squares[i] = at::vec::fmadd(x, x, squares[i]);
+      }
+      if constexpr (kAlong_) alongs[i] = at::vec::fmadd(x, gv, alongs[i]);
     }
   }
   float dot_[G], square_[G], along_[G];
   for (int i = 0; i < G; ++i) {
-    dot_[i] = sum_lanes(dots[i]);
-    square_[i] = sum_lanes(squares[i]);
-    along_[i] = WithGrad ? sum_lanes(alongs[i]) : 0.f;
+    dot_[i] = kLogit ? sum_lanes(dots[i]) : 0.f;
+    square_[i] = kLogit ? sum_lanes(squares[i]) : 0.f;
+    along_[i] = What == kAlong ? sum_lanes(alongs[i] + alongs2[i]) : kAlong_ ? sum_lanes(alongs[i]) : 0.f;
   }
   for (; d < D; ++d) {
     for (int i = 0; i < G; ++i) {
       const float x = static_cast<float>(rows[i][d]);
-      dot_[i] += x * q[d];
-      square_[i] += x * x;
-      if constexpr (WithGrad) along_[i] += x * g[d];
+      if constexpr (kLogit) {
+        dot_[i] += x * q[d];
+        square_[i] += x * x;
+      }
+      if constexpr (kAlong_) along_[i] += x * g[d];
     }
   }
   for (int i = 0; i < G; ++i) {
-    dot[i * stride] = dot_[i];
-    square[i * stride] = square_[i];
-    if constexpr (WithGrad) along[i * stride] = along_[i];
+    if constexpr (kLogit) {
+      dot[i * stride] = dot_[i];
+      square[i * stride] = square_[i];
+    }
+    if constexpr (kAlong_) along[i * stride] = along_[i];
   }
 }
 
-// group_dots over K rows, four at a time (along: nullptr without a gradient row).
-template <typename T, bool WithGrad>
+// group_dots over K rows, four at a time (the pointers of sums not taken may be null).
+template <typename T, Sums What>
 inline void row_dots(const T* const* __restrict rows, int64_t K, const float* __restrict q, const float* __restrict g,
                      int64_t D, int64_t stride, float* __restrict dot, float* __restrict square,
                      float* __restrict along) {
+  const auto at = [&](float* p, int64_t k) { return p ? p + k * stride : nullptr; };
   int64_t k = 0;
-  for (; k + 4 <= K; k += 4) {
-    group_dots<T, 4, WithGrad>(rows + k, q, g, D, stride, dot + k * stride, square + k * stride,
-                               WithGrad ? along + k * stride : nullptr);
-  }
-  float* const d = dot + k * stride;
-  float* const s = square + k * stride;
-  float* const a = WithGrad ? along + k * stride : nullptr;
+  for (; k + 4 <= K; k += 4) group_dots<T, 4, What>(rows + k, q, g, D, stride, at(dot, k), at(square, k), at(along, k));
+  float* const d = at(dot, k);
+  float* const s = at(square, k);
+  float* const a = at(along, k);
   switch (K - k) {
-    case 3: group_dots<T, 3, WithGrad>(rows + k, q, g, D, stride, d, s, a); break;
-    case 2: group_dots<T, 2, WithGrad>(rows + k, q, g, D, stride, d, s, a); break;
-    case 1: group_dots<T, 1, WithGrad>(rows + k, q, g, D, stride, d, s, a); break;
+    case 3: group_dots<T, 3, What>(rows + k, q, g, D, stride, d, s, a); break;
+    case 2: group_dots<T, 2, What>(rows + k, q, g, D, stride, d, s, a); break;
+    case 1: group_dots<T, 1, What>(rows + k, q, g, D, stride, d, s, a); break;
     default: break;
   }
 }
@@ -237,13 +257,21 @@ inline int64_t tile_tokens(int64_t K, int64_t D, int64_t element_size) {
 }
 
 // ------------------------------------------------------------------------------------- row loops
+// The logits' parts a backward needs, q . v and the key scale, kept by a forward that records a gradient:
+// saved [2][K][T] (the whole of each) from a tile's stats [K][kTile] (tokens first .. first + n). With
+// them the backward's first look at a source row sums g . v alone (Note [backward]).
+inline void save_logits(float* __restrict saved, const float* __restrict tile, int64_t K, int64_t T, int64_t first,
+                        int64_t n) {
+  for (int64_t k = 0; k < K; ++k) std::copy(tile + k * kTile, tile + k * kTile + n, saved + k * T + first);
+}
+
 // Per tile of tokens: the first look at each token's K rows (from memory) gives the logits; the softmax
 // over sources runs on vectors across the tile's tokens; the second look (from cache) gives the weighted
 // sum, accumulated in registers and stored once per token. stats: 2 * K * kTile floats.
 template <typename T>
 void aggregate_rows(const T* const* __restrict sources, int64_t K, const float* __restrict q, int64_t D, float eps,
                     float scale, T* __restrict out, const T** __restrict rows, float* __restrict stats,
-                    int64_t begin, int64_t end) {
+                    int64_t begin, int64_t end, float* __restrict saved = nullptr, int64_t T_total = 0) {
   float* logits = stats;              // [K][kTile]: q . v, then the weights
   float* squares = stats + K * kTile;  // [K][kTile]
   const int64_t tile = tile_tokens(K, D, sizeof(T));
@@ -251,12 +279,15 @@ void aggregate_rows(const T* const* __restrict sources, int64_t K, const float* 
     const int64_t n = std::min(tile, end - first);
     for (int64_t i = 0; i < n; ++i) {
       for (int64_t k = 0; k < K; ++k) rows[i * K + k] = sources[k] + (first + i) * D;
-      row_dots<T, false>(rows + i * K, K, q, nullptr, D, kTile, logits + i, squares + i, nullptr);
+      row_dots<T, kLogits>(rows + i * K, K, q, nullptr, D, kTile, logits + i, squares + i, nullptr);
     }
+    if (saved) save_logits(saved, logits, K, T_total, first, n);
     for (int64_t i = 0; i < n; i += kLanes) {
       Vec top(-std::numeric_limits<float>::infinity());
       for (int64_t k = 0; k < K; ++k) {
-        const Vec logit = Vec::loadu(logits + k * kTile + i) * key_scale(Vec::loadu(squares + k * kTile + i), D, eps);
+        const Vec r = key_scale(Vec::loadu(squares + k * kTile + i), D, eps);
+        r.store(squares + k * kTile + i);
+        const Vec logit = Vec::loadu(logits + k * kTile + i) * r;
         logit.store(logits + k * kTile + i);
         top = at::vec::maximum(top, logit);
       }
@@ -269,7 +300,52 @@ void aggregate_rows(const T* const* __restrict sources, int64_t K, const float* 
       const Vec inverse = Vec(scale) / total;
       for (int64_t k = 0; k < K; ++k) (Vec::loadu(logits + k * kTile + i) * inverse).store(logits + k * kTile + i);
     }
+    if (saved) save_logits(saved + K * T_total, squares, K, T_total, first, n);
     for (int64_t i = 0; i < n; ++i) weighted_rows(rows + i * K, logits + i, K, D, out + (first + i) * D, kTile);
+  }
+}
+
+// The second look of the backward at one token, for G of its sources: dL/dv_k = w_k g + gd_k q + c_k v_k
+// written to outs[k], and sum_k gd_k v_k added to dq. The per-source scalars (at stride kTile) are
+// copied into registers first: read through the stats pointer inside the loop, they were reloaded after
+// every store (the compiler cannot rule out that a gradient row aliases them), which made this loop, not
+// memory, the backward's bottleneck. Groups of at most four keep the row pointers in registers too; dq
+// is accumulated in the same order as one pass over all sources would.
+template <typename T, int G>
+inline void source_grads(const T* const* __restrict rows, T* const* __restrict outs, const float* __restrict q,
+                         const float* __restrict g, const float* __restrict weight, const float* __restrict grad_dot,
+                         const float* __restrict coefficient, int64_t D, float* __restrict dq) {
+  const T* r[G];
+  T* o[G];
+  Vec w[G], gd[G], c[G];
+  float ws[G], gds[G], cs[G];
+  for (int k = 0; k < G; ++k) {
+    r[k] = rows[k];
+    o[k] = outs[k];
+    ws[k] = weight[k * kTile];
+    gds[k] = grad_dot[k * kTile];
+    cs[k] = coefficient[k * kTile];
+    w[k] = Vec(ws[k]);
+    gd[k] = Vec(gds[k]);
+    c[k] = Vec(cs[k]);
+  }
+  int64_t d = 0;
+  for (; d + kLanes <= D; d += kLanes) {
+    const Vec qv = Vec::loadu(q + d), gv = Vec::loadu(g + d);
+    Vec dqv = Vec::loadu(dq + d);
+    for (int k = 0; k < G; ++k) {
+      const Vec x = load_fp32(r[k] + d);
+      store_fp32(o[k] + d, at::vec::fmadd(x, c[k], at::vec::fmadd(qv, gd[k], gv * w[k])));
+      dqv = at::vec::fmadd(x, gd[k], dqv);
+    }
+    dqv.store(dq + d);
+  }
+  for (; d < D; ++d) {
+    for (int k = 0; k < G; ++k) {
+      const float x = static_cast<float>(r[k][d]);
+      o[k][d] = static_cast<T>(ws[k] * g[d] + gds[k] * q[d] + cs[k] * x);
+      dq[d] += gds[k] * x;
+    }
   }
 }
 
@@ -283,7 +359,7 @@ template <typename T>
 void backward_rows(const T* __restrict grad, const T* const* __restrict sources, T* const* __restrict grads,
                    int64_t K, const float* __restrict q, int64_t D, float eps, float scale, float* __restrict g_rows,
                    const T** __restrict rows, float* __restrict stats, float* __restrict dq, int64_t begin,
-                   int64_t end) {
+                   int64_t end, const float* __restrict saved = nullptr, int64_t T_total = 0) {
   float* dot = stats;                        // [K][kTile] each
   float* scales = stats + K * kTile;         // v . v, then the key scale
   float* along = stats + 2 * K * kTile;      // g . v
@@ -307,13 +383,23 @@ void backward_rows(const T* __restrict grad, const T* const* __restrict sources,
         g = row;
       }
       for (int64_t k = 0; k < K; ++k) rows[i * K + k] = sources[k] + (first + i) * D;
-      row_dots<T, true>(rows + i * K, K, q, g, D, kTile, dot + i, scales + i, along + i);
+      if (saved) {
+        row_dots<T, kAlong>(rows + i * K, K, q, g, D, kTile, nullptr, nullptr, along + i);
+      } else {
+        row_dots<T, kLogitsAndAlong>(rows + i * K, K, q, g, D, kTile, dot + i, scales + i, along + i);
+      }
+    }
+    if (saved) {
+      for (int64_t k = 0; k < K; ++k) {
+        std::copy(saved + k * T_total + first, saved + k * T_total + first + n, dot + k * kTile);
+        std::copy(saved + (K + k) * T_total + first, saved + (K + k) * T_total + first + n, scales + k * kTile);
+      }
     }
     for (int64_t i = 0; i < n; i += kLanes) {
       const auto at = [&](float* p, int64_t k) { return p + k * kTile + i; };
       Vec top(-std::numeric_limits<float>::infinity());
       for (int64_t k = 0; k < K; ++k) {
-        const Vec r = key_scale(Vec::loadu(at(scales, k)), D, eps);
+        const Vec r = saved ? Vec::loadu(at(scales, k)) : key_scale(Vec::loadu(at(scales, k)), D, eps);
         r.store(at(scales, k));
         const Vec logit = Vec::loadu(at(dot, k)) * r;
         logit.store(at(weight, k));
@@ -341,26 +427,18 @@ void backward_rows(const T* __restrict grad, const T* const* __restrict sources,
     }
     for (int64_t i = 0; i < n; ++i) {
       const int64_t t = first + i;
-      const T* const* token_rows = rows + i * K;
       const float* g = std::is_same_v<T, float> ? reinterpret_cast<const float*>(grad + t * D) : g_rows + i * D;
-      int64_t d = 0;
-      for (; d + kLanes <= D; d += kLanes) {
-        const Vec qv = Vec::loadu(q + d), gv = Vec::loadu(g + d);
-        Vec dqv = Vec::loadu(dq + d);
-        for (int64_t k = 0; k < K; ++k) {
-          const Vec x = load_fp32(token_rows[k] + d), gd(grad_dot[k * kTile + i]);
-          store_fp32(grads[k] + t * D + d, at::vec::fmadd(x, Vec(coefficient[k * kTile + i]),
-                                                          at::vec::fmadd(qv, gd, gv * Vec(weight[k * kTile + i]))));
-          dqv = at::vec::fmadd(x, gd, dqv);
-        }
-        dqv.store(dq + d);
-      }
-      for (; d < D; ++d) {
-        for (int64_t k = 0; k < K; ++k) {
-          const float x = static_cast<float>(token_rows[k][d]);
-          const int64_t j = k * kTile + i;
-          grads[k][t * D + d] = static_cast<T>(weight[j] * g[d] + grad_dot[j] * q[d] + coefficient[j] * x);
-          dq[d] += grad_dot[j] * x;
+      for (int64_t k = 0; k < K; k += 4) {
+        T* outs[4];
+        const int64_t G = std::min<int64_t>(4, K - k);
+        for (int64_t j = 0; j < G; ++j) outs[j] = grads[k + j] + t * D;
+        const T* const* token_rows = rows + i * K + k;
+        const int64_t j = k * kTile + i;
+        switch (G) {
+          case 4: source_grads<T, 4>(token_rows, outs, q, g, weight + j, grad_dot + j, coefficient + j, D, dq); break;
+          case 3: source_grads<T, 3>(token_rows, outs, q, g, weight + j, grad_dot + j, coefficient + j, D, dq); break;
+          case 2: source_grads<T, 2>(token_rows, outs, q, g, weight + j, grad_dot + j, coefficient + j, D, dq); break;
+          default: source_grads<T, 1>(token_rows, outs, q, g, weight + j, grad_dot + j, coefficient + j, D, dq); break;
         }
       }
     }
@@ -480,36 +558,56 @@ std::vector<at::Tensor> contiguous(const at::TensorList tensors) {
   return out;
 }
 
-at::Tensor aggregate(at::TensorList sources_in, const at::Tensor& proj_weight, const at::Tensor& norm_weight,
-                     double eps, bool preserve_scale) {
+// The forward; with `save`, also the logits' parts the backward needs ([2, K, T] fp32: save_logits).
+std::tuple<at::Tensor, at::Tensor> forward(at::TensorList sources_in, const at::Tensor& proj_weight,
+                                           const at::Tensor& norm_weight, double eps, bool preserve_scale, bool save) {
   const Rows rows = check_sources(sources_in, "attnres::aggregate");
   const auto sources = contiguous(sources_in);
   const int64_t K = static_cast<int64_t>(sources.size()), D = rows.dim;
   const at::Tensor query = folded_query(proj_weight, norm_weight, D, "attnres::aggregate");
   const float scale = preserve_scale ? static_cast<float>(K) : 1.f;
   at::Tensor out = at::empty_like(sources[0]);
+  at::Tensor saved = save ? at::empty({2, K, rows.count}, sources[0].options().dtype(at::kFloat)) : at::Tensor();
   ATTNRES_DISPATCH(out.scalar_type(), "attnres_aggregate", [&] {
     std::vector<const scalar_t*> pointers;
     for (const auto& s : sources) pointers.push_back(s.const_data_ptr<scalar_t>());
     const scalar_t* const* src = pointers.data();
     const float* q = query.const_data_ptr<float>();
     scalar_t* o = out.mutable_data_ptr<scalar_t>();
+    float* kept = save ? saved.mutable_data_ptr<float>() : nullptr;
     at::parallel_for(0, rows.count, grain(K * D), [&](int64_t begin, int64_t end) {
       std::vector<const scalar_t*> rows_of_tile(kTile * K);
       std::vector<float> stats(2 * K * kTile, 0.f);
       aggregate_rows(src, K, q, D, static_cast<float>(eps), scale, o, rows_of_tile.data(), stats.data(), begin,
-                     end);
+                     end, kept, rows.count);
     });
   });
-  return out;
+  return {out, saved};
 }
 
-std::tuple<std::vector<at::Tensor>, at::Tensor> aggregate_backward(const at::Tensor& grad_in,
-                                                                   at::TensorList sources_in,
-                                                                   const at::Tensor& proj_weight,
-                                                                   const at::Tensor& norm_weight, double eps,
-                                                                   bool preserve_scale) {
+at::Tensor aggregate(at::TensorList sources, const at::Tensor& proj_weight, const at::Tensor& norm_weight, double eps,
+                     bool preserve_scale) {
+  return std::get<0>(forward(sources, proj_weight, norm_weight, eps, preserve_scale, false));
+}
+
+std::tuple<at::Tensor, at::Tensor> aggregate_saving_logits(at::TensorList sources, const at::Tensor& proj_weight,
+                                                           const at::Tensor& norm_weight, double eps,
+                                                           bool preserve_scale) {
+  return forward(sources, proj_weight, norm_weight, eps, preserve_scale, true);
+}
+
+// The backward; given `saved` (the forward's save_logits), without recomputing the logits.
+std::tuple<std::vector<at::Tensor>, at::Tensor> backward(const at::Tensor& grad_in, at::TensorList sources_in,
+                                                         const at::Tensor& saved_in, const at::Tensor& proj_weight,
+                                                         const at::Tensor& norm_weight, double eps,
+                                                         bool preserve_scale) {
   const Rows rows = check_sources(sources_in, "attnres::aggregate_backward");
+  TORCH_CHECK(!saved_in.defined() || (saved_in.scalar_type() == at::kFloat &&
+                                      saved_in.sizes() == at::IntArrayRef({2, static_cast<int64_t>(sources_in.size()),
+                                                                           rows.count})),
+              "attnres::aggregate_backward: the saved logits must be float32 [2, K, T] = [2, ", sources_in.size(), ", ",
+              rows.count, "], got ", saved_in.scalar_type(), " ", saved_in.sizes());
+  const at::Tensor saved = saved_in.defined() ? saved_in.contiguous() : saved_in;
   TORCH_CHECK(grad_in.sizes() == sources_in[0].sizes(), "attnres::aggregate_backward: grad must have the sources' "
               "shape ", sources_in[0].sizes(), ", got ", grad_in.sizes());
   const auto sources = contiguous(sources_in);
@@ -535,12 +633,13 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> aggregate_backward(const at::Ten
     const scalar_t* g = grad.const_data_ptr<scalar_t>();
     const float* q = query.const_data_ptr<float>();
     float* dq = partial_dq.data();
+    const float* kept = saved.defined() ? saved.const_data_ptr<float>() : nullptr;
     at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
       std::vector<float> g_rows(std::is_same_v<scalar_t, float> ? 0 : kTile * D), stats(6 * K * kTile, 0.f);
       std::vector<const scalar_t*> rows_of_tile(kTile * K);
       for (int64_t c = first; c < last; ++c) {
         backward_rows(g, s, gs, K, q, D, static_cast<float>(eps), scale, g_rows.data(), rows_of_tile.data(),
-                      stats.data(), dq + c * D, c * T / chunks, (c + 1) * T / chunks);
+                      stats.data(), dq + c * D, c * T / chunks, (c + 1) * T / chunks, kept, T);
       }
     });
   });
@@ -550,6 +649,21 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> aggregate_backward(const at::Ten
     for (int64_t d = 0; d < D; ++d) out[d] += partial_dq[c * D + d];
   }
   return {grads, grad_query};
+}
+
+std::tuple<std::vector<at::Tensor>, at::Tensor> aggregate_backward(const at::Tensor& grad, at::TensorList sources,
+                                                                   const at::Tensor& proj_weight,
+                                                                   const at::Tensor& norm_weight, double eps,
+                                                                   bool preserve_scale) {
+  return backward(grad, sources, at::Tensor(), proj_weight, norm_weight, eps, preserve_scale);
+}
+
+std::tuple<std::vector<at::Tensor>, at::Tensor> aggregate_backward_saved(const at::Tensor& grad, at::TensorList sources,
+                                                                         const at::Tensor& saved,
+                                                                         const at::Tensor& proj_weight,
+                                                                         const at::Tensor& norm_weight, double eps,
+                                                                         bool preserve_scale) {
+  return backward(grad, sources, saved, proj_weight, norm_weight, eps, preserve_scale);
 }
 
 std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>> phase1(
@@ -621,6 +735,36 @@ at::Tensor phase2(const at::Tensor& acc_in, const at::Tensor& top_in, const at::
   return out;
 }
 
+// dL/dproj = dL/dq * norm.weight and dL/dnorm = dL/dq * proj.weight (the folded query is their product),
+// each in its weight's dtype and shape: one loop where the same through ATen ops took six calls (some
+// 7 us, per aggregation of a training step's backward).
+std::tuple<at::Tensor, at::Tensor> weight_grads(const at::Tensor& grad_query_in, const at::Tensor& proj_weight,
+                                                const at::Tensor& norm_weight) {
+  const int64_t D = grad_query_in.numel();
+  TORCH_CHECK(grad_query_in.scalar_type() == at::kFloat && proj_weight.numel() == D && norm_weight.numel() == D,
+              "attnres_cpu::weight_grads: a float32 dL/dq and weights of as many elements (", D, "), got ",
+              grad_query_in.scalar_type(), ", ", proj_weight.sizes(), " and ", norm_weight.sizes());
+  const at::Tensor grad_query = grad_query_in.contiguous();
+  const at::Tensor proj = proj_weight.to(at::kFloat).contiguous(), norm = norm_weight.to(at::kFloat).contiguous();
+  at::Tensor grad_proj = at::empty(proj_weight.sizes(), proj_weight.options().dtype(at::kFloat));
+  at::Tensor grad_norm = at::empty(norm_weight.sizes(), norm_weight.options().dtype(at::kFloat));
+  const float* dq = grad_query.const_data_ptr<float>();
+  const float* p = proj.const_data_ptr<float>();
+  const float* g = norm.const_data_ptr<float>();
+  float* gp = grad_proj.mutable_data_ptr<float>();
+  float* gn = grad_norm.mutable_data_ptr<float>();
+  for (int64_t d = 0; d < D; ++d) {
+    gp[d] = dq[d] * g[d];
+    gn[d] = dq[d] * p[d];
+  }
+  return {grad_proj.to(proj_weight.scalar_type()), grad_norm.to(norm_weight.scalar_type())};
+}
+
+std::tuple<at::Tensor, at::Tensor> weight_grads_meta(const at::Tensor& grad_query, const at::Tensor& proj_weight,
+                                                     const at::Tensor& norm_weight) {
+  return {at::empty_like(proj_weight), at::empty_like(norm_weight)};
+}
+
 // ------------------------------------------------------------------------------------- autograd
 // The operators through the dispatcher (below autograd, under the guards the callers set): whatever
 // implements them for the tensors' device, and whatever dispatch modes are active, see the calls.
@@ -630,26 +774,43 @@ const c10::TypedOperatorHandle<decltype(aggregate)>& aggregate_op() {
   return op;
 }
 
-const c10::TypedOperatorHandle<decltype(aggregate_backward)>& backward_op() {
+const c10::TypedOperatorHandle<decltype(aggregate_saving_logits)>& saving_op() {
   static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("attnres_cpu::aggregate_backward", "")
-                             .typed<decltype(aggregate_backward)>();
+                             .findSchemaOrThrow("attnres_cpu::aggregate_saving_logits", "")
+                             .typed<decltype(aggregate_saving_logits)>();
+  return op;
+}
+
+const c10::TypedOperatorHandle<decltype(aggregate_backward_saved)>& backward_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("attnres_cpu::aggregate_backward_saved", "")
+                             .typed<decltype(aggregate_backward_saved)>();
+  return op;
+}
+
+const c10::TypedOperatorHandle<decltype(weight_grads)>& weight_grads_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("attnres_cpu::weight_grads", "").typed<decltype(weight_grads)>();
   return op;
 }
 
 // The operator's gradient, registered here (Autograd key) rather than in Python: a training step calls
 // the aggregation at every site, and a Python autograd Function costs tens of microseconds per call and
 // per backward, a third of what the aggregation added to a narrow model's step. The maths is
-// aggregate_backward's (Note [backward] of attnres_fx/op/aggregation.py); only the inputs are saved,
-// through save_for_backward (so saved_tensors_hooks, activation offloading and checkpointing see them).
+// aggregate_backward's (Note [backward] of attnres_fx/op/aggregation.py). Saved, through save_for_backward
+// (so saved_tensors_hooks, activation offloading and checkpointing see them): the inputs, and the logits'
+// parts, q . v and the key scale of each token and source (2 / D of the sources' size), with which the
+// backward's first look at each source row sums g . v alone instead of three sums: a third of the
+// backward's arithmetic.
 class AggregateFunction : public torch::autograd::Function<AggregateFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, at::TensorList sources,
                             const at::Tensor& proj_weight, const at::Tensor& norm_weight, double eps,
                             bool preserve_scale) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    at::Tensor out = aggregate_op().call(sources, proj_weight, norm_weight, eps, preserve_scale);
+    auto [out, logits] = saving_op().call(sources, proj_weight, norm_weight, eps, preserve_scale);
     std::vector<at::Tensor> saved(sources.begin(), sources.end());
+    saved.push_back(logits);
     saved.push_back(proj_weight);
     saved.push_back(norm_weight);
     ctx->save_for_backward(saved);
@@ -665,19 +826,22 @@ class AggregateFunction : public torch::autograd::Function<AggregateFunction> {
     saved.pop_back();
     const at::Tensor proj_weight = saved.back();
     saved.pop_back();
+    const at::Tensor logits = saved.back();
+    saved.pop_back();
     const size_t K = saved.size();
-    auto [grads, grad_query] = backward_op().call(grad_outputs[0], saved, proj_weight, norm_weight,
+    auto [grads, grad_query] = backward_op().call(grad_outputs[0], saved, logits, proj_weight, norm_weight,
                                                   ctx->saved_data["eps"].toDouble(),
                                                   ctx->saved_data["preserve_scale"].toBool());
     torch::autograd::variable_list out(grads.begin(), grads.end());
-    // dL/dproj = dL/dq * norm.weight, dL/dnorm = dL/dq * proj.weight (the query is their product).
-    out.push_back(ctx->needs_input_grad(K) ? (grad_query * norm_weight.to(at::kFloat))
-                                                 .reshape(proj_weight.sizes())
-                                                 .to(proj_weight.scalar_type())
-                                           : at::Tensor());
-    out.push_back(ctx->needs_input_grad(K + 1)
-                      ? (grad_query * proj_weight.reshape(-1).to(at::kFloat)).to(norm_weight.scalar_type())
-                      : at::Tensor());
+    const bool wants_proj = ctx->needs_input_grad(K), wants_norm = ctx->needs_input_grad(K + 1);
+    if (wants_proj || wants_norm) {
+      auto [grad_proj, grad_norm] = weight_grads_op().call(grad_query, proj_weight, norm_weight);
+      out.push_back(wants_proj ? grad_proj : at::Tensor());
+      out.push_back(wants_norm ? grad_norm : at::Tensor());
+    } else {
+      out.emplace_back();
+      out.emplace_back();
+    }
     out.emplace_back();  // eps
     out.emplace_back();  // preserve_scale
     return out;
@@ -733,12 +897,34 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> aggregate_backward_meta(const at
   return {grads, at::empty_symint({sources[0].sym_sizes().back()}, sources[0].options().dtype(at::kFloat))};
 }
 
+std::tuple<at::Tensor, at::Tensor> aggregate_saving_logits_meta(at::TensorList sources, const at::Tensor& proj_weight,
+                                                                const at::Tensor& norm_weight, double eps,
+                                                                bool preserve_scale) {
+  check_meta_sources(sources, proj_weight, norm_weight, "attnres::aggregate");
+  const c10::SymInt tokens = sources[0].sym_numel() / sources[0].sym_sizes().back();
+  return {at::empty_like(sources[0]),
+          at::empty_symint({c10::SymInt(2), c10::SymInt(static_cast<int64_t>(sources.size())), tokens},
+                           sources[0].options().dtype(at::kFloat))};
+}
+
+std::tuple<std::vector<at::Tensor>, at::Tensor> aggregate_backward_saved_meta(
+    const at::Tensor& grad, at::TensorList sources, const at::Tensor& saved, const at::Tensor& proj_weight,
+    const at::Tensor& norm_weight, double eps, bool preserve_scale) {
+  return aggregate_backward_meta(grad, sources, proj_weight, norm_weight, eps, preserve_scale);
+}
+
+
 }  // namespace attnres_cpu
 
 TORCH_LIBRARY(attnres_cpu, m) {
   m.def("aggregate(Tensor[] sources, Tensor proj_weight, Tensor norm_weight, float eps, bool preserve_scale) -> Tensor");
   m.def("aggregate_backward(Tensor grad, Tensor[] sources, Tensor proj_weight, Tensor norm_weight, float eps, "
         "bool preserve_scale) -> (Tensor[], Tensor)");
+  m.def("aggregate_saving_logits(Tensor[] sources, Tensor proj_weight, Tensor norm_weight, float eps, "
+        "bool preserve_scale) -> (Tensor, Tensor)");
+  m.def("aggregate_backward_saved(Tensor grad, Tensor[] sources, Tensor saved, Tensor proj_weight, "
+        "Tensor norm_weight, float eps, bool preserve_scale) -> (Tensor[], Tensor)");
+  m.def("weight_grads(Tensor grad_query, Tensor proj_weight, Tensor norm_weight) -> (Tensor, Tensor)");
   m.def("phase1(Tensor[] blocks, Tensor[] proj_weights, Tensor[] norm_weights, float eps) -> (Tensor[], Tensor[], "
         "Tensor[])");
   m.def("phase2(Tensor acc, Tensor max, Tensor sum, Tensor partial, Tensor proj_weight, Tensor norm_weight, "
@@ -748,6 +934,9 @@ TORCH_LIBRARY(attnres_cpu, m) {
 TORCH_LIBRARY_IMPL(attnres_cpu, CPU, m) {
   m.impl("aggregate", &attnres_cpu::aggregate);
   m.impl("aggregate_backward", &attnres_cpu::aggregate_backward);
+  m.impl("aggregate_saving_logits", &attnres_cpu::aggregate_saving_logits);
+  m.impl("aggregate_backward_saved", &attnres_cpu::aggregate_backward_saved);
+  m.impl("weight_grads", &attnres_cpu::weight_grads);
   m.impl("phase1", &attnres_cpu::phase1);
   m.impl("phase2", &attnres_cpu::phase2);
 }
@@ -759,4 +948,7 @@ TORCH_LIBRARY_IMPL(attnres_cpu, Autograd, m) {
 TORCH_LIBRARY_IMPL(attnres_cpu, Meta, m) {
   m.impl("aggregate", &attnres_cpu::aggregate_meta);
   m.impl("aggregate_backward", &attnres_cpu::aggregate_backward_meta);
+  m.impl("aggregate_saving_logits", &attnres_cpu::aggregate_saving_logits_meta);
+  m.impl("aggregate_backward_saved", &attnres_cpu::aggregate_backward_saved_meta);
+  m.impl("weight_grads", &attnres_cpu::weight_grads_meta);
 }
