@@ -17,6 +17,7 @@ cache object), recorded on a run of the model (:func:`try_default_call`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 from torch import nn
@@ -25,11 +26,14 @@ from .. import compat
 from ..capture.recording import record_calls
 from ..capture.tracers import capture_dynamo, ready_to_capture
 from ..config import AttnResConfig
+from ..diagnostics import first_line
 from ..errors import TraceError
 from ..passes.pipeline import LayerTarget, rewrite_captured
 from ..passes.plan import Plan, StreamPlan
 from ..passes.rewrite import Entry, ModuleCalls
 from .install import Prepared, prepared_routes
+
+LOG = logging.getLogger("attnres_fx")
 
 
 def try_layer_route(model: nn.Module, plan: Plan, modules: dict, calls: dict, config: AttnResConfig) -> Prepared:
@@ -50,9 +54,15 @@ def try_default_call(model: nn.Module, plan: Plan, modules: dict, prepared: Prep
     owners = [span.owner for stream in plan.streams if stream.route == "layer" for span in stream.layers]
     if not owners:
         return
-    with ready_to_capture(model, cache_off=False), compat.mha_fast_path_off():
-        calls = record_calls(model, *call, owners)
-    _try_blocks(prepared, plan, modules, calls)
+    try:
+        with ready_to_capture(model, cache_off=False), compat.mha_fast_path_off():
+            calls = record_calls(model, *call, owners)
+        _try_blocks(prepared, plan, modules, calls)
+    except Exception as err:  # noqa: BLE001 - the conversion's own call was tried above; this one may fail alone
+        # (a cache the model cannot make for these inputs): such a call raises the same at its first call, as
+        # written or on the route, which prepares it then.
+        LOG.info("%s: the call with the default arguments is prepared at its first call (%s: %s)",
+                 type(model).__name__, type(err).__name__, first_line(err))
 
 
 def _try_blocks(prepared: Prepared, plan: Plan, modules: dict, calls: dict) -> None:

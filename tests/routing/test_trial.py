@@ -12,6 +12,7 @@ Numerical: the outputs of the two are equal bit for bit (the same code on the sa
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 
@@ -119,3 +120,33 @@ def test_the_first_call_with_the_default_arguments_traces_nothing():
     fresh = copy.deepcopy(model)
     with torch.no_grad():
         torch.testing.assert_close(fresh(ids).logits, out.logits, rtol=0, atol=0)
+
+
+class CacheOff(TinyTransformer):
+    """A model whose config turns a cache on that its forward cannot make: only calls with use_cache=False run."""
+
+    def __init__(self):
+        super().__init__(dim=32, num_layers=2, num_heads=4)
+        self.config.use_cache = True
+
+    def forward(self, ids, use_cache=None):
+        if use_cache if use_cache is not None else self.config.use_cache:
+            raise RuntimeError("no cache in this model")
+        return super().forward(ids)
+
+
+def test_a_default_call_that_fails_leaves_the_conversion_as_it_was_and_fails_as_written():
+    """The default call's preparation is extra: where the model itself fails on that call, the conversion
+    goes on, and the call raises the model's own error."""
+    torch.manual_seed(0)
+    model = CacheOff().eval()
+    ids = example_ids(model.config)
+    converted = attnres_fx.attnresify(model, (ids,))
+    stats = conversion_of(converted).stats
+    made = (stats.traces, stats.rewrites)
+    assert made[0] == 1
+    with torch.no_grad():
+        converted(ids, use_cache=False)
+        with pytest.raises(RuntimeError, match="no cache in this model"):
+            converted(ids)
+    assert (stats.traces, stats.rewrites) == made
