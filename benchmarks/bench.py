@@ -419,9 +419,11 @@ def decode_section(settings: Settings, backends: list[str]) -> dict:
     return result
 
 
-# Per configuration: the families timed and their size (full: the decode section's Llama shape), sliding
-# windows as long as the whole sequence: onnxruntime-genai's windowed cache for the builder's folders
-# needs the window within the sequence's length and, in 0.18, fails once the window slides.
+# Per configuration: the families timed and their size (full: the decode section's Llama shape). Sliding
+# windows: onnxruntime-genai 0.18's windowed cache fails once the window slides, so export.to_genai takes
+# the builder's graph only for a window no shorter than the context (max_position_embeddings), Mistral's
+# here; Gemma 2's builder graph needs its window within the generated sequence (the cache's capacity), so
+# its window is the sequence's length and its converted folder is torch.onnx's.
 # Gemma 2 stands for its family: the builder (0.18) cannot read transformers' Gemma 3 config (a rope per
 # layer type). The vocabulary differs from intermediate_size: the builder's int4 head is the first linear
 # layer with vocab_size outputs, which would be the first MLP's.
@@ -479,10 +481,11 @@ def genai_section(settings: Settings, config_name: str, entries: list[str] | Non
     return result
 
 
-def genai_model(family: str, size: dict, window: int) -> nn.Module:
+def genai_model(family: str, size: dict, sequence: int) -> nn.Module:
     from attnres_fx.testing.serving import serving_model
 
-    fields = {"mistral": {"sliding_window": window}, "gemma2": {"sliding_window": window},
+    fields = {"mistral": {"sliding_window": size.get("max_position_embeddings")},
+              "gemma2": {"sliding_window": sequence},
               # Phi-3 without long-context rope scaling (which the builder reads from rope_scaling).
               "phi3": {"original_max_position_embeddings": size.get("max_position_embeddings")}}
     return serving_model(family, use_cache=True, **size, **(fields.get(family, {}) if size else {}))
