@@ -718,6 +718,17 @@ def test_a_config_edited_to_other_layers_is_refused_by_transformers_loaders_too(
         with pytest.raises(attnres_fx.CheckpointMismatchError, match=r"(?s)does not convert to the sites saved in "
                            r".*copy/attnres_config\.json.*found now but not saved: model\.layers\.2, model\.layers\.3"):
             load(directory)
+    # The folder's own code, run by transformers in a process that never imported attnres_fx, refuses it too.
+    import subprocess
+    import sys
+
+    script = ("import sys, transformers\n"
+              "transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)\n")
+    env = {**__import__("os").environ, "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    done = subprocess.run([sys.executable, "-c", script, str(directory)], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode != 0 and "CheckpointMismatchError" in done.stderr, done.stderr[-3000:]
+    assert "found now but not saved: model.layers.2, model.layers.3" in done.stderr
 
 
 @pytest.mark.slow

@@ -310,3 +310,21 @@ def test_a_failed_export_leaves_nothing(tmp_path, monkeypatch, graph, stage):
     with pytest.raises(ExportError, match="a stand-in"):
         export.to_genai(serving_model("llama"), tmp_path / "out", tokenizer=None, graph=graph)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+@needs_hf
+@needs_genai
+def test_a_folder_behind_a_link_is_written_through_it(tmp_path):
+    """The link stays a link and the folder it points to gets the new export, the files the export does not
+    write kept (formerly the link was replaced by a real folder, the linked one left with the old export)."""
+    real = tmp_path / "exports" / "v1"
+    real.mkdir(parents=True)
+    (real / "genai_config.json").write_text("{}")
+    (real / "NOTES.md").write_text("kept")
+    link = tmp_path / "served"
+    link.symlink_to(real)
+    export.to_genai(serving_model("llama"), link, tokenizer=None)
+    assert link.is_symlink() and link.resolve() == real
+    assert (real / "NOTES.md").read_text() == "kept" and json.loads((real / "genai_config.json").read_text())["model"]
+    assert not [p.name for p in (*tmp_path.iterdir(), *real.parent.iterdir()) if p.name.startswith(".attnres-tmp-")]
