@@ -472,8 +472,12 @@ class Scaled(TinyTransformer):
 
 def test_a_new_graph_past_the_recompile_limit_raises_naming_the_module_and_the_way_out(monkeypatch):
     """Formerly Dynamo's own FailOnRecompileLimitHit ("Hard failure due to fullgraph=True") at the 65th
-    distinct float of a model-route call, and at every new value after it; the limit is lowered to 2 here."""
+    distinct float of a model-route call, and at every new value after it; the limit is lowered to 2 here.
+    After ``torch.compiler.reset()`` (as test suites and notebooks call between models), which formerly dropped
+    the capture settings with Dynamo's callbacks: the floats became graph inputs and no limit was reached."""
     from attnres_fx.routing import dynamo
+
+    torch.compiler.reset()
 
     monkeypatch.setattr(dynamo, "RECOMPILE_LIMIT", 2)
     # torch 2.11 and 2.12 have only the process-wide limit, which attnres_fx raises to at least its own

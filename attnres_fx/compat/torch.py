@@ -295,11 +295,21 @@ def mha_fast_path_off():
         torch.backends.mha.set_fastpath_enabled(True)
 
 
+_CALLBACKS_LOCK = threading.Lock()
+
+
 def on_dynamo_compile(start, end) -> None:
     """Call ``start(args)`` / ``end(args)`` when TorchDynamo starts / ends a compilation, in the compiling
-    thread, under its compilation lock (``torch._dynamo.callback_handler``)."""
-    torch._dynamo.callback_handler.register_start_callback(start)
-    torch._dynamo.callback_handler.register_end_callback(end)
+    thread, under its compilation lock (``torch._dynamo.callback_handler``); once, however often this is
+    called: ``torch.compiler.reset()`` clears Dynamo's callbacks, so it is called before every compilation
+    that needs them. Relies on the handler's ``start_callbacks`` list (torch 2.11 to 2.14)."""
+    handler = torch._dynamo.callback_handler
+    if start in handler.start_callbacks:
+        return
+    with _CALLBACKS_LOCK:
+        if start not in handler.start_callbacks:
+            handler.register_start_callback(start)
+            handler.register_end_callback(end)
 
 
 def is_dynamo_frame_compile(args) -> bool:

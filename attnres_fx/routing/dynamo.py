@@ -52,12 +52,11 @@ def _on_compile_end(args) -> None:
         stacks.pop().close()
 
 
-compat.on_dynamo_compile(_on_compile_start, _on_compile_end)
-
-
 @contextlib.contextmanager
 def dynamo_call(checkpointing_flag_holders: tuple = ()):
     """Within: one call of a Dynamo entry of attnres_fx (see the module docstring)."""
+    # Registered at each call: torch.compiler.reset() drops the callbacks (and with them the capture settings).
+    compat.on_dynamo_compile(_on_compile_start, _on_compile_end)
     with (own_call(), compat.mha_fast_path_off(), compat.output_recorders_traceable(),
           compat.compiling_despite_force_eager(), compat.hf_inner_checkpointing_flags_off(checkpointing_flag_holders),
           compat.nn_module_hook_guards()):
