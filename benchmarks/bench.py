@@ -1111,17 +1111,18 @@ def markdown(settings: Settings, results: dict) -> str:
         lines += genai_report(genai)
     stages = results.get("stages")
     if stages:
+        plain_mib, cached_mib = stages["plain_bytes"] / 2**20, stages["cached_bytes"] / 2**20
+        plain_counts = ", ".join(str(n) for n in stages["plain_tensors"])
+        cached_counts = ", ".join(str(n) for n in stages["cached_tensors"])
         lines += [f"## Pipeline stages and the state between blocks ({stages['shape']})", "",
                   f"Bytes each microbatch sends across the stage boundaries of {stages['stages']} stages "
-                  f"({stages['microbatch']}): {stages['plain_bytes'] / 2**20:.2f} MiB without cross-stage caching, "
-                  f"{stages['cached_bytes'] / 2**20:.2f} MiB with it over {stages['ranks']} ranks "
-                  f"({stages['cached_bytes'] / stages['plain_bytes']:.3f}); per boundary "
-                  f"{', '.join(str(n) for n in stages['plain_tensors'])} tensors without, "
-                  f"{', '.join(str(n) for n in stages['cached_tensors'])} with.", "",
-                  f"State held between two blocks in one forward (the completed block sums and the partial sum, "
-                  f"no gradients): at most {stages['state_tensors']} tensors, {stages['state_mb']:.1f} MB measured, "
-                  f"{stages['state_predicted_mb']:.1f} MB predicted "
-                  f"(N + 1 = {stages['num_blocks'] + 1} stream tensors).", ""]
+                  f"({stages['microbatch']}): {plain_mib:.2f} MiB without cross-stage caching, {cached_mib:.2f} MiB "
+                  f"with it over {stages['ranks']} ranks ({cached_mib / plain_mib:.3f}); per boundary {plain_counts} "
+                  f"tensors without, {cached_counts} with.", "",
+                  "State held between two blocks in one forward (the completed block sums and the partial sum, no "
+                  f"gradients): at most {stages['state_tensors']} tensors, {stages['state_mb']:.1f} MB measured, "
+                  f"{stages['state_predicted_mb']:.1f} MB predicted (N + 1 = {stages['num_blocks'] + 1} stream "
+                  "tensors).", ""]
     memory = results.get("memory")
     if memory:
         lines += [f"## Peak memory ({memory['shape']}; fresh process each, 64 KiB mmap threshold)", "",
@@ -1249,8 +1250,8 @@ def routes_markdown(results: dict) -> list[str]:
         for depth, by_route in startup["depths"].items():
             for route, e in by_route.items():
                 name = "default" if route == "converted" else "model"
-                lines.append(f"| {depth} | {name} | {e['convert_s']:.2f} | {e['first_call_s']:.2f} | "
-                             f"{e['second_call_s']:.3f} | {e['total_s']:.2f} |")
+                lines.append(_row(depth, name, f"{e['convert_s']:.2f}", f"{e['first_call_s']:.2f}",
+                                  f"{e['second_call_s']:.3f}", f"{e['total_s']:.2f}"))
         meta = startup["meta_8b"]
         lines += ["", f"8B-shaped Llama built on the meta device ({meta['sites']} sites): attnresify in "
                   f"{meta['convert_s']:.1f} s, peak resident memory {meta['peak_mb']:.0f} MB (fresh process).", ""]
@@ -1261,8 +1262,8 @@ def routes_markdown(results: dict) -> list[str]:
                   *_head("layers", "original's folder, s", "converted folder, s", "converted / original",
                          "difference, s")]
         for depth, e in load["depths"].items():
-            lines.append(f"| {depth} | {e['original_s']:.3f} | {e['converted_s']:.3f} | {e['ratio']:.2f} | "
-                         f"{e['difference_s']:.3f} |")
+            lines.append(_row(depth, f"{e['original_s']:.3f}", f"{e['converted_s']:.3f}", f"{e['ratio']:.2f}",
+                              f"{e['difference_s']:.3f}"))
         lines.append("")
     overhead = results.get("overhead")
     if overhead:
@@ -1278,8 +1279,8 @@ def routes_markdown(results: dict) -> list[str]:
                   *_head("threads", "original calls/s", "converted calls/s", "ratio")]
         for count in (1, 4):
             key = f"threads{count}"
-            lines.append(f"| {count} | {threaded['original'][key]:.1f} | {threaded['converted'][key]:.1f} | "
-                         f"{threaded['versus_original'][key]:.3f} |")
+            lines.append(_row(count, f"{threaded['original'][key]:.1f}", f"{threaded['converted'][key]:.1f}",
+                              f"{threaded['versus_original'][key]:.3f}"))
         lines.append("")
     demo = results.get("demo")
     if demo:
@@ -1290,7 +1291,11 @@ def routes_markdown(results: dict) -> list[str]:
 
 def _head(*columns: str) -> list[str]:
     """A markdown table's header row and its separator."""
-    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return [_row(*columns), "|" + "---|" * len(columns)]
+
+
+def _row(*cells: object) -> str:
+    return "| " + " | ".join(str(cell) for cell in cells) + " |"
 
 
 def _cell(entry: dict) -> str:
