@@ -37,9 +37,10 @@ from .failures import reraise_as_export_error
 # The architectures whose builder graph the pass is checked on (tests/export/test_genai_builder.py); others take
 # the torch.onnx path. Mistral's and Gemma 2's builder graphs keep a sliding window in their cache, which
 # onnxruntime-genai 0.18 fails on once the window slides: only a window no shorter than the context takes
-# the builder; the window, which then never binds, is taken out of the folder (:func:`without_window`). Not taken: Gemma 3 (0.18's builder cannot read transformers' config, a rope
-# per layer type), OLMo (0.18's builder writes its weightless LayerNorm as an RMSNorm: the original's logits are 0.15 off),
-# Phi-2 (parallel attention and MLP, which the pass refuses).
+# the builder, and the folder is written without it (:func:`without_window`; it never binds then). Not
+# taken: Gemma 3 (0.18's builder cannot read transformers' config, a rope per layer type), OLMo (0.18's
+# builder writes its weightless LayerNorm as an RMSNorm: the original's logits are 0.15 off), Phi-2
+# (parallel attention and MLP, which the pass refuses).
 ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM",
                  "GemmaForCausalLM", "Gemma2ForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM"}
 # precision -> execution providers the builder writes it for (its own list of valid combinations).
