@@ -421,9 +421,10 @@ def decode_section(settings: Settings, backends: list[str]) -> dict:
 
 # Per configuration: the families timed and their size (full: the decode section's Llama shape). Sliding
 # windows: onnxruntime-genai 0.18's windowed cache fails once the window slides, so export.to_genai takes
-# the builder's graph only for a window no shorter than the context (max_position_embeddings), Mistral's
-# here; Gemma 2's builder graph needs its window within the generated sequence (the cache's capacity), so
-# its window is the sequence's length and its converted folder is torch.onnx's.
+# the builder's graph only for a window no shorter than the context (max_position_embeddings), Mistral's and
+# Gemma 2's here, and writes it without the window (which never binds then). The builder's folder of the
+# original gets the same (genai_builder.without_window): its windowed cache (Gemma 2's) refuses a
+# generation shorter than the window.
 # Gemma 2 stands for its family: the builder (0.18) cannot read transformers' Gemma 3 config (a rope per
 # layer type). The vocabulary differs from intermediate_size: the builder's int4 head is the first linear
 # layer with vocab_size outputs, which would be the first MLP's.
@@ -451,7 +452,7 @@ def genai_section(settings: Settings, config_name: str, entries: list[str] | Non
     with tempfile.TemporaryDirectory() as tmp:
         for name in entries or plan["entries"]:
             family, size = plan["entries"][name]
-            model = genai_model(family, size, plan["prompt"] + settings.decode_tokens)
+            model = genai_model(family, size)
             config = model.config
             rows: dict = {"model": f"{type(model).__name__} ({config.num_hidden_layers} layers, hidden "
                                    f"{config.hidden_size})"}
@@ -481,11 +482,11 @@ def genai_section(settings: Settings, config_name: str, entries: list[str] | Non
     return result
 
 
-def genai_model(family: str, size: dict, sequence: int) -> nn.Module:
+def genai_model(family: str, size: dict) -> nn.Module:
     from attnres_fx.testing.serving import serving_model
 
-    fields = {"mistral": {"sliding_window": size.get("max_position_embeddings")},
-              "gemma2": {"sliding_window": sequence},
+    window = {"sliding_window": size.get("max_position_embeddings")}
+    fields = {"mistral": window, "gemma2": window,
               # Phi-3 without long-context rope scaling (which the builder reads from rope_scaling).
               "phi3": {"original_max_position_embeddings": size.get("max_position_embeddings")}}
     return serving_model(family, use_cache=True, **size, **(fields.get(family, {}) if size else {}))
@@ -532,6 +533,7 @@ def _genai_folders(model: nn.Module, converted: nn.Module, tokenizer, root: Path
     if precision == "fp32" and torch_onnx:
         folders["torch_onnx"] = export.to_genai(converted, root / "torch_onnx", tokenizer=tokenizer, graph="torch.onnx")
     if built.returncode == 0:
+        _without_window(folders["builder"])
         return folders, "onnxruntime-genai's model builder"
     if precision == "int4":
         return None
@@ -539,6 +541,17 @@ def _genai_folders(model: nn.Module, converted: nn.Module, tokenizer, root: Path
              "export.to_genai's original is the baseline")
     folders["builder"] = export.to_genai(model, root / "exported", tokenizer=tokenizer, graph="torch.onnx")
     return folders, "export.to_genai, torch.onnx (the builder failed)"
+
+
+def _without_window(folder: Path) -> None:
+    import onnx
+
+    from attnres_fx.export.genai_builder import load_config, without_window
+
+    graph = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    config = without_window(graph, load_config(folder))
+    onnx.save(graph, str(folder / "model.onnx"))
+    (folder / "genai_config.json").write_text(json.dumps(config, indent=4))
 
 
 def node_count(folder: Path) -> int:
