@@ -421,9 +421,10 @@ def decode_section(settings: Settings, backends: list[str]) -> dict:
 
 # Per configuration: the families timed and their size (full: the decode section's Llama shape). Sliding
 # windows: onnxruntime-genai 0.18's windowed cache fails once the window slides, so export.to_genai takes
-# the builder's graph only for a window no shorter than the context (max_position_embeddings), Mistral's
-# here; Gemma 2's builder graph needs its window within the generated sequence (the cache's capacity), so
-# its window is the sequence's length and its converted folder is torch.onnx's.
+# the builder's graph only for a window no shorter than the context (max_position_embeddings), Mistral's and
+# Gemma 2's here, and writes it without the window (which never binds then). The builder's folder of the
+# original gets the same (genai_builder.without_window): its windowed cache (Gemma 2's) refuses a
+# generation shorter than the window.
 # Gemma 2 stands for its family: the builder (0.18) cannot read transformers' Gemma 3 config (a rope per
 # layer type). The vocabulary differs from intermediate_size: the builder's int4 head is the first linear
 # layer with vocab_size outputs, which would be the first MLP's.
@@ -451,7 +452,7 @@ def genai_section(settings: Settings, config_name: str, entries: list[str] | Non
     with tempfile.TemporaryDirectory() as tmp:
         for name in entries or plan["entries"]:
             family, size = plan["entries"][name]
-            model = genai_model(family, size, plan["prompt"] + settings.decode_tokens)
+            model = genai_model(family, size)
             config = model.config
             rows: dict = {"model": f"{type(model).__name__} ({config.num_hidden_layers} layers, hidden "
                                    f"{config.hidden_size})"}
@@ -481,11 +482,11 @@ def genai_section(settings: Settings, config_name: str, entries: list[str] | Non
     return result
 
 
-def genai_model(family: str, size: dict, sequence: int) -> nn.Module:
+def genai_model(family: str, size: dict) -> nn.Module:
     from attnres_fx.testing.serving import serving_model
 
-    fields = {"mistral": {"sliding_window": size.get("max_position_embeddings")},
-              "gemma2": {"sliding_window": sequence},
+    window = {"sliding_window": size.get("max_position_embeddings")}
+    fields = {"mistral": window, "gemma2": window,
               # Phi-3 without long-context rope scaling (which the builder reads from rope_scaling).
               "phi3": {"original_max_position_embeddings": size.get("max_position_embeddings")}}
     return serving_model(family, use_cache=True, **size, **(fields.get(family, {}) if size else {}))
@@ -532,6 +533,7 @@ def _genai_folders(model: nn.Module, converted: nn.Module, tokenizer, root: Path
     if precision == "fp32" and torch_onnx:
         folders["torch_onnx"] = export.to_genai(converted, root / "torch_onnx", tokenizer=tokenizer, graph="torch.onnx")
     if built.returncode == 0:
+        _without_window(folders["builder"])
         return folders, "onnxruntime-genai's model builder"
     if precision == "int4":
         return None
@@ -539,6 +541,17 @@ def _genai_folders(model: nn.Module, converted: nn.Module, tokenizer, root: Path
              "export.to_genai's original is the baseline")
     folders["builder"] = export.to_genai(model, root / "exported", tokenizer=tokenizer, graph="torch.onnx")
     return folders, "export.to_genai, torch.onnx (the builder failed)"
+
+
+def _without_window(folder: Path) -> None:
+    import onnx
+
+    from attnres_fx.export.genai_builder import load_config, without_window
+
+    graph = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    config = without_window(graph, load_config(folder))
+    onnx.save(graph, str(folder / "model.onnx"))
+    (folder / "genai_config.json").write_text(json.dumps(config, indent=4))
 
 
 def node_count(folder: Path) -> int:
@@ -1042,7 +1055,7 @@ def _ratio_table(rows: dict) -> list[str]:
     if not backends:
         return []
     variants_ = list(dict.fromkeys(v for b in backends for v in rows[b]))
-    lines = ["| backend | " + " | ".join(variants_) + " |", "|---|" + "---|" * len(variants_)]
+    lines = _head("backend", *variants_)
     for backend in backends:
         cells = []
         for v in variants_:
@@ -1089,8 +1102,7 @@ def markdown(settings: Settings, results: dict) -> str:
     first = results.get("first_call")
     if first:
         lines += [f"## First call ({first['shape']})", "",
-                  "| route | conversion, s | first call (captures and rewrites), s | second call, s |",
-                  "|---|---|---|---|"]
+                  *_head("route", "conversion, s", "first call (captures and rewrites), s", "second call, s")]
         for route in ("layer", "model"):
             e = first[route]
             lines.append(f"| {route} | {e['convert_s']:.2f} | {e['first_call_s']:.2f} | {e['second_call_s']:.3f} |")
@@ -1112,21 +1124,22 @@ def markdown(settings: Settings, results: dict) -> str:
         lines += genai_report(genai)
     stages = results.get("stages")
     if stages:
+        plain_mib, cached_mib = stages["plain_bytes"] / 2**20, stages["cached_bytes"] / 2**20
+        plain_counts = ", ".join(str(n) for n in stages["plain_tensors"])
+        cached_counts = ", ".join(str(n) for n in stages["cached_tensors"])
         lines += [f"## Pipeline stages and the state between blocks ({stages['shape']})", "",
                   f"Bytes each microbatch sends across the stage boundaries of {stages['stages']} stages "
-                  f"({stages['microbatch']}): {stages['plain_bytes'] / 2**20:.2f} MiB without cross-stage caching, "
-                  f"{stages['cached_bytes'] / 2**20:.2f} MiB with it over {stages['ranks']} ranks "
-                  f"({stages['cached_bytes'] / stages['plain_bytes']:.3f}); per boundary "
-                  f"{', '.join(str(n) for n in stages['plain_tensors'])} tensors without, "
-                  f"{', '.join(str(n) for n in stages['cached_tensors'])} with.", "",
-                  f"State held between two blocks in one forward (the completed block sums and the partial sum, "
-                  f"no gradients): at most {stages['state_tensors']} tensors, {stages['state_mb']:.1f} MB measured, "
-                  f"{stages['state_predicted_mb']:.1f} MB predicted "
-                  f"(N + 1 = {stages['num_blocks'] + 1} stream tensors).", ""]
+                  f"({stages['microbatch']}): {plain_mib:.2f} MiB without cross-stage caching, {cached_mib:.2f} MiB "
+                  f"with it over {stages['ranks']} ranks ({cached_mib / plain_mib:.3f}); per boundary {plain_counts} "
+                  f"tensors without, {cached_counts} with.", "",
+                  "State held between two blocks in one forward (the completed block sums and the partial sum, no "
+                  f"gradients): at most {stages['state_tensors']} tensors, {stages['state_mb']:.1f} MB measured, "
+                  f"{stages['state_predicted_mb']:.1f} MB predicted (N + 1 = {stages['num_blocks'] + 1} stream "
+                  "tensors).", ""]
     memory = results.get("memory")
     if memory:
         lines += [f"## Peak memory ({memory['shape']}; fresh process each, 64 KiB mmap threshold)", "",
-                  "| mode | original, MB | converted, MB | ratio |", "|---|---|---|---|"]
+                  *_head("mode", "original, MB", "converted, MB", "ratio")]
         for mode in ("inference", "train"):
             o, c = memory[mode]["original"], memory[mode]["converted"]
             ratio = "-" if c["ratio"] is None else f"{c['ratio']:.3f}"
@@ -1138,8 +1151,8 @@ def markdown(settings: Settings, results: dict) -> str:
         lines += [f"## The op against the streaming bound ({op['shape']}; {op['device']})", "",
                   "The bound: a compiled sum of the same sources (reads each once, writes one). "
                   "Fraction = bound / op.", "",
-                  "| case | kernel ms | compiled ms | bound ms | kernel fraction (median / min) | compiled fraction |",
-                  "|---|---|---|---|---|---|"]
+                  *_head("case", "kernel ms", "compiled ms", "bound ms", "kernel fraction (median / min)",
+                         "compiled fraction")]
         for e in op["block_op"].values():
             lines.append(f"| one aggregation, {e['sources']} sources | {e['kernel_ms']:.3f} | {e['compiled_ms']:.3f} | "
                          f"{e['bound_ms']:.3f} | {e['kernel_fraction']:.2f} / {e['kernel_fraction_min']:.2f} | "
@@ -1177,7 +1190,7 @@ def markdown(settings: Settings, results: dict) -> str:
     deep = results.get("deep_train")
     if deep:
         lines += [f"## Training step, eager, {deep['shape']} ({deep['clock']})", "",
-                  "| original | converted | median of round ratios |", "|---|---|---|",
+                  *_head("original", "converted", "median of round ratios"),
                   f"| {_cell(deep['train']['original'])} | {_cell(deep['train']['converted'])} | "
                   f"{deep['paired_ratio']['converted']:.3f} |", ""]
     choices = results.get("choices")
@@ -1188,7 +1201,7 @@ def markdown(settings: Settings, results: dict) -> str:
               traffic.format_table(traffic.traffic(bench.sites, block_size=bench.block_size),
                                    tokens=bench.batch * bench.seq, dim=bench.dim), ""]
     if results["targets"]:
-        lines += ["## Targets", "", "| measure | median | min | target | met (median / min) |", "|---|---|---|---|---|"]
+        lines += ["## Targets", "", *_head("measure", "median", "min", "target", "met (median / min)")]
         for name, e in results["targets"].items():
             lines.append(f"| {name} | {e['value']:.3f} | {e['value_min']:.3f} | {e['target']} | "
                          f"{'yes' if e['met'] else 'no'} / {'yes' if e['met_min'] else 'no'} |")
@@ -1205,7 +1218,7 @@ def routes_markdown(results: dict) -> list[str]:
                   f"batch {llama['batch']})", "",
                   "Cells: median ms (ratio to the original, median / minimum); decoding: tokens/s (ratio of rates, "
                   "batch 1, greedy, KV cache). Last column: default route / model route.", "",
-                  "| measure | original | default route | model route | default / model |", "|---|---|---|---|---|"]
+                  *_head("measure", "original", "default route", "model route", "default / model")]
         for row, title in (("forward", "eager forward"), ("train", "eager training step"),
                            ("compiled", "attnres_fx.compile forward"), ("decode", "decode, eager"),
                            ("decode_compiled", "decode, compiled")):
@@ -1220,7 +1233,7 @@ def routes_markdown(results: dict) -> list[str]:
                   f"{hand['batch']})", "",
                   "Cells: median ms (ratio to the original, median / minimum); decoding: tokens/s (batch 1, greedy, "
                   "a new start_pos each step, one thread, thread CPU time).", "",
-                  "| measure | original | converted |", "|---|---|---|"]
+                  *_head("measure", "original", "converted")]
         for title, entries in (("eager forward", mid["forward"]), ("eager training step", mid["train"]),
                                ("eager training step, deep narrow", deep["train"]), ("decode, eager", mid["decode"])):
             lines.append(f"| {title} | {_cell(entries['original'])} | {_cell(entries['converted'])} |")
@@ -1246,13 +1259,12 @@ def routes_markdown(results: dict) -> list[str]:
     if startup:
         lines += [f"## Conversion and first call against depth (Llama, hidden {startup['hidden']}, batch "
                   f"{startup['batch']}; the first call builds a KV cache)", "",
-                  "| layers | route | attnresify, s | first call, s | second call, s | total, s |",
-                  "|---|---|---|---|---|---|"]
+                  *_head("layers", "route", "attnresify, s", "first call, s", "second call, s", "total, s")]
         for depth, by_route in startup["depths"].items():
             for route, e in by_route.items():
                 name = "default" if route == "converted" else "model"
-                lines.append(f"| {depth} | {name} | {e['convert_s']:.2f} | {e['first_call_s']:.2f} | "
-                             f"{e['second_call_s']:.3f} | {e['total_s']:.2f} |")
+                lines.append(_row(depth, name, f"{e['convert_s']:.2f}", f"{e['first_call_s']:.2f}",
+                                  f"{e['second_call_s']:.3f}", f"{e['total_s']:.2f}"))
         meta = startup["meta_8b"]
         lines += ["", f"8B-shaped Llama built on the meta device ({meta['sites']} sites): attnresify in "
                   f"{meta['convert_s']:.1f} s, peak resident memory {meta['peak_mb']:.0f} MB (fresh process).", ""]
@@ -1260,11 +1272,11 @@ def routes_markdown(results: dict) -> list[str]:
     if load:
         lines += [f"## Loading a saved folder (Llama, hidden {load['hidden']}; AutoModelForCausalLM.from_pretrained, "
                   f"{load['clock']}, medians of {load['runs']} interleaved loads)", "",
-                  "| layers | original's folder, s | converted folder, s | converted / original | difference, s |",
-                  "|---|---|---|---|---|"]
+                  *_head("layers", "original's folder, s", "converted folder, s", "converted / original",
+                         "difference, s")]
         for depth, e in load["depths"].items():
-            lines.append(f"| {depth} | {e['original_s']:.3f} | {e['converted_s']:.3f} | {e['ratio']:.2f} | "
-                         f"{e['difference_s']:.3f} |")
+            lines.append(_row(depth, f"{e['original_s']:.3f}", f"{e['converted_s']:.3f}", f"{e['ratio']:.2f}",
+                              f"{e['difference_s']:.3f}"))
         lines.append("")
     overhead = results.get("overhead")
     if overhead:
@@ -1277,17 +1289,26 @@ def routes_markdown(results: dict) -> list[str]:
     threaded = results.get("threads")
     if threaded:
         lines += [f"## Calls from several threads ({threaded['model']}, {threaded['call']}, inference_mode)", "",
-                  "| threads | original calls/s | converted calls/s | ratio |", "|---|---|---|---|"]
+                  *_head("threads", "original calls/s", "converted calls/s", "ratio")]
         for count in (1, 4):
             key = f"threads{count}"
-            lines.append(f"| {count} | {threaded['original'][key]:.1f} | {threaded['converted'][key]:.1f} | "
-                         f"{threaded['versus_original'][key]:.3f} |")
+            lines.append(_row(count, f"{threaded['original'][key]:.1f}", f"{threaded['converted'][key]:.1f}",
+                              f"{threaded['versus_original'][key]:.3f}"))
         lines.append("")
     demo = results.get("demo")
     if demo:
         lines += [f"## The demo's model ({demo['model']}): forward {_cell(demo['forward']['converted'])} against "
                   f"{demo['forward']['original']['median_ms']:.3f} ms", ""]
     return lines
+
+
+def _head(*columns: str) -> list[str]:
+    """A markdown table's header row and its separator."""
+    return [_row(*columns), "|" + "---|" * len(columns)]
+
+
+def _row(*cells: object) -> str:
+    return "| " + " | ".join(str(cell) for cell in cells) + " |"
 
 
 def _cell(entry: dict) -> str:

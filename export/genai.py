@@ -159,7 +159,8 @@ def to_genai(model: nn.Module, out_dir: str | Path, *, tokenizer: Any = None, pr
         if chosen == "builder":
             from .genai_builder import write_builder_folder
 
-            written["attnres_sites"] = write_builder_folder(model, staging, precision, execution_provider, tokenizer)
+            written["attnres_sites"] = write_builder_folder(model, staging, precision, execution_provider, tokenizer,
+                                                             context_length=shape.context_length)
             config = builder_config(json.loads((staging / CONFIG_NAME).read_text()), config, context_length)
         else:
             export_decoder(model, shape, dtype, staging / MODEL_NAME, opset=opset, two_phase=two_phase,

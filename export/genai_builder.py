@@ -37,9 +37,10 @@ from .failures import reraise_as_export_error
 # The architectures whose builder graph the pass is checked on (tests/export/test_genai_builder.py); others take
 # the torch.onnx path. Mistral's and Gemma 2's builder graphs keep a sliding window in their cache, which
 # onnxruntime-genai 0.18 fails on once the window slides: only a window no shorter than the context takes
-# the builder. Not taken: Gemma 3 (0.18's builder cannot read transformers' config, a rope per layer type),
-# OLMo (0.18's builder writes its weightless LayerNorm as an RMSNorm: the original's logits are 0.15 off),
-# Phi-2 (parallel attention and MLP, which the pass refuses).
+# the builder, and the folder is written without it (:func:`without_window`; it never binds then). Not
+# taken: Gemma 3 (0.18's builder cannot read transformers' config, a rope per layer type), OLMo (0.18's
+# builder writes its weightless LayerNorm as an RMSNorm: the original's logits are 0.15 off), Phi-2
+# (parallel attention and MLP, which the pass refuses).
 ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM",
                  "GemmaForCausalLM", "Gemma2ForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM"}
 # precision -> execution providers the builder writes it for (its own list of valid combinations).
@@ -64,15 +65,23 @@ def builder_takes(model: nn.Module, precision: str, execution_provider: str, con
 
 
 def write_builder_folder(model: nn.Module, folder: Path, precision: str, execution_provider: str,
-                         tokenizer: Any = None, form: str = "per_site") -> int:
+                         tokenizer: Any = None, form: str = "per_site", context_length: int | None = None) -> int:
     """The builder's ``model.onnx``, ``model.onnx.data`` and ``genai_config.json`` of ``model`` in ``folder``,
     the graph rewritten into Block AttnRes when ``model`` is converted; returns the number of sites
     rewritten (0 for a model that is not converted). A graph whose stream does not match the model's plan
     raises :class:`attnres_fx.StreamMismatchError` and ``folder`` gets no model. The builder reads a
     tokenizer beside the weights (``tokenizer``, or a placeholder of one token: the folder's tokenizer
     files are written by the caller). ``form``: the rewrite's (:func:`~attnres_fx.export.builder_stream.rewrite`;
-    ``export.to_genai`` writes the per-site form, whose prompt memory stays near the builder's)."""
+    ``export.to_genai`` writes the per-site form, whose prompt memory stays near the builder's).
+    ``context_length``: the longest sequence served (default: the config's ``max_position_embeddings``);
+    a sliding window shorter than it raises ValueError (the folder is written without the window)."""
     model = unwrapped(model)
+    text = model.config.get_text_config()
+    window = getattr(text, "sliding_window", None)
+    context_length = context_length or text.max_position_embeddings
+    if window is not None and window < context_length:
+        raise ValueError(f"{type(model).__name__}'s sliding window ({window}) is shorter than the context "
+                         f"({context_length}): the builder's folder is written without the window, which would bind")
     with tempfile.TemporaryDirectory(prefix="attnres-builder-") as tmp:
         source, built = Path(tmp) / "hf", Path(tmp) / "built"
         with reraise_as_export_error("saving the base weights for the model builder"):
@@ -83,12 +92,32 @@ def write_builder_folder(model: nn.Module, folder: Path, precision: str, executi
         rewritten = 0
         if is_converted(model):
             graph, rewritten = rewrite(graph, plan_of(model), aggregations(model), form=form)
+        config = without_window(graph, load_config(built))
         folder.mkdir(parents=True, exist_ok=True)
         with reraise_as_export_error(f"writing {folder / MODEL_NAME}"):
             onnx.save(graph, str(folder / MODEL_NAME))
-            for name in (f"{MODEL_NAME}.data", "genai_config.json"):
-                shutil.move(str(built / name), str(folder / name))
+            shutil.move(str(built / f"{MODEL_NAME}.data"), str(folder / f"{MODEL_NAME}.data"))
+            (folder / "genai_config.json").write_text(json.dumps(config, indent=4) + "\n")
     return rewritten
+
+
+def without_window(graph: onnx.ModelProto, config: dict) -> dict:
+    """``graph`` (changed in place) and ``config`` (a changed copy returned) without the sliding window the
+    builder wrote for a model whose window covers its context (the only windowed models
+    :func:`builder_takes` takes): every layer attends to every position then, so a full layer computes the
+    same. The windowed cache the builder pairs with it needs a capacity (the search's ``max_length``) of
+    at least the window, and so refused every generation shorter than the window."""
+    for node in graph.graph.node:
+        if node.op_type != "GroupQueryAttention":
+            continue
+        kept = [a for a in node.attribute if a.name != "sliding_window_cache"]
+        for attribute in kept:
+            if attribute.name == "local_window_size":
+                attribute.i = -1
+        del node.attribute[:]
+        node.attribute.extend(kept)
+    decoder = {key: value for key, value in config["model"]["decoder"].items() if key != "sliding_window"}
+    return {**config, "model": {**config["model"], "decoder": decoder}}
 
 
 def aggregations(model: nn.Module) -> list[Aggregation]:

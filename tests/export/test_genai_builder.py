@@ -502,15 +502,23 @@ def test_int4_graph_computes_the_converted_model_with_its_dequantized_weights(fa
 @pytest.mark.slow
 @needs_hf
 @needs_genai
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "phi3", "gemma", "gemma2", "granite", "smollm3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "phi3", "gemma", "gemma2", "mistral", "granite", "smollm3"])
 def test_family_fp32_logits_are_the_converted_models(family, tmp_path):
-    # Gemma 2's window as long as the served sequence (len(PROMPT) + DECODE_STEPS + 1): the builder's
-    # windowed cache needs the window within its capacity, and fails once it slides.
-    length = len(PROMPT) + DECODE_STEPS + 1
-    model = converted(family, **({"sliding_window": length} if family == "gemma2" else {}))
-    folder = export.to_genai(model, tmp_path / family, tokenizer=tiny_tokenizer(), context_length=length)
+    # Gemma 2 and Mistral with a window as long as the context (max_position_embeddings, 128), which takes
+    # the builder's graph: served 16 positions, fewer than the window, which the builder's windowed cache
+    # refused (its capacity under the window), and which the folder, written without the window, serves.
+    model = converted(family, **({"sliding_window": 128} if family in ("gemma2", "mistral") else {}))
+    folder = export.to_genai(model, tmp_path / family, tokenizer=tiny_tokenizer())
     assert json.loads((folder / "written_by.json").read_text())["graph"] == "builder"
+    assert "sliding_window" not in json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
     assert max_relative_error(model, folder, PROMPT) < FP32_LOGITS_RTOL
+
+
+@needs_hf
+def test_a_builder_folder_with_a_binding_window_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"sliding window \(8\) is shorter than the context \(128\)"):
+        genai_builder.write_builder_folder(serving_model("gemma2"), tmp_path, "fp32", "cpu")
+    assert not any(tmp_path.iterdir())
 
 
 @needs_hf
