@@ -6,8 +6,6 @@ The parts of a converted call that do not call each other find each other here:
   pipeline stages, and the probe that prepares them);
 - ``watched``: the calls of layer-routed streams' owners in progress, which the stream's first and last
   blocks mark (:mod:`attnres_fx.routing.watch`);
-- ``dynamo_calls``: the block calls running on TorchDynamo, whose rewritten graphs take the stream's state
-  from the innermost one and hand the new state back to it (:mod:`attnres_fx.routing.router`);
 - ``compile_settings``: what a TorchDynamo compilation of one of attnres_fx's entries entered, left when
   it ends (:mod:`attnres_fx.routing.dynamo`);
 - ``hooked_results``: by block, the result a layer-routed block returned to forward hooks, with its carrier
@@ -23,12 +21,11 @@ from contextvars import ContextVar
 
 
 class CallContext:
-    __slots__ = ("interceptors", "watched", "dynamo_calls", "compile_settings", "hooked_results")
+    __slots__ = ("interceptors", "watched", "compile_settings", "hooked_results")
 
     def __init__(self):
         self.interceptors: list = []
         self.watched: list = []
-        self.dynamo_calls: list = []
         self.compile_settings: list = []
         self.hooked_results: dict = {}
 
