@@ -42,7 +42,7 @@ from ..passes.detect import detect_residual_streams
 from ..passes.node_kinds import is_reshape
 from ..passes.pipeline import LayerTarget, rewrite_captured
 from ..passes.rewrite import Emitter, Entry, ModuleCalls, ParameterInputs, lift_attnres_weights
-from ..passes.signature import SIGNATURE, WEIGHT_INPUT, LayerGraphSignature
+from ..passes.signature import BLOCKS, PARTIAL, SIGNATURE, WEIGHT_INPUT, LayerGraphSignature
 from ..passes.two_phase import apply_two_phase
 from .. import compat
 
@@ -59,6 +59,21 @@ class BlockVariant:
         self.forward = forward
         self.signature = signature
         self.bound = bound
+        # What every call reads of the signature, read once (a block call's budget is microseconds).
+        self.stream_input = signature.stream_input
+        self.results = signature.results
+        self.carrier = signature.carrier
+        self.next_offset = signature.next_offset
+        self.blocks_as_list = BLOCKS in signature.inputs
+        self.takes_partial = PARTIAL in signature.inputs
+
+    def state_arguments(self, tensors: tuple) -> tuple:
+        """:meth:`~attnres_fx.passes.signature.LayerGraphSignature.state_arguments`."""
+        if not self.blocks_as_list:
+            return tensors
+        if self.takes_partial:
+            return [*tensors[:-1]], tensors[-1]
+        return ([*tensors],)
 
 
 class TraceCache:

@@ -347,16 +347,19 @@ class LayerRouter(Router):
             return compat.hf_checkpointed_call(self.module, lambda *a, **k: self._intercepted(a, k), args, kwargs)
         if call_context().interceptors:
             return self._intercepted(args, kwargs)
-        return self.proceed(*args, **kwargs)
+        return self._proceed(args, kwargs)
 
     def _intercepted(self, args: tuple, kwargs: dict):
         for interceptor in reversed(call_context().interceptors):
             if interceptor.conversion is self.conversion:
                 return interceptor.intercept(self, args, kwargs, self.proceed)
-        return self.proceed(*args, **kwargs)
+        return self._proceed(args, kwargs)
 
     def proceed(self, *args, **kwargs):
         """Run this call of the block on its route (what an interceptor calls to go ahead)."""
+        return self._proceed(args, kwargs)
+
+    def _proceed(self, args: tuple, kwargs: dict):
         if self.conversion.compiler == "eager":
             if compat.fx_trace_left_behind():
                 compat.undo_fx_trace_left_behind()      # an interrupted trace, anywhere in the process
@@ -365,7 +368,7 @@ class LayerRouter(Router):
                 self._forwards.clear()
                 self._shapes.clear()
             routes, inputs = self._routes(args, kwargs)
-            if self._runs_block_graph(routes):
+            if routes.traced is not None and not (self.opened and self._opened_hooks()):   # _runs_block_graph
                 return self._run_block_graph(routes, inputs)
         return self._run_dynamo(args, kwargs)
 
@@ -444,33 +447,37 @@ class LayerRouter(Router):
         carrier, state, via = self._entering(routes, inputs)
         changed = via == "carrier" and edited(carrier, state)
         # The state made at the stream's start (for reentrant checkpointing's recomputation) holds nothing.
-        # A block graph takes the completed blocks as one list, however many: it serves every depth.
-        layout = None if state is None or not (state.position or state.tensors) else Entry(
-            state.position, len(state.blocks), changed or state.partial is not None, as_list=True)
-        variant = routes.variants.get(layout)
+        # A block graph takes the completed blocks as one list, however many: it serves every depth. The
+        # variants are found by a plain tuple (hashed in C), the layout made at a variant's first call only.
+        key = None if state is None or not (state.position or state.tensors) else (
+            state.position, len(state.blocks), changed or state.partial is not None)
+        variant = routes.variants.get(key)
         if variant is None:
-            variant = routes.variants[layout] = graphs.block_variant(self, routes.traced, routes.shape, layout,
-                                                                     routes.values)
+            layout = None if key is None else Entry(*key, as_list=True)
+            variant = routes.variants[key] = graphs.block_variant(self, routes.traced, routes.shape, layout,
+                                                                  routes.values)
             if routes.stream_input is None:
-                routes.stream_input = variant.signature.stream_input
-        signature = variant.signature
-        given = inputs[signature.stream_input] if signature.stream_input is not None else None
+                routes.stream_input = variant.stream_input
+        given = inputs[variant.stream_input] if variant.stream_input is not None else None
         before, reentrant = (state, False) if given is None or not given.requires_grad else \
             self._recomputable(given, state)
         tensors: tuple[torch.Tensor, ...] = ()
-        if layout is not None:
+        if key is not None:
             view, tensors = unbundle(state, carrier)
             if changed:
-                tensors = (*tensors[:layout.blocks], restated(view, tensors[:layout.blocks]))
+                blocks = key[1]
+                tensors = (*tensors[:blocks], restated(view, tensors[:blocks]))
             inputs[routes.stream_input] = view
-        results = variant.forward(variant.bound, *inputs, *signature.state_arguments(tensors))
+        results = variant.forward(variant.bound, *inputs, *variant.state_arguments(tensors))
         # The graph returns the block's result as its one output, then the carrier and the state after it.
-        after = self._state_after(state, tensors, signature.next_offset, results[signature.results + 1:])
+        after = self._state_after(state, tensors, variant.next_offset, results[variant.results + 1:])
         if after is None:
             return routes.traced.result(results[0])
-        carrier_out, hooked = self._leaving(results[signature.results], after, before, via, reentrant)
-        return self._returning(routes.traced.result(replaced_at(results, signature.carrier, carrier_out)[0]),
-                               carrier_out, after, hooked)
+        carrier_out, hooked = self._leaving(results[variant.results], after, before, via, reentrant)
+        # The carrier is the block's result itself (path (0,)) or inside it.
+        path = variant.carrier
+        result = carrier_out if path == (0,) else replaced_at(results, path, carrier_out)[0]
+        return self._returning(routes.traced.result(result), carrier_out, after, hooked)
 
     def _entering(self, routes: _ShapeRoutes, inputs: list) -> tuple[torch.Tensor | None, StreamState | None, str]:
         """The carrier this call takes and the state it brings (``None`` at the stream's start)."""
