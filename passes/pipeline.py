@@ -37,7 +37,7 @@ from .layers import LayerSpan
 from .node_kinds import is_stream_op
 from .plan import Plan, StreamPlan, match_in_order, match_layer, match_streams
 from .rewrite import BlockAttnResRewrite, Emitter, Entry, StreamSpan
-from .signature import SIGNATURE, LayerGraphSignature, layer_signature
+from .signature import SIGNATURE, LayerGraphSignature, at_path, layer_signature, state_slots
 
 
 @dataclass(frozen=True)
@@ -103,10 +103,12 @@ class _RewriteStreams(PassBase):
             spans = [StreamSpan(m.planned, m.positions, layer=self.carriers and m.planned.route == "layer")
                      for m in matched]
         else:
+            slots = _open_slots(graph_module)
             detection = detect_residual_streams(graph_module, min_sites=1)
             stream, positions = match_layer(detection, layer.planned, layer.span, where=where)
             detection = dataclasses.replace(detection, streams=(stream,))
-            spans = [StreamSpan(layer.planned, positions, layer=True, entry=layer.entry, ends=layer.ends)]
+            spans = [StreamSpan(layer.planned, positions, layer=True, entry=layer.entry, ends=layer.ends,
+                                entered=tuple(slots[0].args[0]) if slots is not None else ())]
         rewrite = BlockAttnResRewrite(self.plan, detection, self.emitter(graph_module), spans=spans)
         rewrite(graph_module)
         self.result = Rewritten(rewrite)
@@ -114,12 +116,80 @@ class _RewriteStreams(PassBase):
             # The graph that ends the stream hands nothing on: its result may hold the final aggregation
             # in any form (normalised, in a ModelOutput).
             carrier = None if layer.ends else _output_path(graph_module, rewrite.carriers[0], where)
+            _return_carrier(graph_module, carrier, rewrite.state_outputs)
+            state_at = None
+            if slots is not None:
+                state_at, carrier = _fill_slots(graph_module, slots, rewrite.state_outputs, carrier, where)
             stream = _start(graph_module, detection.streams[0]) if layer.entry is None else rewrite.stream_origin
             signature = layer_signature(graph_module, rewrite, layer.entry, stream, carrier,
-                                        positions[-1] + 1 - layer.span.start)
+                                        positions[-1] + 1 - layer.span.start, state_at)
             graph_module.meta[SIGNATURE] = signature
             self.result = Rewritten(rewrite, signature)
         return PassResult(graph_module, True)
+
+
+class StateSlotsMismatch(StreamMismatchError):
+    """A TorchDynamo capture of a block's call has room for another number of state outputs than the block's
+    rewrite hands on (``needed``): the entry is made again with that many
+    (:meth:`~attnres_fx.routing.router.LayerRouter._run_dynamo`)."""
+
+    def __init__(self, message: str, needed: int):
+        super().__init__(message)
+        self.needed = needed
+
+
+def _open_slots(graph_module: fx.GraphModule) -> tuple[fx.Node, tuple[int, ...]] | None:
+    """The :func:`~attnres_fx.passes.signature.state_slots` node of a TorchDynamo capture of a block's call and
+    where its results are among the graph's outputs, those taken out (the rewrite appends the state it hands
+    on); ``None`` for a graph without one."""
+    found = list(graph_module.graph.find_nodes(op="call_function", target=state_slots))
+    if not found:
+        return None
+    (slots,) = found
+    (output,) = graph_module.graph.find_nodes(op="output")
+    results = tuple(output.args[0])
+    taken = {user: user.args[1] for user in slots.users}
+    at = sorted((taken[value], index) for index, value in enumerate(results) if value in taken)
+    output.args = (tuple(value for value in results if value not in taken),)
+    return slots, tuple(index for _, index in at)
+
+
+def _fill_slots(graph_module: fx.GraphModule, slots: tuple[fx.Node, tuple[int, ...]], kept: int,
+                carrier: tuple | None, where: str) -> tuple[tuple[int, ...], tuple | None]:
+    """Put what the rewrite returned after the graph's own outputs (the carrier and ``kept`` state outputs) in
+    the places of the capture's slots (Dynamo's bytecode reads each output at its place) and remove the
+    slots node. Returns those places and ``carrier``, the carrier's path in the own outputs, as a path in
+    the graph's outputs."""
+    node, at = slots
+    needed = kept + bool(kept)
+    if len(at) != needed or len(node.args[1]) != needed:
+        raise StateSlotsMismatch(f"{where}: the capture has room for {len(node.args[1])} state outputs, the block "
+                                 f"hands on {needed}", needed)
+    (output,) = graph_module.graph.find_nodes(op="output")
+    results = tuple(output.args[0])
+    own, state = iter(results[:len(results) - needed]), iter(results[len(results) - needed:])
+    places = set(at)
+    output.args = (tuple(next(state) if index in places else next(own) for index in range(len(results))),)
+    for user in list(node.users):
+        graph_module.graph.erase_node(user)
+    graph_module.graph.erase_node(node)
+    graph_module.recompile()
+    if carrier is not None:
+        own_places = [index for index in range(len(results)) if index not in places]
+        carrier = (own_places[carrier[0]], *carrier[1:])
+    return at, carrier
+
+
+def _return_carrier(graph_module: fx.GraphModule, carrier: tuple | None, kept: int) -> None:
+    """Return the stream as it leaves (at ``carrier`` in the graph's own outputs) again, after them and before
+    the ``kept`` state outputs, so that a caller that cannot index the graph's result finds it."""
+    if carrier is None:
+        return
+    (output,) = graph_module.graph.find_nodes(op="output")
+    results = tuple(output.args[0])
+    own = results[:len(results) - kept]
+    output.args = (own + (at_path(own, carrier),) + results[len(own):],)
+    graph_module.recompile()
 
 
 def _output_path(graph_module: fx.GraphModule, carrier: fx.Node, where: str) -> tuple:

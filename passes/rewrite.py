@@ -142,18 +142,14 @@ class ParameterInputs(Emitter):
 
 @dataclass(frozen=True)
 class Entry:
-    """The stream's state where a layer's graph begins, as new placeholders: the committed blocks and the
-    partial sum (``has_partial`` is False only after a skipped block start), at residual site
-    ``position``. ``tensors``: per placeholder (blocks first, then the partial) its dtype, whether it
-    needs a gradient, and its shape, ``None`` for the shape of the stream's input (symbolic where that
-    one is), from which the placeholders' example values are made. ``as_list``: the blocks as one list
-    placeholder, however many (``blocks`` is then ignored): a graph that serves every layer of a kind
-    whatever its depth."""
+    """The stream's state where a layer's graph begins: the committed blocks and the partial sum
+    (``has_partial`` is False only after a skipped block start), at residual site ``position``.
+    ``as_list``: the blocks as one list placeholder, however many (``blocks`` is then ignored): a graph
+    that serves every layer of a kind whatever its depth."""
 
     position: int
     blocks: int
     has_partial: bool
-    tensors: tuple = ()
     as_list: bool = False
 
 
@@ -176,6 +172,9 @@ class StreamSpan:
     layer: bool = False
     entry: Entry | None = None
     ends: bool = True
+    # The placeholders the state enters by where the graph has them already (a TorchDynamo capture through
+    # the block entry, :func:`~attnres_fx.passes.signature.state_slots`): blocks, then the partial sum.
+    entered: tuple[fx.Node, ...] = ()
 
 
 class BlockAttnResRewrite(PassBase):
@@ -266,29 +265,28 @@ class _StreamSurgery:
         self.origin: fx.Node | None = None
 
     def _enter(self, entry: Entry, origin: fx.Node) -> None:
-        """New placeholders for the state the layer's graph receives, after the graph's own inputs, with
-        example values like those of the stream's input ``origin``."""
-        anchor = list(self.graph.find_nodes(op="placeholder"))[-1]
+        """The placeholders of the state the layer's graph receives: the graph's own where it has them
+        (:attr:`StreamSpan.entered`), else new ones after the graph's own inputs."""
         blocks = 0 if entry.as_list else entry.blocks
-        if entry.as_list:
-            with self.graph.inserting_after(anchor):
-                anchor = self.entered_list = self.graph.placeholder("attnres_blocks")
-        names = [f"attnres_block_{k}" for k in range(blocks)] + (["attnres_partial"] if entry.has_partial else [])
-        example = origin.meta.get("example_value")
-        fake_mode = getattr(example, "fake_mode", None)
-        nodes = []
-        for name, (dtype, requires_grad, shape) in zip(names, entry.tensors or [(None, False, None)] * len(names)):
-            with self.graph.inserting_after(anchor):
-                anchor = self.graph.placeholder(name)
-            if fake_mode is not None:
-                with fake_mode:
-                    anchor.meta["example_value"] = torch.empty(
-                        example.shape if shape is None else shape, dtype=dtype, device=example.device,
-                        requires_grad=requires_grad)
-            layout = _layout(anchor, self.stream.layout)
-            self.layout_of[anchor] = layout
-            self.carrier.setdefault(layout, anchor)
-            nodes.append(anchor)
+        nodes = list(self.span.entered)
+        if nodes:
+            if entry.as_list or len(nodes) != entry.blocks + entry.has_partial:
+                raise PassContractError(f"the graph takes {len(nodes)} state tensors, the state it enters with has "
+                                        f"{entry.blocks} blocks and {int(entry.has_partial)} partial sum")
+        else:
+            anchor = list(self.graph.find_nodes(op="placeholder"))[-1]
+            if entry.as_list:
+                with self.graph.inserting_after(anchor):
+                    anchor = self.entered_list = self.graph.placeholder("attnres_blocks")
+            names = [f"attnres_block_{k}" for k in range(blocks)] + (["attnres_partial"] if entry.has_partial else [])
+            for name in names:
+                with self.graph.inserting_after(anchor):
+                    anchor = self.graph.placeholder(name)
+                nodes.append(anchor)
+        for node in nodes:
+            layout = _layout(node, self.stream.layout)
+            self.layout_of[node] = layout
+            self.carrier.setdefault(layout, node)
         self.blocks = nodes[:blocks]
         self.partial = nodes[blocks] if entry.has_partial else None
         self.position = entry.position
@@ -418,7 +416,7 @@ class _StreamSurgery:
     def return_state(self) -> int:
         """A layer's graph that does not end the stream also returns the partial sum and the blocks it
         committed, after its own outputs; how many outputs that adds. They are returned contiguous: the
-        next layer's graph takes them as inputs made like its stream input (:meth:`_enter`), and a graph
+        next layer's graph takes them as inputs like its stream input (:meth:`_enter`), and a graph
         compiled by Inductor asserts its inputs' strides (an embedding that is a transposed view, as
         SigLIP's patches are, would enter as block 0 with other strides). Free where they are contiguous."""
         if not self.span.layer or self.span.ends:

@@ -4,11 +4,20 @@ once by the pass that rewrites it (:func:`~attnres_fx.passes.pipeline.rewrite_ca
 :class:`~attnres_fx.passes.pipeline.LayerTarget`) and stored with the graph (``graph_module.meta[SIGNATURE]``).
 
 Inputs, one kind per graph input in order: the call's own inputs (``INPUT``; ``STREAM`` the one the stream
-enters by), then the stream's state (``BLOCKS``: the completed block sums as one list, however many; or
+enters by) and the stream's state (``BLOCKS``: the completed block sums as one list, however many; or
 ``BLOCK``: one of them each; then ``PARTIAL``: the partial sum). The AttnRes weights a graph compiled by
 Inductor takes after them are not listed: its runner appends them (:class:`~attnres_fx.routing.graphs.
-RoutedGraph`). Outputs: the graph's own (``OUTPUT``), then unless the graph ends the stream the
-partial sum (``PARTIAL``) and each block the graph commits (``BLOCK``).
+RoutedGraph`). Outputs: the graph's own (``OUTPUT``), then unless the graph ends the stream the stream as
+it leaves (``CARRIER``, also somewhere in the graph's own outputs), the partial sum (``PARTIAL``) and each
+block the graph commits (``BLOCK``).
+
+The state is real graph inputs and outputs on both paths. A block's graph torch.fx traces gains them as
+new placeholders and outputs. TorchDynamo captures a block's call through an entry that takes the state
+tensors as arguments and returns :func:`state_slots` of them beside the block's result: Dynamo makes the
+state's placeholders (with its own example values and guards) and leaves one node whose arguments are
+those placeholders and whose results are the graph's state outputs; the rewrite takes the placeholders
+as the state it enters with and puts the state it hands on in the slots' places (which Dynamo's bytecode
+reads: in its graph the carrier and the state need not follow all of the graph's own outputs).
 """
 
 from __future__ import annotations
@@ -16,12 +25,31 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import fx
 
 SIGNATURE = "attnres_signature"          # where a layer's graph keeps its signature (graph_module.meta)
 WEIGHT_INPUT = "attnres_weight"          # marks a placeholder that takes an AttnRes weight (node.meta)
 
-INPUT, STREAM, BLOCKS, BLOCK, PARTIAL, OUTPUT = "input", "stream", "blocks", "block", "partial", "output"
+INPUT, STREAM, BLOCKS, BLOCK, PARTIAL, OUTPUT, CARRIER = (
+    "input", "stream", "blocks", "block", "partial", "output", "carrier")
+
+
+@torch.compiler.allow_in_graph
+def state_slots(entered: list, kinds: tuple[str, ...]) -> tuple:
+    """In a TorchDynamo capture of a block's call: the state outputs the rewrite will fill, one per kind in
+    ``kinds`` (the carrier, the partial sum, the committed blocks; strings, which Dynamo takes as constants
+    where it would make a number a graph input), made from the state tensors ``entered`` (one graph node: its
+    arguments are the state's placeholders). Dynamo runs it on its fake tensors only: the rewrite replaces
+    the node."""
+    like = entered[-1] if entered else torch.empty(0)
+    return tuple(torch.empty_like(like) for _ in kinds)
+
+
+def state_kinds(count: int) -> tuple[str, ...]:
+    """The kinds of the ``count`` outputs a layer's graph returns after its own (none where it ends the
+    stream)."""
+    return (CARRIER, PARTIAL) + (BLOCK,) * (count - 2) if count else ()
 
 
 @dataclass(frozen=True)
@@ -45,7 +73,8 @@ class LayerGraphSignature:
 
     @property
     def results(self) -> int:
-        """How many of the outputs are the graph's own (the stream's state follows them)."""
+        """How many of the outputs are the graph's own (the carrier and the stream's state follow them in a
+        graph torch.fx traced)."""
         return self.outputs.count(OUTPUT)
 
     def state_arguments(self, tensors: tuple) -> tuple:
@@ -58,11 +87,13 @@ class LayerGraphSignature:
 
 
 def layer_signature(graph_module: fx.GraphModule, rewrite, entry, stream: fx.Node | None, carrier: tuple | None,
-                    next_offset: int) -> LayerGraphSignature:
+                    next_offset: int, state_at: tuple[int, ...] | None = None) -> LayerGraphSignature:
     """The signature of ``graph_module``, a layer's graph ``rewrite`` (a
     :class:`~attnres_fx.passes.rewrite.BlockAttnResRewrite`) has just rewritten for the state ``entry`` (an
     :class:`~attnres_fx.passes.rewrite.Entry`, ``None`` at the stream's start): ``stream`` the placeholder
-    the stream enters by (or ``None``), ``carrier`` the path to where it leaves."""
+    the stream enters by (or ``None``), ``carrier`` the path to where it leaves; ``state_at``: where the
+    carrier and the state are among the outputs, if not after the graph's own (a TorchDynamo capture's
+    slots)."""
     kinds = () if entry is None else (
         ((BLOCKS,) if entry.as_list else (BLOCK,) * entry.blocks) + ((PARTIAL,) if entry.has_partial else ()))
     state = dict(zip(rewrite.state_inputs, kinds, strict=True))
@@ -71,7 +102,11 @@ def layer_signature(graph_module: fx.GraphModule, rewrite, entry, stream: fx.Nod
     (output,) = graph_module.graph.find_nodes(op="output")
     count = len(output.args[0])
     kept = rewrite.state_outputs
-    outputs = (OUTPUT,) * (count - kept) + ((PARTIAL,) + (BLOCK,) * (kept - 1) if kept else ())
+    kinds = state_kinds(kept + bool(kept))
+    if state_at is None:
+        state_at = tuple(range(count - len(kinds), count))
+    placed = dict(zip(state_at, kinds, strict=True))
+    outputs = tuple(placed.get(index, OUTPUT) for index in range(count))
     return LayerGraphSignature(inputs, outputs, carrier, next_offset)
 
 

@@ -70,6 +70,19 @@ ConvBase = nn.modules.conv._ConvNd
 assume_constant_result = torch._dynamo.assume_constant_result
 
 
+def dynamo_argument(placeholder) -> tuple | None:
+    """Which argument of the compiled function a placeholder of a TorchDynamo graph is: ``(name, key)`` for
+    ``L['args'][0]`` (``("args", 0)``) or ``L['kwargs']['x']`` (``("kwargs", "x")``); ``None`` for anything
+    else (a parameter, a size, an attribute). Dynamo keeps the source in ``node.meta["grapharg"]``: an item
+    source (``GetItemSource``, ``DictGetItemSource``) on a ``LocalSource`` in 2.11-2.14; no public
+    interface says where a graph input came from."""
+    source = getattr(placeholder.meta.get("grapharg"), "source", None)
+    base = getattr(source, "base", None)
+    if base is None or not hasattr(source, "index") or not hasattr(base, "local_name") or hasattr(base, "base"):
+        return None
+    return base.local_name, source.index
+
+
 def transformer_seq_len_helper() -> tuple[object, str]:
     """Where torch.nn's Transformer layers read the sequence length with Python control flow on the
     input (``torch.nn.modules.transformer._get_seq_len``): (module, attribute), for fx to record as one call."""
@@ -172,6 +185,12 @@ def saved_tensor_hooks_active() -> bool:
     checkpointing, activation offloading): ``torch._C._autograd._top_saved_tensors_default_hooks``, no public
     accessor."""
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+def operator_function(overload) -> Callable:
+    """The C++ function behind a ``torch.ops`` overload (``OpOverload._op``, no public accessor): calling it
+    skips the overload's Python ``__call__`` frame, the same dispatch after it (torch 2.11 to 2.14)."""
+    return getattr(overload, "_op", overload)
 
 
 def module_hooks(module: nn.Module) -> bool:
@@ -453,6 +472,7 @@ __all__ = [
     "graph_break_release_hint",
     "checkpoint_regions_when_run_eagerly",
     "global_forward_hooks",
+    "operator_function",
     "fx_trace_undone",
     "fx_trace_left_behind",
     "undo_fx_trace_left_behind",
@@ -476,6 +496,7 @@ __all__ = [
     "NormBase",
     "ConvBase",
     "assume_constant_result",
+    "dynamo_argument",
     "transformer_seq_len_helper",
     "dynamo_compile_lock",
     "lazy_graph_modules",

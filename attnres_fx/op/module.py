@@ -151,25 +151,38 @@ def run_site(module: BlockAttnRes, entered, *sources: torch.Tensor) -> torch.Ten
     sequence), without ``nn.Module``'s call machinery where the module is a ``BlockAttnRes`` without hooks
     (any hook, its own or global, or a module of another class put in its place, and the call goes through
     the module as usual): what a block's graph calls for each aggregation. On the CPU, straight to the C++
-    operator (its autograd registered in C++ too), which checks its inputs itself (sources of mixed shapes or
-    dtypes take :func:`aggregate`): a decoding step's few microseconds, and no Python at all in a training
-    step's backward."""
-    if entered:
-        sources = (*entered, *sources)
+    operator's function (its autograd registered in C++ too), which checks its inputs itself (sources of
+    mixed shapes or dtypes take :func:`aggregate`): a decoding step's few microseconds, and no Python at all
+    in a training step's backward."""
     if type(module) is not BlockAttnRes or compat.module_hooks(module):
-        return module(*sources)         # hooks, or another module put in the site's place (a wrapper)
+        return module(*entered, *sources)         # hooks, or another module put in the site's place (a wrapper)
+    listed = [*entered, *sources]
     # The weights by dict look-ups (nn.Module's __getattr__ is a Python call each), by attribute where the
     # parameter is not a plain entry (a parametrization's property).
     proj = module._modules["proj"]._parameters.get("weight")
     norm = module._modules["norm"]._parameters.get("weight")
     if proj is None or norm is None:
         proj, norm = module.proj.weight, module.norm.weight
-    first = sources[0]
-    if type(first) is torch.Tensor and first.device.type == "cpu" and proj.device.type == "cpu":
-        kernel = cpu_aggregate()
-        if kernel:
+    first = listed[0]
+    if type(first) is torch.Tensor and first.is_cpu and proj.is_cpu:
+        kernel = _cpu_kernel()
+        if kernel is not None:
             try:
-                return kernel(list(sources), proj, norm, module.eps, module.preserve_scale)
+                return kernel(listed, proj, norm, module.eps, module.preserve_scale)
             except RuntimeError:
                 pass
-    return aggregate(proj, norm, sources, eps=module.eps, preserve_scale=module.preserve_scale)
+    return aggregate(proj, norm, listed, eps=module.eps, preserve_scale=module.preserve_scale)
+
+
+_CPU_KERNEL: list = []          # the C++ operator's function, once found
+
+
+def _cpu_kernel():
+    """``attnres_cpu::aggregate``'s C++ function (:func:`~attnres_fx.compat.operator_function`: one Python
+    frame less per aggregation than the overload), or ``None`` where the kernel is not available."""
+    if not _CPU_KERNEL:
+        op = cpu_aggregate()
+        if not op:
+            return None
+        _CPU_KERNEL.append(compat.operator_function(op))
+    return _CPU_KERNEL[0]

@@ -24,9 +24,10 @@ from contextlib import ExitStack
 from typing import Any, Callable
 
 from .. import compat
-from ..capture.tracers import capture_settings, entry_function, in_own_call, own_call
+from ..capture.tracers import capture_settings, in_own_call, own_call
 from ..errors import AttnResError, RoutingError
-from .context import call_context
+from ..passes.signature import state_kinds, state_slots
+from ..context import call_context
 
 # Dynamo's default is 8 graphs per code object; one converted module can legitimately need more (train
 # and eval, two dtypes, prefill and decode, static and dynamic shapes).
@@ -63,27 +64,41 @@ def dynamo_call(checkpointing_flag_holders: tuple = ()):
         yield
 
 
-def compiled_entry(forward: Callable, backend: Callable, compiler: str) -> Callable:
-    """``entry(module, *args, **kwargs)``: ``forward`` compiled by TorchDynamo with ``backend`` (fullgraph).
-    Eager runs gain nothing from static shapes: they capture with dynamic ones from the start, so that a
-    new length or batch reuses the graph; Inductor specialises first and makes a dimension dynamic once
-    it changes."""
+def block_entry_function(forward: Callable, count: int) -> Callable:
+    """``entry(module, state, *args, **kwargs) -> (forward(module, *args, **kwargs), slots)``: a layer-routed
+    block's call with the stream's state tensors ``state`` (a list: the completed blocks, then the partial
+    sum) as real inputs, and ``count`` state outputs (:func:`~attnres_fx.passes.signature.state_slots`,
+    filled by the rewrite): the calling convention of every block graph
+    (:mod:`attnres_fx.passes.signature`). A code object of its own, as :func:`entry_function`'s."""
+    kinds = state_kinds(count)
+
+    def entry(module, state, *args, **kwargs):
+        return forward(module, *args, **kwargs), state_slots(state, kinds)
+    entry.__code__ = entry.__code__.replace()
+    return entry
+
+
+def compiled_entry(function: Callable, backend: Callable, compiler: str) -> Callable:
+    """``function`` (an entry: :func:`~attnres_fx.capture.tracers.entry_function`, :func:`block_entry_function`)
+    compiled by TorchDynamo with ``backend`` (fullgraph). Eager runs gain nothing from static shapes: they
+    capture with dynamic ones from the start, so that a new length or batch reuses the graph; Inductor
+    specialises first and makes a dimension dynamic once it changes."""
     dynamic = True if compiler == "eager" else None
-    return compat.compile_with_recompile_limit(entry_function(forward), RECOMPILE_LIMIT, backend=backend,
-                                               fullgraph=True, dynamic=dynamic)
+    return compat.compile_with_recompile_limit(function, RECOMPILE_LIMIT, backend=backend, fullgraph=True,
+                                               dynamic=dynamic)
 
 
-def run(entry: Callable, forward: Callable, module, args: tuple, kwargs: dict,
-        graph_break_message: Callable[[Exception], str], checkpointing_flag_holders: tuple = ()) -> Any:
-    """``entry(module, *args, **kwargs)``; an attnres_fx error raised in the backend is raised as itself, a
-    graph break as :class:`~attnres_fx.TraceError` with ``graph_break_message(err)``. Where the model's own
-    code raised while Dynamo traced it, the call runs as written (``forward``) to raise the model's own
-    exception, as itself: the original model raises it too."""
+def run(call: Callable[[], Any], as_written: Callable[[], Any], module, graph_break_message: Callable[[Exception], str],
+        checkpointing_flag_holders: tuple = ()) -> Any:
+    """``call()``, a call of a compiled entry of ``module``; an attnres_fx error raised in the backend is raised
+    as itself, a graph break as :class:`~attnres_fx.TraceError` with ``graph_break_message(err)``. Where the
+    model's own code raised while Dynamo traced it, the call runs as written (``as_written()``) to raise the
+    model's own exception, as itself: the original model raises it too."""
     from ..errors import TraceError
 
     with dynamo_call(checkpointing_flag_holders):
         try:
-            return entry(module, *args, **kwargs)
+            return call()
         except compat.BackendCompilerFailed as err:
             if isinstance(err.inner_exception, AttnResError):
                 raise err.inner_exception.with_traceback(None) from err
@@ -96,7 +111,7 @@ def run(entry: Callable, forward: Callable, module, args: tuple, kwargs: dict,
                 "(torch.tensor(value)), or keep to fewer values; calls like the earlier ones run as before.") from err
         except compat.DynamoUnsupported as err:
             if _raised_by_traced_code(err):
-                forward(module, *args, **kwargs)
+                as_written()
             raise TraceError(graph_break_message(err), {"dynamo": err}) from err
 
 

@@ -42,7 +42,7 @@ from ..passes.detect import detect_residual_streams
 from ..passes.node_kinds import is_reshape
 from ..passes.pipeline import LayerTarget, rewrite_captured
 from ..passes.rewrite import Emitter, Entry, ModuleCalls, ParameterInputs, lift_attnres_weights
-from ..passes.signature import SIGNATURE, LayerGraphSignature
+from ..passes.signature import BLOCKS, PARTIAL, SIGNATURE, WEIGHT_INPUT, LayerGraphSignature
 from ..passes.two_phase import apply_two_phase
 from .. import compat
 
@@ -59,6 +59,21 @@ class BlockVariant:
         self.forward = forward
         self.signature = signature
         self.bound = bound
+        # What every call reads of the signature, read once (a block call's budget is microseconds).
+        self.stream_input = signature.stream_input
+        self.results = signature.results
+        self.carrier = signature.carrier
+        self.next_offset = signature.next_offset
+        self.blocks_as_list = BLOCKS in signature.inputs
+        self.takes_partial = PARTIAL in signature.inputs
+
+    def state_arguments(self, tensors: tuple) -> tuple:
+        """:meth:`~attnres_fx.passes.signature.LayerGraphSignature.state_arguments`."""
+        if not self.blocks_as_list:
+            return tensors
+        if self.takes_partial:
+            return [*tensors[:-1]], tensors[-1]
+        return ([*tensors],)
 
 
 class TraceCache:
@@ -346,7 +361,9 @@ def rewritten_dynamo_graph(router: Router, gm: fx.GraphModule, example_inputs: l
     """Rewrite a copy of Dynamo's graph (its own must stay as it is: its bookkeeping refers to it) and
     make it runnable: the graph itself, calling the model's own BlockAttnRes modules (their hooks fire),
     or Inductor's compilation with the AttnRes weights as extra inputs (parameters must be inputs there,
-    and then get gradients through AOTAutograd). Returns the runnable and what the rewrite did."""
+    and then get gradients through AOTAutograd). A block's graph (``layer``) takes and returns the stream's
+    state as real inputs and outputs (:mod:`attnres_fx.passes.signature`). Returns the runnable, what the
+    rewrite did and the rewritten graph."""
     plan = router.conversion.plan
     router.conversion.stats.captures += 1
     graph_module = copy_graph_module(gm, type(router.module).__name__)
@@ -357,7 +374,7 @@ def rewritten_dynamo_graph(router: Router, gm: fx.GraphModule, example_inputs: l
                                   prefix=router.path, layer=layer, carriers=carriers)
         compat.checkpoint_regions_when_run_eagerly(graph_module)
         router.rewritten.append(graph_module)
-        return graph_module.forward, result
+        return graph_module.forward, result, graph_module
     if torch.is_grad_enabled():
         emitter = ParameterInputs(plan)
         result = rewrite_captured(graph_module, plan, lambda g: emitter, where=router.where, prefix=router.path,
@@ -373,10 +390,18 @@ def rewritten_dynamo_graph(router: Router, gm: fx.GraphModule, example_inputs: l
         names = lift_attnres_weights(graph_module)
     router.rewritten.append(graph_module)
     weights = WeightReader(router.root, names)
-    state = [node.meta["example_value"] for node in result.rewrite.state_inputs]
-    compiled = compat.inductor_compile(graph_module, [*example_inputs, *state, *weights.fake(example_inputs)],
+    compiled = compat.inductor_compile(graph_module, [*example_inputs, *weights.fake(example_inputs)],
                                        config_patches=router.conversion.compile_options or None)
-    return RoutedGraph(compiled, weights), result
+    return RoutedGraph(compiled, weights), result, graph_module
+
+
+def stream_argument(graph_module: fx.GraphModule, signature: LayerGraphSignature) -> tuple | None:
+    """Where the stream enters a block's call whose TorchDynamo graph is ``graph_module``: the argument its
+    stream input was made from (``("args", index)`` or ``("kwargs", name)``), ``None`` where there is none."""
+    if signature.stream_input is None:
+        return None
+    inputs = [node for node in graph_module.graph.find_nodes(op="placeholder") if WEIGHT_INPUT not in node.meta]
+    return compat.dynamo_argument(inputs[signature.stream_input])
 
 
 class WeightReader:

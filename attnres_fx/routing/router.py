@@ -32,17 +32,17 @@ from torch import fx, nn
 
 from .. import compat
 from ..capture.block_tracer import SCALAR_TYPES, CallShape, call_shape
-from ..capture.tracers import in_own_call
+from ..capture.tracers import entry_function, in_own_call
 from ..compat import pytree
 from ..conversion import Conversion
 from ..diagnostics import first_line
 from ..errors import RoutingError, TraceError
 from ..passes.layers import LayerSpan
-from ..passes.pipeline import LayerTarget
+from ..passes.pipeline import LayerTarget, StateSlotsMismatch
 from ..passes.rewrite import Entry
 from . import dynamo, graphs, host
-from .context import call_context
-from ..passes.signature import LayerGraphSignature, at_path, replaced_at
+from ..context import call_context
+from ..passes.signature import LayerGraphSignature, replaced_at
 from .state import (ATTRIBUTE, StreamState, attach, bundle, edited, remember_for_recomputation, restated, returned,
                     state_of, unbundle)
 from .watch import note_stream_end, note_stream_start, refuse_foreign_fullgraph
@@ -128,18 +128,29 @@ class Router:
             "applied to the graphs attnres_fx captures itself. Use attnres_fx.rewrite(model, example_inputs) for "
             "an explicit graph, or attnres_fx.export.to_onnx(model, ...).")
 
-    def entry(self, key, backend: Callable[[str], Callable], forward: Callable | None = None) -> Callable:
+    def entry(self, key, backend: Callable[[str], Callable], forward: Callable | None = None,
+              state_outputs: int | None = None) -> Callable:
         """The Dynamo-compiled entry of ``forward`` (the module class's, by default) for the conversion's
-        compiler and ``key``: built at its first call, again after a pickle or :func:`set_compiler`."""
+        compiler and ``key``: built at its first call, again after a pickle or :func:`set_compiler`. With
+        ``state_outputs``, a block's entry (:func:`~attnres_fx.routing.dynamo.block_entry_function`)."""
         compiler = self.conversion.compiler
         forward = forward or type(self.module).forward
-        entry = self._entries.get((compiler, key, forward))
+        entry = self._entries.get((compiler, key, forward, state_outputs))
         if entry is None:
-            entry = self._entries[compiler, key, forward] = dynamo.compiled_entry(forward, backend(compiler), compiler)
+            function = (entry_function(forward) if state_outputs is None else
+                        dynamo.block_entry_function(forward, state_outputs))
+            entry = self._entries[compiler, key, forward, state_outputs] = dynamo.compiled_entry(
+                function, backend(compiler), compiler)
         return entry
 
-    def run_dynamo(self, entry: Callable, args: tuple, kwargs: dict, forward: Callable | None = None):
-        return dynamo.run(entry, forward or type(self.module).forward, self.module, args, kwargs,
+    def run_dynamo(self, entry: Callable, args: tuple, kwargs: dict, forward: Callable | None = None,
+                   state: list | None = None):
+        """``entry(module, *args, **kwargs)`` (``entry(module, state, *args, **kwargs)`` for a block's entry)."""
+        forward = forward or type(self.module).forward
+        module = self.module
+        call = ((lambda: entry(module, *args, **kwargs)) if state is None else
+                (lambda: entry(module, state, *args, **kwargs)))
+        return dynamo.run(call, lambda: forward(module, *args, **kwargs), module,
                           lambda err: _graph_break_message(self, err), self.checkpointing_flag_holders)
 
     def reset(self) -> None:
@@ -169,7 +180,7 @@ class ModelRouter(Router):
     def _backend(self, compiler: str):
         def backend(gm: fx.GraphModule, example_inputs: list):
             start = time.perf_counter()
-            compiled, _ = graphs.rewritten_dynamo_graph(self, gm, example_inputs, compiler, carriers=self.carriers)
+            compiled, _, _ = graphs.rewritten_dynamo_graph(self, gm, example_inputs, compiler, carriers=self.carriers)
             LOG.info("rewrote the graph Dynamo captured for a call of %s (%s route) in %.2f s", self.where,
                      compiler, time.perf_counter() - start)
             return compiled
@@ -259,6 +270,11 @@ class LayerRouter(Router):
         self.traced_modules = (module, *(module.get_submodule(path) for path in sorted(opened)))
         self._shapes: dict[CallShape, _ShapeRoutes] = {}
         self._forwards: dict[type, tuple] = {}
+        # On TorchDynamo, by the state's layout: how many state outputs the block's graph returns, where its
+        # rewrite found another number than the plan's (:meth:`_state_outputs`); what its graphs take and
+        # return, recorded by the backend (:meth:`_dynamo_backend`).
+        self._state_counts: dict[Entry | None, int] = {}
+        self._dynamo_graphs: dict[Entry | None, _DynamoGraph] = {}
         # The constants the kind was read from, to see a change (graphs.watched_constants).
         self._watched: tuple = ()
         # The key of the router's own forward hook in the block's hooks (:meth:`_after_hooks`), once made.
@@ -276,6 +292,7 @@ class LayerRouter(Router):
     def reset(self) -> None:
         super().reset()
         self._shapes.clear()
+        self._dynamo_graphs.clear()
 
     def installed(self) -> None:
         """Now the module's ``forward`` (an attribute the module did not have when the trial read its
@@ -330,16 +347,19 @@ class LayerRouter(Router):
             return compat.hf_checkpointed_call(self.module, lambda *a, **k: self._intercepted(a, k), args, kwargs)
         if call_context().interceptors:
             return self._intercepted(args, kwargs)
-        return self.proceed(*args, **kwargs)
+        return self._proceed(args, kwargs)
 
     def _intercepted(self, args: tuple, kwargs: dict):
         for interceptor in reversed(call_context().interceptors):
             if interceptor.conversion is self.conversion:
                 return interceptor.intercept(self, args, kwargs, self.proceed)
-        return self.proceed(*args, **kwargs)
+        return self._proceed(args, kwargs)
 
     def proceed(self, *args, **kwargs):
         """Run this call of the block on its route (what an interceptor calls to go ahead)."""
+        return self._proceed(args, kwargs)
+
+    def _proceed(self, args: tuple, kwargs: dict):
         if self.conversion.compiler == "eager":
             if compat.fx_trace_left_behind():
                 compat.undo_fx_trace_left_behind()      # an interrupted trace, anywhere in the process
@@ -348,7 +368,7 @@ class LayerRouter(Router):
                 self._forwards.clear()
                 self._shapes.clear()
             routes, inputs = self._routes(args, kwargs)
-            if self._runs_block_graph(routes):
+            if routes.traced is not None and not (self.opened and self._opened_hooks()):   # _runs_block_graph
                 return self._run_block_graph(routes, inputs)
         return self._run_dynamo(args, kwargs)
 
@@ -427,33 +447,37 @@ class LayerRouter(Router):
         carrier, state, via = self._entering(routes, inputs)
         changed = via == "carrier" and edited(carrier, state)
         # The state made at the stream's start (for reentrant checkpointing's recomputation) holds nothing.
-        # A block graph takes the completed blocks as one list, however many: it serves every depth.
-        layout = None if state is None or not (state.position or state.tensors) else Entry(
-            state.position, len(state.blocks), changed or state.partial is not None, as_list=True)
-        variant = routes.variants.get(layout)
+        # A block graph takes the completed blocks as one list, however many: it serves every depth. The
+        # variants are found by a plain tuple (hashed in C), the layout made at a variant's first call only.
+        key = None if state is None or not (state.position or state.tensors) else (
+            state.position, len(state.blocks), changed or state.partial is not None)
+        variant = routes.variants.get(key)
         if variant is None:
-            variant = routes.variants[layout] = graphs.block_variant(self, routes.traced, routes.shape, layout,
-                                                                     routes.values)
+            layout = None if key is None else Entry(*key, as_list=True)
+            variant = routes.variants[key] = graphs.block_variant(self, routes.traced, routes.shape, layout,
+                                                                  routes.values)
             if routes.stream_input is None:
-                routes.stream_input = variant.signature.stream_input
-        signature = variant.signature
-        given = inputs[signature.stream_input] if signature.stream_input is not None else None
+                routes.stream_input = variant.stream_input
+        given = inputs[variant.stream_input] if variant.stream_input is not None else None
         before, reentrant = (state, False) if given is None or not given.requires_grad else \
             self._recomputable(given, state)
         tensors: tuple[torch.Tensor, ...] = ()
-        if layout is not None:
+        if key is not None:
             view, tensors = unbundle(state, carrier)
             if changed:
-                tensors = (*tensors[:layout.blocks], restated(view, tensors[:layout.blocks]))
+                blocks = key[1]
+                tensors = (*tensors[:blocks], restated(view, tensors[:blocks]))
             inputs[routes.stream_input] = view
-        results = variant.forward(variant.bound, *inputs, *signature.state_arguments(tensors))
-        # The graph returns the block's result as its one output, the state after it.
-        after = self._state_after(state, tensors, signature.next_offset, results[signature.results:])
+        results = variant.forward(variant.bound, *inputs, *variant.state_arguments(tensors))
+        # The graph returns the block's result as its one output, then the carrier and the state after it.
+        after = self._state_after(state, tensors, variant.next_offset, results[variant.results + 1:])
         if after is None:
             return routes.traced.result(results[0])
-        carrier_out, hooked = self._leaving(at_path(results, signature.carrier), after, before, via, reentrant)
-        return self._returning(routes.traced.result(replaced_at(results, signature.carrier, carrier_out)[0]),
-                               carrier_out, after, hooked)
+        carrier_out, hooked = self._leaving(results[variant.results], after, before, via, reentrant)
+        # The carrier is the block's result itself (path (0,)) or inside it.
+        path = variant.carrier
+        result = carrier_out if path == (0,) else replaced_at(results, path, carrier_out)[0]
+        return self._returning(routes.traced.result(result), carrier_out, after, hooked)
 
     def _entering(self, routes: _ShapeRoutes, inputs: list) -> tuple[torch.Tensor | None, StreamState | None, str]:
         """The carrier this call takes and the state it brings (``None`` at the stream's start)."""
@@ -593,28 +617,50 @@ class LayerRouter(Router):
         self._refuse_checkpointed_cache(args, kwargs)
         carrier, state, via = _find_state((args, kwargs), self.conversion, self.stream)
         self._check_entry(state)
+        given = (args, kwargs)
         tensors: tuple[torch.Tensor, ...] = ()
         if state is not None and state.tensors:
             view, tensors = unbundle(state, carrier)
             if via == "carrier" and edited(carrier, state):
                 tensors = (*tensors[:len(state.blocks)], restated(view, tensors[:len(state.blocks)]))
             args, kwargs = _replaced((args, kwargs), carrier, view)
-        # What the graph depends on besides what Dynamo guards: the state's layout and, for each of its
-        # tensors, what the placeholder's example value is made from.
+        # The graph takes the state's tensors as real inputs (Dynamo guards on their dtypes and shapes); what
+        # it depends on besides is the state's layout.
         layout = None if state is None or not (state.position or state.tensors) else Entry(
-            state.position, len(state.blocks), len(tensors) > len(state.blocks),
-            tuple(_described(t, carrier) for t in tensors))
-        call = _DynamoCall(tensors)
-        with _active(call):
-            out = self.run_dynamo(self.entry(layout, lambda compiler: self._dynamo_backend(compiler, layout),
-                                             self.forward_function), args, kwargs, self.forward_function)
-        before, reentrant = self._recomputable(carrier if carrier is not None else call.start, state)
-        after = self._state_after(state, tensors, call.next_offset, call.state_out)
+            state.position, len(state.blocks), len(tensors) > len(state.blocks))
+        count = self._state_outputs(layout)
+        forward = self.forward_function
+        entry = self.entry(layout, lambda compiler: self._dynamo_backend(compiler, layout), forward, count)
+        try:
+            out, slots = self.run_dynamo(entry, args, kwargs, forward, list(tensors))
+        except StateSlotsMismatch as err:
+            if self._state_counts.get(layout) == err.needed:
+                raise
+            # Nothing ran: Dynamo stopped in the backend. The entry again, with room for what the block hands on.
+            self._state_counts[layout] = err.needed
+            return self._run_dynamo(*given)
+        graph = self._dynamo_graphs[layout]
+        start = carrier if carrier is not None else graph.stream_argument(*given)
+        before, reentrant = self._recomputable(start, state)
+        after = self._state_after(state, tensors, graph.signature.next_offset, tuple(slots[1:]))
         if after is None:
             return out
-        carrier_out, hooked = self._leaving(call.carrier, after, before, via, reentrant)
-        return self._returning(_replaced(out, call.carrier, carrier_out, what=f"the result of {self.where}"),
+        carrier_out, hooked = self._leaving(slots[0], after, before, via, reentrant)
+        return self._returning(_with_carrier(out, slots[0], carrier_out, f"the result of {self.where}"),
                                carrier_out, after, hooked)
+
+    def _state_outputs(self, layout: Entry | None) -> int:
+        """How many state outputs the block's TorchDynamo graph returns for the state in ``layout``: the
+        carrier, the partial sum and the blocks it commits (none where it ends the stream), as planned
+        (the block runs every site of its span), or as its rewrite found."""
+        if self.ends:
+            return 0
+        found = self._state_counts.get(layout)
+        if found is not None:
+            return found
+        start = self.span.start if layout is None else layout.position
+        size = self.planned.block_size
+        return 2 + sum(1 for position in range(start, self.span.stop) if position % size == 0)
 
     def _refuse_checkpointed_cache(self, args: tuple, kwargs: dict) -> None:
         """Non-reentrant activation checkpointing recomputes this call in the backward, where a key/value
@@ -634,11 +680,13 @@ class LayerRouter(Router):
         def backend(gm: fx.GraphModule, example_inputs: list):
             start = time.perf_counter()
             target = LayerTarget(self.planned, self.span, layout, self.ends)
-            compiled, result = graphs.rewritten_dynamo_graph(self, gm, example_inputs, compiler, layer=target)
-            graph = _DynamoLayerGraph(compiled, result.signature)
+            compiled, result, rewritten = graphs.rewritten_dynamo_graph(self, gm, example_inputs, compiler,
+                                                                        layer=target)
+            signature = result.signature
+            self._dynamo_graphs[layout] = _DynamoGraph(signature, graphs.stream_argument(rewritten, signature))
             LOG.info("rewrote the graph Dynamo captured for a call of %s (layer route, %s) in %.2f s", self.where,
                      compiler, time.perf_counter() - start)
-            return graph
+            return compiled
         return backend
 
     def _stateless_message(self) -> str:
@@ -667,52 +715,43 @@ class LayerRouter(Router):
                 "modules in order with what each returns, or convert with route='model'.")
 
 
-def _described(tensor: torch.Tensor, carrier: torch.Tensor) -> tuple:
-    """Per state tensor: its dtype, whether it needs a gradient, its shape (``None``: the carrier's)."""
-    return tensor.dtype, tensor.requires_grad, None if tensor.shape == carrier.shape else tuple(tensor.shape)
+@dataclass(frozen=True)
+class _DynamoGraph:
+    """What a block's TorchDynamo graphs for one state layout take and return (``signature``), and where in
+    the block's call the stream enters (``argument``: ``("args", index)`` or ``("kwargs", name)``; ``None``
+    where the graph starts it from a value it computes)."""
+
+    signature: LayerGraphSignature
+    argument: tuple | None
+
+    def stream_argument(self, args: tuple, kwargs: dict) -> torch.Tensor | None:
+        if self.argument is None:
+            return None
+        where, key = self.argument
+        return args[key] if where == "args" else kwargs[key]
 
 
-class _DynamoCall:
-    """One call of a block on TorchDynamo: the state tensors its graph takes, and what the graph gave
-    back (set by :class:`_DynamoLayerGraph`)."""
+def _with_carrier(out, carrier: torch.Tensor, carrier_out: torch.Tensor, what: str):
+    """``out`` with ``carrier_out`` in place of the carrier: the graph's own output that is ``carrier``, or
+    (Inductor hands an output returned twice back as two views of one buffer) the same view of its storage."""
+    def same(leaf) -> bool:
+        return leaf is carrier or (
+            isinstance(leaf, torch.Tensor) and leaf.device.type != "meta" and leaf.dtype == carrier.dtype
+            and leaf.shape == carrier.shape and leaf.stride() == carrier.stride()
+            and leaf.storage_offset() == carrier.storage_offset()
+            and leaf.untyped_storage().data_ptr() == carrier.untyped_storage().data_ptr())
+    found = []
 
-    def __init__(self, state_tensors: tuple[torch.Tensor, ...]):
-        self.state_tensors = state_tensors
-        self.carrier: torch.Tensor | None = None
-        self.state_out: tuple[torch.Tensor, ...] = ()
-        self.start: torch.Tensor | None = None
-        self.next_offset = 0
-
-
-@contextlib.contextmanager
-def _active(call: _DynamoCall):
-    stack = call_context().dynamo_calls
-    stack.append(call)
-    try:
-        yield call
-    finally:
-        stack.pop()
-
-
-class _DynamoLayerGraph:
-    """What Dynamo calls for a block's rewritten graph (``signature``: what it takes and returns beyond
-    Dynamo's own inputs and outputs): appends the state tensors of the innermost block call on TorchDynamo
-    (:mod:`attnres_fx.routing.context`) to its inputs and hands the graph's extra outputs (the new state) to
-    that call."""
-
-    def __init__(self, run, signature: LayerGraphSignature):
-        self.run = run
-        self.signature = signature
-
-    def __call__(self, *args):
-        call = call_context().dynamo_calls[-1]
-        signature = self.signature
-        results = self.run(*args, *signature.state_arguments(call.state_tensors))
-        call.carrier = at_path(results, signature.carrier) if signature.carrier is not None else None
-        call.state_out = tuple(results[signature.results:])
-        call.start = args[signature.stream_input] if signature.stream_input is not None else None
-        call.next_offset = signature.next_offset
-        return tuple(results[:signature.results])
+    def swap(leaf):
+        if same(leaf):
+            found.append(leaf)
+            return carrier_out
+        return leaf
+    out = pytree.tree_map_only(torch.Tensor, swap, out)
+    if not found:
+        raise RoutingError(f"{what} holds its residual stream in a container torch.utils._pytree cannot look "
+                           "into, so the AttnRes state cannot travel with it; convert with route='model'")
+    return out
 
 
 def _find_state(tree, owner, stream: int) -> tuple[torch.Tensor | None, StreamState | None, str]:
@@ -724,21 +763,10 @@ def _find_state(tree, owner, stream: int) -> tuple[torch.Tensor | None, StreamSt
     return None, None, ""
 
 
-def _replaced(tree, old: torch.Tensor, new: torch.Tensor, what: str = ""):
+def _replaced(tree, old: torch.Tensor, new: torch.Tensor):
     if old is new:
         return tree
-    found = []
-
-    def swap(leaf):
-        if leaf is old:
-            found.append(leaf)
-            return new
-        return leaf
-    tree = pytree.tree_map_only(torch.Tensor, swap, tree)
-    if what and not found:
-        raise RoutingError(f"{what} holds its residual stream in a container torch.utils._pytree cannot look "
-                           "into, so the AttnRes state cannot travel with it; convert with route='model'")
-    return tree
+    return pytree.tree_map_only(torch.Tensor, lambda leaf: new if leaf is old else leaf, tree)
 
 
 def _graph_break_message(router: Router, err: Exception) -> str:

@@ -20,6 +20,8 @@ import attnres_fx
 from attnres_fx import routing
 from attnres_fx.models import TinyConfig, TinyTransformer, example_ids
 from attnres_fx.conversion import conversion_of
+from attnres_fx.errors import TraceError
+from attnres_fx.routing import graphs
 from attnres_fx.routing.state import state_of
 from attnres_fx.testing import randomise_pseudo_queries
 from toy_models import DecoderLayer, EncoderDecoder, make_inputs
@@ -73,13 +75,13 @@ def test_what_is_routed_and_what_each_block_graph_takes_and_returns():
     assert all(isinstance(router, routing.LayerRouter) for router in routers.values())
     model(example_ids(model.config))
     # block_size=2: blocks.1 begins at site 2 with b_0 committed and the partial sum of sites 0 and 1; it
-    # commits that partial sum as b_1 at site 2, and returns its own partial sum and b_1 after its result.
-    # The completed blocks come in as one list: the graph serves blocks of this kind at any depth.
+    # commits that partial sum as b_1 at site 2, and returns the carrier, its own partial sum and b_1 after
+    # its result. The completed blocks come in as one list: the graph serves blocks of this kind at any depth.
     (graph,) = routers["blocks.1"].rewritten
     inputs = [n.name for n in graph.graph.find_nodes(op="placeholder") if n.name.startswith("attnres_")]
     assert inputs == ["attnres_blocks", "attnres_partial"]
     (output,) = graph.graph.find_nodes(op="output")
-    assert len(output.args[0]) == 1 + 2
+    assert len(output.args[0]) == 1 + 3 and output.args[0][1] is output.args[0][0]
     (last,) = routers["blocks.2"].rewritten
     assert len(last.graph.find_nodes(op="output")[0].args[0]) == 1, "the last block returns the final aggregate"
     assert any(n.meta.get("attnres", {}).get("name") == "final_res" for n in last.graph.nodes)
@@ -243,6 +245,45 @@ def test_a_call_without_an_optional_sublayer_skips_its_site_on_both_routes():
     for use_memory in (True, False):
         torch.testing.assert_close(layer(src, tgt, use_memory), whole(src, tgt, use_memory), rtol=TIGHT, atol=TIGHT)
     assert not torch.allclose(layer(src, tgt, False), layer(src, tgt, True))
+
+
+class TrailingCrossAttention(DecoderLayer):
+    """A decoder layer whose last sublayer, the cross-attention, runs only when it is given the memory."""
+
+    def forward(self, x, memory=None):
+        x = x + self.self_attn(self.ln1(x))
+        x = x + self.mlp(self.ln3(x))
+        if memory is not None:
+            x = x + self.cross_attn(self.ln2(x), memory)
+        return x
+
+
+class TrailingMemory(OptionalMemory):
+    def __init__(self):
+        super().__init__()
+        cfg = TinyConfig(dim=32, num_heads=4, vocab_size=64)
+        self.decoder = torch.nn.ModuleList(TrailingCrossAttention(cfg) for _ in range(2))
+
+
+def test_a_block_on_torchdynamo_without_its_last_sublayer_hands_on_the_state_its_rewrite_makes(monkeypatch):
+    """Every block captured by TorchDynamo (torch.fx refused), the decoder called without the memory: the
+    first decoder layer's skipped last site is a block start (site 2, block size 2), which the next layer
+    commits, so the layer hands on fewer state outputs than its planned span has room for; its entry is
+    made again with room for what it hands on, and the outputs are those of the blocks torch.fx traces
+    (within TIGHT: the same sums, in another order), with and without the memory."""
+    torch.manual_seed(0)
+    src, tgt = make_inputs(), make_inputs(seed=1)
+    layer = randomise_pseudo_queries(attnres_fx.attnresify(TrailingMemory().eval(), (src, tgt), block_size=2))
+    want = {use_memory: layer(src, tgt, use_memory) for use_memory in (True, False)}
+
+    def refuse(*args, **kwargs):
+        raise TraceError("refused for this test: the block runs on TorchDynamo")
+    monkeypatch.setattr(graphs, "routable_trace", refuse)
+    captured = copy.deepcopy(layer)
+    for use_memory in (True, False):
+        torch.testing.assert_close(captured(src, tgt, use_memory), want[use_memory], rtol=TIGHT, atol=TIGHT)
+    remade = [router.path for router in routing.routers(captured) if router._state_counts]
+    assert remade == ["decoder.0"], "the first decoder layer's entry was made again for what it hands on"
 
 
 def test_an_explicit_graph_splits_into_pipeline_stages_at_a_block():

@@ -2,9 +2,11 @@
 torch.fx and the same block's graph captured by TorchDynamo (where fx cannot trace it) carry one signature,
 built by the rewrite and stored with the graph, with the same layout of the stream's state: the stream
 entering by one of the call's inputs, the completed blocks (one list in the fx graph, which serves every
-depth; one input each in the Dynamo graph) and the partial sum after the call's inputs, the partial sum and
-the committed blocks after the block's own outputs, the carrier at the same place in the result, the same
-next residual site. Numerical: the two compute the same (fp32 sums in another order: 1e-6).
+depth; one input each in the Dynamo graph) and the partial sum as real graph inputs, the carrier, the
+partial sum and the committed blocks as real outputs after the block's own, the carrier at the same place
+in the result, the same next residual site. In the Dynamo graph the state inputs are Dynamo's own
+placeholders (its example values, taken from the call's tensors) and no slot of the capture is left.
+Numerical: the two compute the same (fp32 sums in another order: 1e-6).
 """
 
 import copy
@@ -15,8 +17,8 @@ import attnres_fx
 from attnres_fx import routing
 from attnres_fx.errors import TraceError
 from attnres_fx.models import TinyTransformer, example_ids
-from attnres_fx.passes.signature import (BLOCK, BLOCKS, INPUT, OUTPUT, PARTIAL, SIGNATURE, STREAM,
-                                         LayerGraphSignature)
+from attnres_fx.passes.signature import (BLOCK, BLOCKS, CARRIER, INPUT, OUTPUT, PARTIAL, SIGNATURE, STREAM,
+                                         LayerGraphSignature, state_slots)
 from attnres_fx.routing import graphs
 from attnres_fx.testing import randomise_pseudo_queries
 
@@ -30,6 +32,11 @@ def signatures(model, ids) -> list[LayerGraphSignature]:
     with torch.no_grad():
         out = model(ids)
     return out, [router.rewritten[-1].meta[SIGNATURE] for router in routing.routers(model)]
+
+
+def state_placeholders(graph_module, signature: LayerGraphSignature) -> list:
+    placeholders = list(graph_module.graph.find_nodes(op="placeholder"))
+    return [node for node, kind in zip(placeholders, signature.inputs) if kind in (BLOCK, BLOCKS, PARTIAL)]
 
 
 def state_inputs(signature: LayerGraphSignature) -> tuple:
@@ -64,5 +71,12 @@ def test_fx_traced_and_dynamo_captured_blocks_carry_one_signature_layout(monkeyp
         assert fx_signature.outputs[:1] == (OUTPUT,) and fx_signature.results == 1
         fx_state = fx_signature.outputs[fx_signature.results:]
         assert fx_state == dynamo_signature.outputs[dynamo_signature.results:]
-        assert fx_state == (() if last else (PARTIAL,) + (BLOCK,) * (len(fx_state) - 1))
+        assert fx_state == (() if last else (CARRIER, PARTIAL) + (BLOCK,) * (len(fx_state) - 2))
         assert fx_signature.carrier == dynamo_signature.carrier == (None if last else (0,))
+
+    for router in routing.routers(captured):
+        graph = router.rewritten[-1]
+        assert not list(graph.graph.find_nodes(op="call_function", target=state_slots)), "no slot left"
+        # Dynamo's placeholders, with Dynamo's example values of the call's own state tensors.
+        for node in state_placeholders(graph, graph.meta[SIGNATURE]):
+            assert "grapharg" in node.meta and node.meta["example_value"].shape == (*ids.shape, 32)

@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -829,6 +830,12 @@ class AggregateFunction : public torch::autograd::Function<AggregateFunction> {
     const at::Tensor logits = saved.back();
     saved.pop_back();
     const size_t K = saved.size();
+    // Below autograd where no graph of the backward is recorded (create_graph=False, the usual case): the
+    // operators have no Autograd kernel, and the fallback that would otherwise run for each of them boxes
+    // every argument to check that none requires a gradient. With a graph recorded, that fallback marks
+    // the results as not differentiable twice.
+    std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
+    if (!at::GradMode::is_enabled()) below_autograd.emplace();
     auto [grads, grad_query] = backward_op().call(grad_outputs[0], saved, logits, proj_weight, norm_weight,
                                                   ctx->saved_data["eps"].toDouble(),
                                                   ctx->saved_data["preserve_scale"].toBool());
