@@ -20,7 +20,6 @@ import contextlib
 import copy
 import inspect
 import itertools
-import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 from unittest import mock
@@ -33,6 +32,7 @@ from attnres_fx.passes.checkpoints import open_checkpoints
 from attnres_fx.passes.dataflow import mutated_input
 from attnres_fx.passes.node_kinds import is_norm_module
 
+from ..context import call_context
 from ..diagnostics import first_line, reported_user_frame, root_cause
 from ..errors import TraceError
 from .recording import record_graph
@@ -40,23 +40,21 @@ from .recording import record_graph
 TRACERS = ("auto", "fx", "export")
 
 
-_OWN = threading.local()
-
-
 @contextlib.contextmanager
 def own_call():
     """Within, in this thread: calls are attnres_fx's own (a capture, or a routed call that runs on
-    TorchDynamo), so a routed module reached inside runs its own forward, as written. Per thread: a
-    capture in one thread never changes what a call in another runs."""
-    _OWN.depth = getattr(_OWN, "depth", 0) + 1
+    TorchDynamo), so a routed module reached inside runs its own forward, as written. In the call context
+    (:mod:`attnres_fx.context`): a capture in one thread never changes what a call in another runs."""
+    context = call_context()
+    context.own += 1
     try:
         yield
     finally:
-        _OWN.depth -= 1
+        context.own -= 1
 
 
 def in_own_call() -> bool:
-    return getattr(_OWN, "depth", 0) > 0
+    return call_context().own > 0
 
 
 @contextlib.contextmanager

@@ -25,7 +25,6 @@ Files: :mod:`~attnres_fx.routing.install` (installing the routers and undoing it
 :mod:`~attnres_fx.routing.router` (one call), :mod:`~attnres_fx.routing.graphs` (the graphs and their
 cache), :mod:`~attnres_fx.routing.dynamo` (TorchDynamo entries), :mod:`~attnres_fx.routing.state` (the
 stream's state between blocks), :mod:`~attnres_fx.routing.watch` (whether a call ran a stream to its end),
-:mod:`~attnres_fx.routing.context` (what the calls in progress in one thread share),
 :mod:`~attnres_fx.routing.trial` (each route prepared on the conversion's own call).
 Pickling keeps the routing: a router pickles without its graphs and builds them again at its first call.
 """

@@ -27,7 +27,7 @@ from .. import compat
 from ..capture.tracers import capture_settings, in_own_call, own_call
 from ..errors import AttnResError, RoutingError
 from ..passes.signature import state_kinds, state_slots
-from .context import call_context
+from ..context import call_context
 
 # Dynamo's default is 8 graphs per code object; one converted module can legitimately need more (train
 # and eval, two dtypes, prefill and decode, static and dynamic shapes).

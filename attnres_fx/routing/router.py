@@ -41,7 +41,7 @@ from ..passes.layers import LayerSpan
 from ..passes.pipeline import LayerTarget, StateSlotsMismatch
 from ..passes.rewrite import Entry
 from . import dynamo, graphs, host
-from .context import call_context
+from ..context import call_context
 from ..passes.signature import LayerGraphSignature, replaced_at
 from .state import (ATTRIBUTE, StreamState, attach, bundle, edited, remember_for_recomputation, restated, returned,
                     state_of, unbundle)

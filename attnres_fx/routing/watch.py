@@ -3,7 +3,7 @@
 On the layer route the owner's code (``LlamaModel.forward``) runs as written and calls the blocks; a call
 that runs the stream's first blocks but not its last (fewer layers than converted) never takes the final
 aggregation. Forward hooks on the owner (:class:`StreamWatch`) keep a record of each of its calls in the
-call context (:mod:`attnres_fx.routing.context`: one per thread); the first and last blocks mark it
+call context (:mod:`attnres_fx.context`: one per thread); the first and last blocks mark it
 (:func:`note_stream_start`, :func:`note_stream_end`), and a call that started the stream without ending it
 raises :class:`~attnres_fx.StreamMismatchError`, as the model route does for the same call.
 """
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..errors import StreamMismatchError, refuse_fullgraph_trace
-from .context import call_context
+from ..context import call_context
 
 class _Record:
     __slots__ = ("conversion", "stream", "started", "finished")

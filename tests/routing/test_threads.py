@@ -159,19 +159,29 @@ def test_a_model_route_call_leaves_other_threads_output_recorders_alone():
 
 
 def test_the_routing_keeps_what_calls_share_in_one_call_context_per_thread():
-    """Structural: no module of the routing holds a thread-local; the one call context (interceptors,
-    stream watches, block calls on TorchDynamo, compilation settings) is another object in each thread."""
+    """Structural: no module of the routing or the capture holds a thread-local; the one call context
+    (attnres_fx's own calls in progress, interceptors, stream watches, compilation settings, hooked results)
+    is another object in each thread. The one thread-local left is transformers' collector held for
+    attnres_fx's Dynamo calls (compat): Dynamo reads it inside its graph and cannot trace a ContextVar."""
     import importlib
     import pkgutil
 
-    from attnres_fx import routing
-    from attnres_fx.routing.context import call_context
+    from attnres_fx import capture, compat, routing
+    from attnres_fx.capture.tracers import in_own_call, own_call
+    from attnres_fx.context import call_context
 
-    modules = [importlib.import_module(f"attnres_fx.routing.{info.name}")
-               for info in pkgutil.iter_modules(routing.__path__)]
-    held = [f"{module.__name__}.{name}" for module in [routing, *modules] for name, value in vars(module).items()
+    packages = [routing, capture, compat]
+    modules = [importlib.import_module(f"{package.__name__}.{info.name}") for package in packages
+               for info in pkgutil.iter_modules(package.__path__)]
+    held = [f"{module.__name__}.{name}" for module in [*packages, *modules] for name, value in vars(module).items()
             if isinstance(value, threading.local)]
-    assert held == []
+    assert held == ["attnres_fx.compat.transformers._HELD_COLLECTOR"]
     contexts = []
     run_threads(lambda index: contexts.append(call_context()), count=2)
     assert len({id(context) for context in [call_context(), *contexts]}) == 3
+    with own_call():
+        assert in_own_call() and call_context().own == 1
+        elsewhere = []
+        run_threads(lambda index: elsewhere.append(in_own_call()), count=2)
+        assert elsewhere == [False, False], "attnres_fx's own call in this thread is not another thread's"
+    assert not in_own_call()

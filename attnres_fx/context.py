@@ -2,6 +2,9 @@
 
 The parts of a converted call that do not call each other find each other here:
 
+- ``own``: how deep this thread is in attnres_fx's own calls (a capture, a routed call that runs on
+  TorchDynamo), inside which a routed module runs its own forward, as written
+  (:func:`~attnres_fx.capture.tracers.own_call`);
 - ``interceptors``: who takes the calls of layer-routed modules (:func:`~attnres_fx.routing.router.intercepting`:
   pipeline stages, and the probe that prepares them);
 - ``watched``: the calls of layer-routed streams' owners in progress, which the stream's first and last
@@ -12,7 +15,9 @@ The parts of a converted call that do not call each other find each other here:
   and state, for the router's own hook after them (:meth:`~attnres_fx.routing.router.LayerRouter._after_hooks`).
 
 One per thread and asyncio task (a ``ContextVar``, made at its first use): nothing a call in one thread
-does is seen by a call in another.
+does is seen by a call in another. Not here: the collector transformers' output recorders read during one of
+attnres_fx's TorchDynamo calls (:func:`attnres_fx.compat.output_recorders_traceable`), a ``threading.local``
+because Dynamo reads it inside the graph it captures and cannot trace a ``ContextVar``.
 """
 
 from __future__ import annotations
@@ -21,9 +26,10 @@ from contextvars import ContextVar
 
 
 class CallContext:
-    __slots__ = ("interceptors", "watched", "compile_settings", "hooked_results")
+    __slots__ = ("own", "interceptors", "watched", "compile_settings", "hooked_results")
 
     def __init__(self):
+        self.own = 0
         self.interceptors: list = []
         self.watched: list = []
         self.compile_settings: list = []
