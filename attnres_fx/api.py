@@ -107,8 +107,13 @@ def attnresify(model: nn.Module, example_inputs: Any = None, *, example_kwargs: 
                          preserve_scale=preserve_scale, eps=eps, route=route)
         modules = new_modules(plan, like=model)
         prepared = _try_routes(model, plan, modules, traced, example_inputs, example_kwargs, config)
-    if prepared is not None and (call := default_call(model, example_inputs, example_kwargs)) is not None:
-        trial.try_default_call(model, plan, modules, prepared, call)
+    if prepared is not None:
+        call = default_call(model, example_inputs, example_kwargs)
+        if call is not None:
+            trial.try_default_call(model, plan, modules, prepared, call)
+        captured = plan_inputs(model, example_inputs, example_kwargs)
+        trial.try_other_mode(model, plan, modules, prepared,
+                             [(each, each is captured) for each in (captured, call) if each is not None])
     routing.install(model, plan, modules, config, prepared).captured_training = model.training
     LOG.info("converted %s in %.1f s (%s capture): %d sites in %d stream(s), block sizes %s, routes %s",
              type(model).__name__, time.perf_counter() - start, traced.frontend, len(plan.sites),

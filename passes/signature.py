@@ -77,14 +77,6 @@ class LayerGraphSignature:
         graph torch.fx traced)."""
         return self.outputs.count(OUTPUT)
 
-    def state_arguments(self, tensors: tuple) -> tuple:
-        """The state inputs from ``tensors`` (the completed block sums, then the partial sum where the graph
-        takes one), as the graph takes them."""
-        count = len(tensors) - (PARTIAL in self.inputs)
-        if BLOCKS in self.inputs:
-            return (list(tensors[:count]), *tensors[count:])
-        return tuple(tensors)
-
 
 def layer_signature(graph_module: fx.GraphModule, rewrite, entry, stream: fx.Node | None, carrier: tuple | None,
                     next_offset: int, state_at: tuple[int, ...] | None = None) -> LayerGraphSignature:

@@ -68,7 +68,8 @@ class BlockVariant:
         self.takes_partial = PARTIAL in signature.inputs
 
     def state_arguments(self, tensors: tuple) -> tuple:
-        """:meth:`~attnres_fx.passes.signature.LayerGraphSignature.state_arguments`."""
+        """The state inputs from ``tensors`` (the completed block sums, then the partial sum where the graph
+        takes one), as the graph takes them: the blocks as one list where its signature says so."""
         if not self.blocks_as_list:
             return tensors
         if self.takes_partial:

@@ -11,7 +11,8 @@ apply fails in :func:`attnres_fx.attnresify`, atomically, not at the model's fir
 The blocks are tried on the inputs the conversion's recording saw them called with
 (:data:`attnres_fx.capture.recording.MODULE_CALLS`), and on those of the conversion's call as users make
 it where the capture's call is another (a Hugging Face model's key/value cache on: the blocks receive a
-cache object), recorded on a run of the model (:func:`try_default_call`).
+cache object), recorded on a run of the model (:func:`try_default_call`); then both calls in the other
+mode, train or eval (:func:`try_other_mode`: a model converted in eval mode is trained next).
 """
 
 from __future__ import annotations
@@ -51,18 +52,42 @@ def try_default_call(model: nn.Module, plan: Plan, modules: dict, prepared: Prep
     model's key/value cache on, where the capture's is off), its blocks' calls recorded on a real run of
     the model: a first call with the model's default arguments (and ``generate()``, whose calls have the
     same shape) traces and rewrites nothing either."""
+    _try_call(model, plan, modules, prepared, call, cache_off=False)
+
+
+def try_other_mode(model: nn.Module, plan: Plan, modules: dict, prepared: Prepared,
+                   calls: list[tuple[tuple[tuple, dict], bool]]) -> None:
+    """Prepare the layer-routed blocks of ``plan`` through ``prepared``'s routers for ``calls`` (each with
+    whether the capture turns the cache off for it) in the mode the model is not in now, train or eval
+    (a block's trace holds its code's ``self.training`` branches: another call shape), each recorded on a
+    run of the model in that mode: a model converted in eval mode and trained next makes nothing at its
+    first training call either. Every module's flag is set back afterwards (directly: a module may refuse
+    ``.train()``)."""
+    flags = [(module, module.training) for module in model.modules()]
+    try:
+        model.train(not model.training)
+        for call, cache_off in calls:
+            _try_call(model, plan, modules, prepared, call, cache_off)
+    finally:
+        for module, flag in flags:
+            module.training = flag
+
+
+def _try_call(model: nn.Module, plan: Plan, modules: dict, prepared: Prepared, call: tuple[tuple, dict],
+              cache_off: bool) -> None:
     owners = [span.owner for stream in plan.streams if stream.route == "layer" for span in stream.layers]
     if not owners:
         return
     try:
-        with ready_to_capture(model, cache_off=False), compat.mha_fast_path_off():
+        with ready_to_capture(model, cache_off=cache_off), compat.mha_fast_path_off():
             calls = record_calls(model, *call, owners)
         _try_blocks(prepared, plan, modules, calls)
     except Exception as err:  # noqa: BLE001 - the conversion's own call was tried above; this one may fail alone
-        # (a cache the model cannot make for these inputs): such a call raises the same at its first call, as
-        # written or on the route, which prepares it then.
-        LOG.info("%s: the call with the default arguments is prepared at its first call (%s: %s)",
-                 type(model).__name__, type(err).__name__, first_line(err))
+        # (a cache the model cannot make for these inputs, a call the model refuses in the other mode): such a
+        # call raises the same at its first call, as written or on the route, which prepares it then.
+        LOG.info("%s: the call with %s in %s mode is prepared at its first call (%s: %s)", type(model).__name__,
+                 "the default arguments" if not cache_off else "the conversion's inputs",
+                 "train" if model.training else "eval", type(err).__name__, first_line(err))
 
 
 def _try_blocks(prepared: Prepared, plan: Plan, modules: dict, calls: dict) -> None:

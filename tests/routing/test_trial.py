@@ -6,7 +6,8 @@ a first call like the conversion's adds none; the graphs the first call runs are
 made, and the ones a route preparing at its first call makes (no trial) are the same code with the same
 signature; a block torch.fx cannot trace is decided for TorchDynamo by the trial, as by the route; a Hugging
 Face model's first call with its default arguments (its key/value cache on, which the capture turns off) and
-generate() make nothing either.
+generate() make nothing either, nor a first training step of a model converted in eval mode (the trial
+prepares both calls in the other mode too, and leaves every module's flag as it was).
 Numerical: the outputs of the two are equal bit for bit (the same code on the same weights).
 """
 
@@ -23,7 +24,7 @@ from attnres_fx.models import TinyTransformer, example_ids
 from attnres_fx.passes.signature import SIGNATURE
 from attnres_fx.testing import randomise_pseudo_queries
 from hf_models import build_hf, hf_example_inputs, needs_hf
-from toy_models import LayerStack
+from toy_models import DropoutLayer, LayerStack
 
 
 def tiny(layers=6):
@@ -41,13 +42,14 @@ def test_the_first_call_runs_what_the_trial_made_and_traces_nothing():
     ids = example_ids(tiny().config)
     model = randomise_pseudo_queries(attnres_fx.attnresify(tiny(), (ids,), block_size=4))
     stats = conversion_of(model).stats
-    # One trace for the six identical blocks; one rewritten graph per place in a stream block.
-    assert (stats.traces, stats.rewrites, stats.captures) == (1, 4, 0)
+    # One trace for the six identical blocks in eval mode and one in train mode; one rewritten graph per place
+    # in a stream block for each.
+    assert (stats.traces, stats.rewrites, stats.captures) == (2, 8, 0)
     made = made_by_the_trial(model)
-    assert len(made) == 4
+    assert len(made) == 8
     with torch.no_grad():
         out = model(ids)
-    assert (stats.traces, stats.rewrites, stats.captures) == (1, 4, 0), "the first call made nothing"
+    assert (stats.traces, stats.rewrites, stats.captures) == (2, 8, 0), "the first call made nothing"
     ran = [router.rewritten[-1] for router in routing.routers(model)]
     assert all(id(graph) in made for graph in ran), "the first call runs the trial's graphs"
 
@@ -62,6 +64,24 @@ def test_the_first_call_runs_what_the_trial_made_and_traces_nothing():
         assert route_graph.code == trial_graph.code
     signatures = [graph.meta[SIGNATURE] for graph in ran]
     assert [r.rewritten[-1].meta[SIGNATURE] for r in routing.routers(fresh)] == signatures
+
+
+def test_a_first_training_step_after_a_conversion_in_eval_mode_traces_nothing():
+    """Converted in eval mode, every module's flag is eval again after the conversion and the random state is
+    the one before it; then trained: the first training step (dropout on, gradients recorded) runs graphs
+    the trial made in train mode, and makes none."""
+    torch.manual_seed(0)
+    model = LayerStack([DropoutLayer() for _ in range(4)]).eval()
+    ids = torch.randint(0, 64, (2, 5))
+    state = torch.get_rng_state()
+    model = attnres_fx.attnresify(model, (ids,), block_size=2)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert not any(module.training for module in model.modules())
+    stats = conversion_of(model).stats
+    made = (stats.traces, stats.rewrites, stats.captures)
+    model.train()
+    model(ids).float().square().mean().backward()
+    assert (stats.traces, stats.rewrites, stats.captures) == made, "the first training step made nothing"
 
 
 class ByWidth(nn.Module):
@@ -87,7 +107,7 @@ def test_a_block_fx_cannot_trace_is_decided_for_dynamo_by_the_trial():
     stats = conversion_of(model).stats
     routers = routing.routers(model)
     decided = [[routes.traced for routes in router._shapes.values()] for router in routers]
-    assert decided == [[None]] * 3, "each block's call shape is kept as TorchDynamo's"
+    assert decided == [[None, None]] * 3, "each block's call shape, in eval and train mode, is kept as TorchDynamo's"
     traces = stats.traces
     with torch.no_grad():
         # preserve_scale at zero init: the original function; fp32 sums in another order, 1e-5.
@@ -106,7 +126,7 @@ def test_the_first_call_with_the_default_arguments_traces_nothing():
     model = randomise_pseudo_queries(attnres_fx.attnresify(copy.deepcopy(original), (ids,)))
     stats = conversion_of(model).stats
     made = (stats.traces, stats.rewrites, stats.captures)
-    assert made[0] == 2, "one trace per kind of block for each call shape: without the cache and with it"
+    assert made[0] == 4, "a trace per kind of block and call shape: the cache off and on, in eval and train mode"
     with torch.no_grad():
         out = model(ids)
     assert out.past_key_values is not None, "the default call used the cache"
@@ -115,6 +135,11 @@ def test_the_first_call_with_the_default_arguments_traces_nothing():
     with torch.no_grad():
         model(ids, use_cache=False)
     assert (stats.traces, stats.rewrites, stats.captures) == made, "generate() and the capture's call neither"
+    model.train()
+    model(ids, labels=ids).loss.backward()
+    model(ids, labels=ids, use_cache=False).loss.backward()
+    assert (stats.traces, stats.rewrites, stats.captures) == made, "training steps, with the cache and without, neither"
+    model.eval()
 
     # The trial's graphs compute what graphs made at the first call compute: the same code, bit for bit.
     fresh = copy.deepcopy(model)
@@ -144,7 +169,7 @@ def test_a_default_call_that_fails_leaves_the_conversion_as_it_was_and_fails_as_
     converted = attnres_fx.attnresify(model, (ids,))
     stats = conversion_of(converted).stats
     made = (stats.traces, stats.rewrites)
-    assert made[0] == 1
+    assert made[0] == 2, "the capture's call in eval and train mode"
     with torch.no_grad():
         converted(ids, use_cache=False)
         with pytest.raises(RuntimeError, match="no cache in this model"):
