@@ -52,11 +52,11 @@ blocks and the partial, then that norm without the skip. Two forms (``rewrite(fo
   normalising it is one ``SkipSimplifiedLayerNormalization``. The op needs ``[tokens, 1, hidden]`` rows:
   a sublayer of row-by-row ops (an MLP) runs on them as they are, others (attention) read the norm
   reshaped back to ``[batch, sequence, hidden]`` and give their branch reshaped to rows. 4-5 nodes per
-  site, and onnxruntime 1.32's CPU decodes a little faster with it (Llama of hidden 256, 8 layers, fp32,
-  batch 1 / 8: 0.97-1.17 / 0.98-1.03 of the builder's original tokens/s, the per-site form 0.92-1.02 /
-  0.91-0.98, one thread in its CPU time), but takes more memory through a prompt: batch 8 after
-  128-token prompts at hidden 1024 x 16 layers, int4, 1.47x the builder's original's peak over the
-  process (1.18x after 32-token prompts), the per-site form 1.08x (1.04x).
+  site, and onnxruntime 1.32's CPU decodes faster with it (six families of hidden 256, 8 layers, int4,
+  batch 1 / 8: 0.86-0.91 / 0.83-0.94 of the builder's original tokens/s, the per-site form 0.73-0.80 /
+  0.76-0.83, one thread in its CPU time: docs/bench.md), but takes more memory through a prompt: batch
+  8 after 128-token prompts at hidden 1024 x 16 layers, int4, 1.47x the builder's original's peak over
+  the process (1.17x after 32-token prompts), the per-site form 1.08x (1.04x).
 
 Neither form zeroes the softmax weights below ``NEGLIGIBLE_WEIGHT`` (2^-32) of the largest, which the other
 implementations do (Note [negligible weights] in :mod:`attnres_fx.op.aggregation`): their terms are below

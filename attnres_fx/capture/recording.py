@@ -23,6 +23,7 @@ TorchDynamo instead.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import operator
 from typing import Any
 
@@ -107,8 +108,11 @@ def _state_kept(model: nn.Module):
     """Within: no gradients recorded; afterwards the random state and every buffer (a batch norm's
     running statistics) are as before."""
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    # A model on CUDA draws its dropout masks from the CUDA generators: those are kept too.
+    cuda = sorted({tensor.device.index for tensor in itertools.chain(model.parameters(), model.buffers())
+                   if tensor.device.type == "cuda"})
     try:
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
+        with torch.random.fork_rng(devices=cuda), torch.no_grad():
             yield
     finally:
         with torch.no_grad():
