@@ -114,8 +114,9 @@ HANDWRITTEN_QUICK = {"mid": dict(dim=32, layers=2, heads=2, vocab=128),
 def handwritten_section(quick: bool, runs: int, warmup: int, summarise, progress) -> dict:
     """A Llama written by hand, as people write their own (one ``Block`` class, ``start_pos`` a Python int),
     beside transformers' Llama: eager forward, training step (at both shapes), decoding with a new
-    ``start_pos`` at every step (one thread, thread CPU time: a step is milliseconds), and what the
-    conversion adds per block, in microseconds (median over median, divided by the layers)."""
+    ``start_pos`` at every step, and what the conversion adds per block, in microseconds (median over
+    median, divided by the layers). All on one thread, timed in its CPU time: other work on a shared
+    machine does not inflate it (wall time on two threads did, tenfold)."""
     from attnres_fx.testing.handwritten import HandwrittenConfig, Transformer
 
     batch, length, new_tokens = (2, 16, 4) if quick else (2, 128, 32)
@@ -130,10 +131,10 @@ def handwritten_section(quick: bool, runs: int, warmup: int, summarise, progress
         entry: dict = {"model": f"hand-written Llama {fields}"}
         if name == "mid":
             progress("hand-written Llama forward, eager")
-            with torch.no_grad():
+            with torch.no_grad(), single_thread():
                 entry["forward"] = summarise(interleaved({v: functools.partial(m, ids) for v, m in models.items()},
-                                                         runs, warmup), "original")
-            progress("hand-written Llama decoding, eager, one thread")
+                                                         runs, warmup, clock=time.thread_time), "original")
+            progress("hand-written Llama decoding, eager")
             with single_thread():
                 times = interleaved({v: functools.partial(_decode_by_hand, m, ids[:1], new_tokens)
                                      for v, m in models.items()}, runs, warmup, clock=time.thread_time)
@@ -145,7 +146,8 @@ def handwritten_section(quick: bool, runs: int, warmup: int, summarise, progress
                                                              entry["forward"]["original"]["median_ms"]) / config.layers}
         progress(f"hand-written Llama training step ({name}), eager")
         steps = {v: _train_step_by_hand(copy.deepcopy(m).train(), ids) for v, m in models.items()}
-        entry["train"] = summarise(interleaved(steps, runs, warmup), "original")
+        with single_thread():
+            entry["train"] = summarise(interleaved(steps, runs, warmup, clock=time.thread_time), "original")
         result[name] = entry
     return result
 

@@ -165,7 +165,7 @@ def run_site(module: BlockAttnRes, entered, *sources: torch.Tensor) -> torch.Ten
         proj, norm = module.proj.weight, module.norm.weight
     first = listed[0]
     if type(first) is torch.Tensor and first.is_cpu and proj.is_cpu:
-        kernel = _cpu_kernel()
+        kernel = _CPU_KERNEL[0] if _CPU_KERNEL else _cpu_kernel()
         if kernel is not None:
             try:
                 return kernel(listed, proj, norm, module.eps, module.preserve_scale)
