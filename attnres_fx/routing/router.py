@@ -51,8 +51,6 @@ LOG = logging.getLogger("attnres_fx")
 COMPILERS = ("eager", "inductor")
 # Two threads' first hooked calls of one block register one router hook between them.
 _HOOK_LOCK = threading.Lock()
-# What LayerRouter._run_without_grad returns for a call it leaves to the general path.
-_NOT_PLAIN = object()
 
 
 class Router:
@@ -340,15 +338,14 @@ class LayerRouter(Router):
             # Read nothing of the router's own state here: Dynamo would guard on it.
             return self._while_compiling(type(self.module).forward, args, kwargs)
         forward, checkpointed, _ = self._forwards.get(type(self.module)) or self._class_forward()
-        context = call_context()
-        if context.own:
+        if in_own_call():
             # A capture of the model in this thread: the module as written.
             return forward(self.module, *args, **kwargs)
         if torch.compiler.is_exporting():
             self._refuse_export()
         if checkpointed and compat.hf_checkpointing_on(self.module):
             return compat.hf_checkpointed_call(self.module, lambda *a, **k: self._intercepted(a, k), args, kwargs)
-        if context.interceptors:
+        if call_context().interceptors:
             return self._intercepted(args, kwargs)
         return self._proceed(args, kwargs)
 
@@ -372,10 +369,6 @@ class LayerRouter(Router):
                 self._shapes.clear()
             routes, inputs = self._routes(args, kwargs)
             if routes.traced is not None and not (self.opened and self._opened_hooks()):   # _runs_block_graph
-                if not torch.is_grad_enabled():
-                    result = self._run_without_grad(routes, inputs)
-                    if result is not _NOT_PLAIN:
-                        return result
                 return self._run_block_graph(routes, inputs)
         return self._run_dynamo(args, kwargs)
 
@@ -485,42 +478,6 @@ class LayerRouter(Router):
         path = variant.carrier
         result = carrier_out if path == (0,) else replaced_at(results, path, carrier_out)[0]
         return self._returning(routes.traced.result(result), carrier_out, after, hooked)
-
-    def _run_without_grad(self, routes: _ShapeRoutes, inputs: list):
-        """:meth:`_run_block_graph` for the plain call without gradients (inference, decoding), in one frame:
-        a block after the stream's first, its state on the carrier unedited, a variant made for its layout,
-        no forward hook to see the result. ``_NOT_PLAIN`` (nothing done) for any other call, which
-        :meth:`_run_block_graph` takes: the first call of a shape or layout, a hook, an edit, a stream's
-        start, checkpointing's recomputation, a call out of order."""
-        index = routes.stream_input
-        if index is None or self.starts or self.module._forward_hooks or compat.global_forward_hooks():
-            return _NOT_PLAIN
-        carrier = inputs[index]
-        state = getattr(carrier, ATTRIBUTE, None)
-        if (state is None or state.owner is not self.conversion or state.stream != self.stream
-                or state.position > self.span.start or state.replaced or state.snapshot is not None
-                or carrier.requires_grad
-                or (state.version is not None and carrier._version != state.version)):
-            return _NOT_PLAIN
-        blocks = state.blocks
-        partial = state.partial
-        variant = routes.variants.get((state.position, len(blocks), partial is not None)) \
-            if state.position or blocks or partial is not None else None
-        if variant is None or variant.stream_input != index:
-            return _NOT_PLAIN
-        tensors = blocks if partial is None else (*blocks, partial)
-        results = variant.forward(variant.bound, *inputs, *variant.state_arguments(tensors))
-        if self.ends:
-            note_stream_end(self.conversion, self.stream)
-            return routes.traced.result(results[0])
-        carrier_out = results[variant.results]
-        after = StreamState(self.conversion, self.stream, self.span.start + variant.next_offset,
-                            blocks + tuple(results[variant.results + 2:]), results[variant.results + 1])
-        setattr(carrier_out, ATTRIBUTE, after)
-        if not carrier_out.is_inference():
-            after.version = carrier_out._version
-        path = variant.carrier
-        return routes.traced.result(carrier_out if path == (0,) else replaced_at(results, path, carrier_out)[0])
 
     def _entering(self, routes: _ShapeRoutes, inputs: list) -> tuple[torch.Tensor | None, StreamState | None, str]:
         """The carrier this call takes and the state it brings (``None`` at the stream's start)."""
