@@ -36,8 +36,8 @@ from .detect import detect_residual_streams
 from .layers import LayerSpan
 from .node_kinds import is_stream_op
 from .plan import Plan, StreamPlan, match_in_order, match_layer, match_streams
-from .rewrite import BlockAttnResRewrite, Emitter, Entry, StreamSpan
-from .signature import SIGNATURE, LayerGraphSignature, at_path, layer_signature, state_slots
+from .rewrite import BlockAttnResRewrite, Emitter, StreamSpan
+from .signature import SIGNATURE, LayerGraphSignature, StateLayout, at_path, layer_signature, state_slots
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class LayerTarget:
 
     planned: StreamPlan
     span: LayerSpan
-    entry: Entry | None
+    entry: StateLayout | None
     ends: bool
 
 
@@ -117,25 +117,15 @@ class _RewriteStreams(PassBase):
             # in any form (normalised, in a ModelOutput).
             carrier = None if layer.ends else _output_path(graph_module, rewrite.carriers[0], where)
             _return_carrier(graph_module, carrier, rewrite.state_outputs)
-            state_at = None
+            state_at, spare = None, 0
             if slots is not None:
-                state_at, carrier = _fill_slots(graph_module, slots, rewrite.state_outputs, carrier, where)
+                state_at, spare, carrier = _fill_slots(graph_module, slots, rewrite.state_outputs, carrier, where)
             stream = _start(graph_module, detection.streams[0]) if layer.entry is None else rewrite.stream_origin
             signature = layer_signature(graph_module, rewrite, layer.entry, stream, carrier,
-                                        positions[-1] + 1 - layer.span.start, state_at)
+                                        positions[-1] + 1 - layer.span.start, state_at, spare)
             graph_module.meta[SIGNATURE] = signature
             self.result = Rewritten(rewrite, signature)
         return PassResult(graph_module, True)
-
-
-class StateSlotsMismatch(StreamMismatchError):
-    """A TorchDynamo capture of a block's call has room for another number of state outputs than the block's
-    rewrite hands on (``needed``): the entry is made again with that many
-    (:meth:`~attnres_fx.routing.router.LayerRouter._run_dynamo`)."""
-
-    def __init__(self, message: str, needed: int):
-        super().__init__(message)
-        self.needed = needed
 
 
 def _open_slots(graph_module: fx.GraphModule) -> tuple[fx.Node, tuple[int, ...]] | None:
@@ -155,29 +145,34 @@ def _open_slots(graph_module: fx.GraphModule) -> tuple[fx.Node, tuple[int, ...]]
 
 
 def _fill_slots(graph_module: fx.GraphModule, slots: tuple[fx.Node, tuple[int, ...]], kept: int,
-                carrier: tuple | None, where: str) -> tuple[tuple[int, ...], tuple | None]:
+                carrier: tuple | None, where: str) -> tuple[tuple[int, ...], int, tuple | None]:
     """Put what the rewrite returned after the graph's own outputs (the carrier and ``kept`` state outputs) in
-    the places of the capture's slots (Dynamo's bytecode reads each output at its place) and remove the
-    slots node. Returns those places and ``carrier``, the carrier's path in the own outputs, as a path in
-    the graph's outputs."""
+    the places of the capture's first slots (Dynamo's bytecode reads each output at its place), the last of
+    them in every slot left over (spare: the call skipped a block start its span has room for), and remove
+    the slots node. Returns those places, how many are spare and ``carrier``, the carrier's path in the own
+    outputs, as a path in the graph's outputs."""
     node, at = slots
     needed = kept + bool(kept)
-    if len(at) != needed or len(node.args[1]) != needed:
-        raise StateSlotsMismatch(f"{where}: the capture has room for {len(node.args[1])} state outputs, the block "
-                                 f"hands on {needed}", needed)
+    if len(at) != len(node.args[1]) or needed > len(at) or bool(needed) != bool(at):
+        raise StreamMismatchError(f"{where}: its TorchDynamo capture has room for {len(node.args[1])} state outputs "
+                                  f"and the block hands on {needed}, more than its planned sites make (or none "
+                                  "where it does not end the stream). Convert with route='model'.")
     (output,) = graph_module.graph.find_nodes(op="output")
     results = tuple(output.args[0])
-    own, state = iter(results[:len(results) - needed]), iter(results[len(results) - needed:])
+    own = results[:len(results) - needed]
+    handed = results[len(own):]
+    state, mine = iter((*handed, *handed[-1:] * (len(at) - needed))), iter(own)
     places = set(at)
-    output.args = (tuple(next(state) if index in places else next(own) for index in range(len(results))),)
+    total = len(own) + len(at)
+    output.args = (tuple(next(state) if index in places else next(mine) for index in range(total)),)
     for user in list(node.users):
         graph_module.graph.erase_node(user)
     graph_module.graph.erase_node(node)
     graph_module.recompile()
     if carrier is not None:
-        own_places = [index for index in range(len(results)) if index not in places]
+        own_places = [index for index in range(total) if index not in places]
         carrier = (own_places[carrier[0]], *carrier[1:])
-    return at, carrier
+    return at, len(at) - needed, carrier
 
 
 def _return_carrier(graph_module: fx.GraphModule, carrier: tuple | None, kept: int) -> None:

@@ -64,7 +64,7 @@ from . import provenance
 from .checkpoints import REGION
 from .detect import Detection, ResidualSite, ResidualStream
 from .plan import Plan, Site, StreamPlan
-from .signature import WEIGHT_INPUT
+from .signature import WEIGHT_INPUT, StateLayout
 
 ATTNRES_META = "attnres"
 _ATTNRES_CLASS = f"{BlockAttnRes.__module__}.{BlockAttnRes.__qualname__}"
@@ -81,8 +81,8 @@ class Replacement:
 
 class Emitter:
     """Turns one planned aggregation into a graph node. ``entered``: where a layer's graph takes the
-    blocks it receives as one list (:attr:`Entry.as_list`), that list's node, its blocks the first
-    sources; emitters that take no such list refuse it."""
+    blocks it receives as one list (:attr:`~attnres_fx.passes.signature.StateLayout.as_list`), that list's
+    node, its blocks the first sources; emitters that take no such list refuse it."""
 
     def emit(self, graph: fx.Graph, site: Site, sources: list[fx.Node], entered: fx.Node | None = None) -> fx.Node:
         raise NotImplementedError
@@ -141,19 +141,6 @@ class ParameterInputs(Emitter):
 
 
 @dataclass(frozen=True)
-class Entry:
-    """The stream's state where a layer's graph begins: the committed blocks and the partial sum
-    (``has_partial`` is False only after a skipped block start), at residual site ``position``.
-    ``as_list``: the blocks as one list placeholder, however many (``blocks`` is then ignored): a graph
-    that serves every layer of a kind whatever its depth."""
-
-    position: int
-    blocks: int
-    has_partial: bool
-    as_list: bool = False
-
-
-@dataclass(frozen=True)
 class StreamSpan:
     """What the rewrite does with one detected stream: its planned stream and the planned position of each
     detected site (:class:`~attnres_fx.passes.plan.MatchedStream`), and, for one layer's own graph on the
@@ -170,7 +157,7 @@ class StreamSpan:
     planned: StreamPlan
     positions: tuple[int, ...]
     layer: bool = False
-    entry: Entry | None = None
+    entry: StateLayout | None = None
     ends: bool = True
     # The placeholders the state enters by where the graph has them already (a TorchDynamo capture through
     # the block entry, :func:`~attnres_fx.passes.signature.state_slots`): blocks, then the partial sum.
@@ -264,7 +251,7 @@ class _StreamSurgery:
         self.entered_list: fx.Node | None = None
         self.origin: fx.Node | None = None
 
-    def _enter(self, entry: Entry, origin: fx.Node) -> None:
+    def _enter(self, entry: StateLayout, origin: fx.Node) -> None:
         """The placeholders of the state the layer's graph receives: the graph's own where it has them
         (:attr:`StreamSpan.entered`), else new ones after the graph's own inputs."""
         blocks = 0 if entry.as_list else entry.blocks

@@ -3,6 +3,10 @@
 once by the pass that rewrites it (:func:`~attnres_fx.passes.pipeline.rewrite_captured` with a
 :class:`~attnres_fx.passes.pipeline.LayerTarget`) and stored with the graph (``graph_module.meta[SIGNATURE]``).
 
+What the graph was rewritten for is part of the record: the state it enters with
+(:class:`StateLayout`, the one description of a stream's state between two blocks; the route makes it
+from the state a call brings in one place, :func:`attnres_fx.routing.state.layout_of`).
+
 Inputs, one kind per graph input in order: the call's own inputs (``INPUT``; ``STREAM`` the one the stream
 enters by) and the stream's state (``BLOCKS``: the completed block sums as one list, however many; or
 ``BLOCK``: one of them each; then ``PARTIAL``: the partial sum). The AttnRes weights a graph compiled by
@@ -17,13 +21,16 @@ tensors as arguments and returns :func:`state_slots` of them beside the block's 
 state's placeholders (with its own example values and guards) and leaves one node whose arguments are
 those placeholders and whose results are the graph's state outputs; the rewrite takes the placeholders
 as the state it enters with and puts the state it hands on in the slots' places (which Dynamo's bytecode
-reads: in its graph the carrier and the state need not follow all of the graph's own outputs).
+reads: in its graph the carrier and the state need not follow all of the graph's own outputs). The
+capture has room for the state its span was planned to hand on; where the call hands on less (it skipped
+a block start), the slots left over are ``SPARE`` outputs: how much state the block hands on is what its
+graph returns, read from the signature, with no second capture.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import fx
@@ -31,8 +38,21 @@ from torch import fx
 SIGNATURE = "attnres_signature"          # where a layer's graph keeps its signature (graph_module.meta)
 WEIGHT_INPUT = "attnres_weight"          # marks a placeholder that takes an AttnRes weight (node.meta)
 
-INPUT, STREAM, BLOCKS, BLOCK, PARTIAL, OUTPUT, CARRIER = (
-    "input", "stream", "blocks", "block", "partial", "output", "carrier")
+INPUT, STREAM, BLOCKS, BLOCK, PARTIAL, OUTPUT, CARRIER, SPARE = (
+    "input", "stream", "blocks", "block", "partial", "output", "carrier", "spare")
+
+
+class StateLayout(NamedTuple):
+    """The stream's state where a layer's graph begins: ``blocks`` committed and the partial sum
+    (``has_partial`` is False only after a skipped block start), at residual site ``position``.
+    ``as_list``: the blocks as one list input, however many (``blocks`` still says how many this call
+    brings): a graph that serves every layer of a kind whatever its depth. A tuple: the route finds a
+    block's graphs by it at every call (hashed in C)."""
+
+    position: int
+    blocks: int
+    has_partial: bool
+    as_list: bool = False
 
 
 @torch.compiler.allow_in_graph
@@ -46,20 +66,24 @@ def state_slots(entered: list, kinds: tuple[str, ...]) -> tuple:
     return tuple(torch.empty_like(like) for _ in kinds)
 
 
-def state_kinds(count: int) -> tuple[str, ...]:
+def state_kinds(count: int, spare: int = 0) -> tuple[str, ...]:
     """The kinds of the ``count`` outputs a layer's graph returns after its own (none where it ends the
-    stream)."""
-    return (CARRIER, PARTIAL) + (BLOCK,) * (count - 2) if count else ()
+    stream), then ``spare`` slots a TorchDynamo capture had room for and the block did not fill."""
+    return ((CARRIER, PARTIAL) + (BLOCK,) * (count - 2) if count else ()) + (SPARE,) * spare
 
 
 @dataclass(frozen=True)
 class LayerGraphSignature:
-    """``inputs`` and ``outputs``: the kind of each, in order (see the module docstring). ``carrier``: where
-    the stream leaves, a path of indices and keys into the graph's outputs (``None`` where the graph ends
-    the stream: its result holds the final aggregation). ``next_offset``: the residual site after the
-    graph's last one, counted from its first (the graph then serves every block of its kind at that place
-    in a stream block)."""
+    """``layout``: the state the graph enters with (``None`` at the stream's start), as the route asked the
+    rewrite for it (a graph that takes the blocks as one list serves the blocks of its kind at its place in
+    a stream block, at any depth: ``position`` and ``blocks`` are those of the first); ``inputs`` and
+    ``outputs``: the kind of each, in order (see the module docstring). ``carrier``: where the stream
+    leaves, a path of indices and keys into the graph's outputs (``None`` where the graph ends the stream:
+    its result holds the final aggregation). ``next_offset``: the residual site after the graph's last one,
+    counted from its first (the graph then serves every block of its kind at that place in a stream
+    block)."""
 
+    layout: StateLayout | None
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     carrier: tuple | None
@@ -77,29 +101,35 @@ class LayerGraphSignature:
         graph torch.fx traced)."""
         return self.outputs.count(OUTPUT)
 
+    @property
+    def handed_on(self) -> int:
+        """How many state tensors the graph hands on after the carrier (the partial sum and the blocks it
+        commits): what it returns, as its rewrite found, not what its span was planned to hold."""
+        return self.outputs.count(PARTIAL) + self.outputs.count(BLOCK)
 
-def layer_signature(graph_module: fx.GraphModule, rewrite, entry, stream: fx.Node | None, carrier: tuple | None,
-                    next_offset: int, state_at: tuple[int, ...] | None = None) -> LayerGraphSignature:
+
+def layer_signature(graph_module: fx.GraphModule, rewrite, layout: StateLayout | None, stream: fx.Node | None,
+                    carrier: tuple | None, next_offset: int, state_at: tuple[int, ...] | None = None,
+                    spare: int = 0) -> LayerGraphSignature:
     """The signature of ``graph_module``, a layer's graph ``rewrite`` (a
-    :class:`~attnres_fx.passes.rewrite.BlockAttnResRewrite`) has just rewritten for the state ``entry`` (an
-    :class:`~attnres_fx.passes.rewrite.Entry`, ``None`` at the stream's start): ``stream`` the placeholder
-    the stream enters by (or ``None``), ``carrier`` the path to where it leaves; ``state_at``: where the
-    carrier and the state are among the outputs, if not after the graph's own (a TorchDynamo capture's
-    slots)."""
-    kinds = () if entry is None else (
-        ((BLOCKS,) if entry.as_list else (BLOCK,) * entry.blocks) + ((PARTIAL,) if entry.has_partial else ()))
+    :class:`~attnres_fx.passes.rewrite.BlockAttnResRewrite`) has just rewritten for the state in ``layout``
+    (``None`` at the stream's start): ``stream`` the placeholder the stream enters by (or ``None``),
+    ``carrier`` the path to where it leaves; ``state_at``: where the carrier and the state are among the
+    outputs, if not after the graph's own (a TorchDynamo capture's slots, ``spare`` of them unfilled)."""
+    kinds = () if layout is None else (
+        ((BLOCKS,) if layout.as_list else (BLOCK,) * layout.blocks) + ((PARTIAL,) if layout.has_partial else ()))
     state = dict(zip(rewrite.state_inputs, kinds, strict=True))
     inputs = tuple(state.get(node) or (STREAM if node is stream else INPUT)
                    for node in graph_module.graph.find_nodes(op="placeholder") if WEIGHT_INPUT not in node.meta)
     (output,) = graph_module.graph.find_nodes(op="output")
     count = len(output.args[0])
     kept = rewrite.state_outputs
-    kinds = state_kinds(kept + bool(kept))
+    kinds = state_kinds(kept + bool(kept), spare)
     if state_at is None:
         state_at = tuple(range(count - len(kinds), count))
     placed = dict(zip(state_at, kinds, strict=True))
     outputs = tuple(placed.get(index, OUTPUT) for index in range(count))
-    return LayerGraphSignature(inputs, outputs, carrier, next_offset)
+    return LayerGraphSignature(layout, inputs, outputs, carrier, next_offset)
 
 
 def at_path(value: Any, path: tuple) -> Any:

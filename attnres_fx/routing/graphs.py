@@ -41,8 +41,8 @@ from ..errors import TraceError
 from ..passes.detect import detect_residual_streams
 from ..passes.node_kinds import is_reshape
 from ..passes.pipeline import LayerTarget, rewrite_captured
-from ..passes.rewrite import Emitter, Entry, ModuleCalls, ParameterInputs, lift_attnres_weights
-from ..passes.signature import BLOCKS, PARTIAL, SIGNATURE, WEIGHT_INPUT, LayerGraphSignature
+from ..passes.rewrite import Emitter, ModuleCalls, ParameterInputs, lift_attnres_weights
+from ..passes.signature import BLOCKS, PARTIAL, SIGNATURE, WEIGHT_INPUT, LayerGraphSignature, StateLayout
 from ..passes.two_phase import apply_two_phase
 from .. import compat
 
@@ -308,7 +308,7 @@ def rewrite_block(traced: TracedBlock, plan, target: LayerTarget, block_path: st
     return gm
 
 
-def variant_key(kind: tuple, shape: CallShape, planned, span, path: str, layout: Entry | None,
+def variant_key(kind: tuple, shape: CallShape, planned, span, path: str, layout: StateLayout | None,
                 baked: tuple | None = None) -> tuple:
     """What a rewritten block graph is shared by: the kind of block and call shape, its place in a stream
     block (where the state it receives stands), whether it ends the stream, and the names of its
@@ -321,7 +321,7 @@ def variant_key(kind: tuple, shape: CallShape, planned, span, path: str, layout:
     return ("variant", kind, shape, baked, place, span.stop == planned.num_positions, names)
 
 
-def block_variant(router: LayerRouter, traced: TracedBlock, shape: CallShape, layout: Entry | None,
+def block_variant(router: LayerRouter, traced: TracedBlock, shape: CallShape, layout: StateLayout | None,
                   baked: tuple | None = None) -> BlockVariant:
     """``traced`` rewritten for ``router``'s block with the stream's state in ``layout``; see the module
     docstring. The rewritten code is shared by the blocks of one kind that sit at the same place in a
@@ -336,7 +336,7 @@ def block_variant(router: LayerRouter, traced: TracedBlock, shape: CallShape, la
     return BlockVariant(forward, gm.meta[SIGNATURE], Bound(router.module, final, **others))
 
 
-def rewritten_block(router: LayerRouter, traced: TracedBlock, shape: CallShape, layout: Entry | None,
+def rewritten_block(router: LayerRouter, traced: TracedBlock, shape: CallShape, layout: StateLayout | None,
                     baked: tuple | None = None, modules: dict[str, BlockAttnRes] | None = None) -> tuple:
     """``(forward, graph_module)``: ``traced`` rewritten for ``router``'s block with the stream's
     state in ``layout``, from the conversion's cache (shared as :func:`block_variant` says). ``modules``: the

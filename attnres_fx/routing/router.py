@@ -38,13 +38,12 @@ from ..conversion import Conversion
 from ..diagnostics import first_line
 from ..errors import RoutingError, TraceError
 from ..passes.layers import LayerSpan
-from ..passes.pipeline import LayerTarget, StateSlotsMismatch
-from ..passes.rewrite import Entry
+from ..passes.pipeline import LayerTarget
 from . import dynamo, graphs, host
 from ..context import call_context
-from ..passes.signature import LayerGraphSignature, replaced_at
-from .state import (ATTRIBUTE, StreamState, attach, bundle, edited, remember_for_recomputation, restated, returned,
-                    state_of, unbundle)
+from ..passes.signature import LayerGraphSignature, StateLayout, replaced_at
+from .state import (ATTRIBUTE, StreamState, attach, bundle, edited, layout_of, remember_for_recomputation, restated,
+                    returned, state_of, unbundle)
 from .watch import note_stream_end, note_stream_start, refuse_foreign_fullgraph
 
 LOG = logging.getLogger("attnres_fx")
@@ -270,11 +269,9 @@ class LayerRouter(Router):
         self.traced_modules = (module, *(module.get_submodule(path) for path in sorted(opened)))
         self._shapes: dict[CallShape, _ShapeRoutes] = {}
         self._forwards: dict[type, tuple] = {}
-        # On TorchDynamo, by the state's layout: how many state outputs the block's graph returns, where its
-        # rewrite found another number than the plan's (:meth:`_state_outputs`); what its graphs take and
-        # return, recorded by the backend (:meth:`_dynamo_backend`).
-        self._state_counts: dict[Entry | None, int] = {}
-        self._dynamo_graphs: dict[Entry | None, _DynamoGraph] = {}
+        # On TorchDynamo, by the state's layout: what the block's graphs take and return, recorded by the
+        # backend (:meth:`_dynamo_backend`).
+        self._dynamo_graphs: dict[StateLayout | None, _DynamoGraph] = {}
         # The constants the kind was read from, to see a change (graphs.watched_constants).
         self._watched: tuple = ()
         # The key of the router's own forward hook in the block's hooks (:meth:`_after_hooks`), once made.
@@ -372,7 +369,7 @@ class LayerRouter(Router):
                 return self._run_block_graph(routes, inputs)
         return self._run_dynamo(args, kwargs)
 
-    def prepare(self, args: tuple, kwargs: dict, layout: Entry | None, modules: dict) -> _ShapeRoutes:
+    def prepare(self, args: tuple, kwargs: dict, layout: StateLayout | None, modules: dict) -> _ShapeRoutes:
         """What a first call with ``args``, ``kwargs`` and the stream's state in ``layout`` makes before it
         runs (:mod:`attnres_fx.routing.trial` calls it before the model is converted, ``modules``: the
         AttnRes modules by site name, not registered yet): the block's trace and its rewritten graph,
@@ -446,26 +443,22 @@ class LayerRouter(Router):
     def _run_block_graph(self, routes: _ShapeRoutes, inputs: list):
         carrier, state, via = self._entering(routes, inputs)
         changed = via == "carrier" and edited(carrier, state)
-        # The state made at the stream's start (for reentrant checkpointing's recomputation) holds nothing.
-        # A block graph takes the completed blocks as one list, however many: it serves every depth. The
-        # variants are found by a plain tuple (hashed in C), the layout made at a variant's first call only.
-        key = None if state is None or not (state.position or state.tensors) else (
-            state.position, len(state.blocks), changed or state.partial is not None)
-        variant = routes.variants.get(key)
+        # A block graph takes the completed blocks as one list, however many: it serves every depth.
+        layout = layout_of(state, changed, as_list=True)
+        variant = routes.variants.get(layout)
         if variant is None:
-            layout = None if key is None else Entry(*key, as_list=True)
-            variant = routes.variants[key] = graphs.block_variant(self, routes.traced, routes.shape, layout,
-                                                                  routes.values)
+            variant = routes.variants[layout] = graphs.block_variant(self, routes.traced, routes.shape, layout,
+                                                                     routes.values)
             if routes.stream_input is None:
                 routes.stream_input = variant.stream_input
         given = inputs[variant.stream_input] if variant.stream_input is not None else None
         before, reentrant = (state, False) if given is None or not given.requires_grad else \
             self._recomputable(given, state)
         tensors: tuple[torch.Tensor, ...] = ()
-        if key is not None:
+        if layout is not None:
             view, tensors = unbundle(state, carrier)
             if changed:
-                blocks = key[1]
+                blocks = layout.blocks
                 tensors = (*tensors[:blocks], restated(view, tensors[:blocks]))
             inputs[routes.stream_input] = view
         results = variant.forward(variant.bound, *inputs, *variant.state_arguments(tensors))
@@ -618,46 +611,39 @@ class LayerRouter(Router):
         carrier, state, via = _find_state((args, kwargs), self.conversion, self.stream)
         self._check_entry(state)
         given = (args, kwargs)
-        tensors: tuple[torch.Tensor, ...] = ()
-        if state is not None and state.tensors:
-            view, tensors = unbundle(state, carrier)
-            if via == "carrier" and edited(carrier, state):
-                tensors = (*tensors[:len(state.blocks)], restated(view, tensors[:len(state.blocks)]))
-            args, kwargs = _replaced((args, kwargs), carrier, view)
+        changed = via == "carrier" and edited(carrier, state)
         # The graph takes the state's tensors as real inputs (Dynamo guards on their dtypes and shapes); what
         # it depends on besides is the state's layout.
-        layout = None if state is None or not (state.position or state.tensors) else Entry(
-            state.position, len(state.blocks), len(tensors) > len(state.blocks))
-        count = self._state_outputs(layout)
+        layout = layout_of(state, changed, as_list=False)
+        tensors: tuple[torch.Tensor, ...] = ()
+        if layout is not None:
+            view, tensors = unbundle(state, carrier)
+            if changed:
+                tensors = (*tensors[:layout.blocks], restated(view, tensors[:layout.blocks]))
+            args, kwargs = _replaced((args, kwargs), carrier, view)
         forward = self.forward_function
-        entry = self.entry(layout, lambda compiler: self._dynamo_backend(compiler, layout), forward, count)
-        try:
-            out, slots = self.run_dynamo(entry, args, kwargs, forward, list(tensors))
-        except StateSlotsMismatch as err:
-            if self._state_counts.get(layout) == err.needed:
-                raise
-            # Nothing ran: Dynamo stopped in the backend. The entry again, with room for what the block hands on.
-            self._state_counts[layout] = err.needed
-            return self._run_dynamo(*given)
+        room = self._state_room(layout)
+        entry = self.entry(layout, lambda compiler: self._dynamo_backend(compiler, layout), forward, room)
+        out, slots = self.run_dynamo(entry, args, kwargs, forward, list(tensors))
         graph = self._dynamo_graphs[layout]
         start = carrier if carrier is not None else graph.stream_argument(*given)
         before, reentrant = self._recomputable(start, state)
-        after = self._state_after(state, tensors, graph.signature.next_offset, tuple(slots[1:]))
+        # What the graph hands on is what its rewrite found (its signature), within the room planned.
+        after = self._state_after(state, tensors, graph.signature.next_offset,
+                                  tuple(slots[1:1 + graph.signature.handed_on]))
         if after is None:
             return out
         carrier_out, hooked = self._leaving(slots[0], after, before, via, reentrant)
         return self._returning(_with_carrier(out, slots[0], carrier_out, f"the result of {self.where}"),
                                carrier_out, after, hooked)
 
-    def _state_outputs(self, layout: Entry | None) -> int:
-        """How many state outputs the block's TorchDynamo graph returns for the state in ``layout``: the
-        carrier, the partial sum and the blocks it commits (none where it ends the stream), as planned
-        (the block runs every site of its span), or as its rewrite found."""
+    def _state_room(self, layout: StateLayout | None) -> int:
+        """How many state outputs the block's TorchDynamo capture has room for with the state in ``layout``:
+        the carrier, the partial sum and a block for each block start from the state's place to the end of
+        the span (none where it ends the stream). The rewrite fills what the call hands on (fewer where it
+        skips a block start) and leaves the rest spare (:mod:`attnres_fx.passes.signature`)."""
         if self.ends:
             return 0
-        found = self._state_counts.get(layout)
-        if found is not None:
-            return found
         start = self.span.start if layout is None else layout.position
         size = self.planned.block_size
         return 2 + sum(1 for position in range(start, self.span.stop) if position % size == 0)
@@ -676,7 +662,7 @@ class LayerRouter(Router):
                 "compute another function. Train without a cache (model(..., use_cache=False), as transformers' "
                 "gradient_checkpointing_enable() does), or compile with attnres_fx.compile(model, backend=\"eager\").")
 
-    def _dynamo_backend(self, compiler: str, layout: Entry | None):
+    def _dynamo_backend(self, compiler: str, layout: StateLayout | None):
         def backend(gm: fx.GraphModule, example_inputs: list):
             start = time.perf_counter()
             target = LayerTarget(self.planned, self.span, layout, self.ends)

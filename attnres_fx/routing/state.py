@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..compat import view_base
+from ..passes.signature import StateLayout
 
 ATTRIBUTE = "_attnres_stream_state"
 
@@ -72,6 +73,16 @@ class StreamState:
     def take_grads(self, count: int) -> list:
         grads, self.grads = (self.grads or [None] * count), []
         return grads
+
+
+def layout_of(state: StreamState | None, edited: bool, as_list: bool) -> StateLayout | None:
+    """The layout of the state a call brings, which picks the block's graph (``edited``: its carrier was
+    changed in place, so the graph takes a partial sum restated from it; ``as_list``: the graph takes the
+    blocks as one list). ``None`` at the stream's start: no state, or the one made there for reentrant
+    checkpointing's recomputation, which holds nothing."""
+    if state is None or not (state.position or state.blocks or state.partial is not None):
+        return None
+    return StateLayout(state.position, len(state.blocks), edited or state.partial is not None, as_list)
 
 
 def attach(carrier: torch.Tensor, state: StreamState) -> None:

@@ -17,7 +17,6 @@ mode, train or eval (:func:`try_other_mode`: a model converted in eval mode is t
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import torch
@@ -31,7 +30,8 @@ from ..diagnostics import first_line
 from ..errors import TraceError
 from ..passes.pipeline import LayerTarget, rewrite_captured
 from ..passes.plan import Plan, StreamPlan
-from ..passes.rewrite import Entry, ModuleCalls
+from ..passes.rewrite import ModuleCalls
+from ..passes.signature import StateLayout
 from .install import Prepared, prepared_routes
 
 LOG = logging.getLogger("attnres_fx")
@@ -104,7 +104,7 @@ def _try_block(prepared: Prepared, plan: Plan, stream: StreamPlan, span, modules
     router = prepared.routers[span.owner]
     args, kwargs = call
     position = span.start
-    layout = None if position == 0 else Entry(position, stream.completed_before(position), True, as_list=True)
+    layout = None if position == 0 else StateLayout(position, stream.completed_before(position), True, as_list=True)
     routes = router.prepare(args, kwargs, layout, modules)
     if routes.traced is not None:
         return
@@ -117,7 +117,7 @@ def _try_block(prepared: Prepared, plan: Plan, stream: StreamPlan, span, modules
                          "the layer route needs for a block whose own code torch.fx cannot trace "
                          f"({reason}): {err}", {**reason.causes, **err.causes}) from err
     # A Dynamo graph takes the blocks one by one, as the route's Dynamo graphs do.
-    entry = layout and dataclasses.replace(layout, as_list=False)
+    entry = layout and layout._replace(as_list=False)
     target = LayerTarget(stream, span, entry, span.stop == stream.num_positions)
     rewrite_captured(graph_module, plan, lambda g: ModuleCalls(g, modules), where=router.where, layer=target)
 

@@ -21,6 +21,7 @@ from attnres_fx import routing
 from attnres_fx.models import TinyConfig, TinyTransformer, example_ids
 from attnres_fx.conversion import conversion_of
 from attnres_fx.errors import TraceError
+from attnres_fx.passes.signature import BLOCK, CARRIER, PARTIAL, SIGNATURE, SPARE
 from attnres_fx.routing import graphs
 from attnres_fx.routing.state import state_of
 from attnres_fx.testing import randomise_pseudo_queries
@@ -275,25 +276,35 @@ class TrailingMemory(OptionalMemory):
         self.decoder = torch.nn.ModuleList(TrailingCrossAttention(cfg) for _ in range(2))
 
 
-def test_a_block_on_torchdynamo_without_its_last_sublayer_hands_on_the_state_its_rewrite_makes(monkeypatch):
+def test_a_block_on_torchdynamo_without_its_last_sublayer_hands_on_the_state_its_graph_returns(monkeypatch):
     """Every block captured by TorchDynamo (torch.fx refused), the decoder called without the memory: the
     first decoder layer's skipped last site is a block start (site 2, block size 2), which the next layer
-    commits, so the layer hands on fewer state outputs than its planned span has room for; its entry is
-    made again with room for what it hands on, and the outputs are those of the blocks torch.fx traces
-    (within TIGHT: the same sums, in another order), with and without the memory."""
+    commits, so the layer hands on fewer state outputs than its planned span has room for. Each block is
+    captured once: the slots left over are spare outputs of its signature, and what it hands on is read
+    from the signature. The outputs are those of the blocks torch.fx traces (within TIGHT: the same sums,
+    in another order), with and without the memory."""
     torch.manual_seed(0)
     src, tgt = make_inputs(), make_inputs(seed=1)
     layer = randomise_pseudo_queries(attnres_fx.attnresify(TrailingMemory().eval(), (src, tgt), block_size=2))
-    want = {use_memory: layer(src, tgt, use_memory) for use_memory in (True, False)}
+    want = {use_memory: layer(src, tgt, use_memory) for use_memory in (False, True)}
 
     def refuse(*args, **kwargs):
         raise TraceError("refused for this test: the block runs on TorchDynamo")
     monkeypatch.setattr(graphs, "routable_trace", refuse)
     captured = copy.deepcopy(layer)
-    for use_memory in (True, False):
+    routers = list(routing.routers(captured))
+    (first_decoder,) = (router for router in routers if router.path == "decoder.0")
+    for use_memory in (False, True):
         torch.testing.assert_close(captured(src, tgt, use_memory), want[use_memory], rtol=TIGHT, atol=TIGHT)
-    remade = [router.path for router in routing.routers(captured) if router._state_counts]
-    assert remade == ["decoder.0"], "the first decoder layer's entry was made again for what it hands on"
+        if not use_memory:
+            assert conversion_of(captured).stats.captures == len(routers), "each block captured once"
+            spare = [router.path for router in routers if SPARE in router.rewritten[-1].meta[SIGNATURE].outputs]
+            assert spare == ["decoder.0"], "the first decoder layer hands on less than its span has room for"
+            # b_0 (the stream starts in this layer) and the partial sum; no block committed at site 2.
+            without = first_decoder.rewritten[-1].meta[SIGNATURE]
+            assert without.outputs[without.results:] == (CARRIER, PARTIAL, BLOCK, SPARE) and without.handed_on == 2
+    with_memory = first_decoder.rewritten[-1].meta[SIGNATURE]
+    assert with_memory.outputs[with_memory.results:] == (CARRIER, PARTIAL, BLOCK, BLOCK)
 
 
 def test_an_explicit_graph_splits_into_pipeline_stages_at_a_block():

@@ -18,7 +18,7 @@ from attnres_fx import routing
 from attnres_fx.errors import TraceError
 from attnres_fx.models import TinyTransformer, example_ids
 from attnres_fx.passes.signature import (BLOCK, BLOCKS, CARRIER, INPUT, OUTPUT, PARTIAL, SIGNATURE, STREAM,
-                                         LayerGraphSignature, state_slots)
+                                         LayerGraphSignature, StateLayout, state_slots)
 from attnres_fx.routing import graphs
 from attnres_fx.testing import randomise_pseudo_queries
 
@@ -64,6 +64,10 @@ def test_fx_traced_and_dynamo_captured_blocks_carry_one_signature_layout(monkeyp
         for signature in (fx_signature, dynamo_signature):
             assert signature.inputs.count(STREAM) == 1 and signature.stream_input is not None
             assert signature.next_offset == router.span.stop - router.span.start
+        # The state each graph was rewritten for, in its signature: the layout the route made of the state.
+        layout = None if first else StateLayout(router.span.start, completed, True, as_list=True)
+        assert fx_signature.layout == layout
+        assert dynamo_signature.layout == (layout and layout._replace(as_list=False))
         # The state inputs: none at the stream's start; else the blocks (a list / one each), the partial sum.
         assert state_inputs(fx_signature) == (() if first else (BLOCKS, PARTIAL))
         assert state_inputs(dynamo_signature) == (() if first else (BLOCK,) * completed + (PARTIAL,))
@@ -80,3 +84,33 @@ def test_fx_traced_and_dynamo_captured_blocks_carry_one_signature_layout(monkeyp
         # Dynamo's placeholders, with Dynamo's example values of the call's own state tensors.
         for node in state_placeholders(graph, graph.meta[SIGNATURE]):
             assert "grapharg" in node.meta and node.meta["example_value"].shape == (*ids.shape, 32)
+
+
+def test_the_routing_modules_import_each_other_without_a_circle():
+    """Structural: the imports between ``attnres_fx/routing/`` modules a module runs when it is loaded (at
+    its top level, not those for type checking only) form no circle, so that each one can be read, and
+    loaded, after those it uses."""
+    import ast
+    import pathlib
+
+    folder = pathlib.Path(attnres_fx.__file__).parent / "routing"
+    names = {path.stem for path in folder.glob("*.py")}
+    uses: dict[str, set[str]] = {}
+    for path in folder.glob("*.py"):
+        found = set()
+        for node in ast.parse(path.read_text()).body:          # the top level only: no TYPE_CHECKING block
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                found |= {node.module} if node.module else {alias.name for alias in node.names}
+        uses[path.stem] = found & names - {path.stem}
+    assert uses["router"] >= {"graphs", "state"} and "router" not in uses["graphs"], "what the check reads"
+
+    def circle_from(name: str, path: tuple) -> tuple | None:
+        if name in path:
+            return path[path.index(name):] + (name,)
+        for used in sorted(uses[name]):
+            found = circle_from(used, path + (name,))
+            if found:
+                return found
+        return None
+    circles = [found for name in sorted(uses) if (found := circle_from(name, ()))]
+    assert not circles, f"import circles between routing modules: {circles}"
