@@ -27,10 +27,18 @@ blocks and the partial, then that norm without the skip. Two forms (``rewrite(fo
   (``Pad`` of the embedding with zeros); each site adds its branch into its block's slot (one
   ``ScatterND`` with ``reduction="add"``: the slot holds the block's partial sum, with no ``Add`` of its
   own and no partial tensor beside the buffer; onnxruntime 1.32 copies the buffer there, off the peak),
-  then the key RMSNorm over all slots, a ``MatMul`` with the pseudo-query, the slots of blocks not begun
-  masked out (an ``Add``), a ``Softmax`` over slots and the weighted sum (``Mul``, ``ReduceSum``): 7-8
-  nodes per site with the norm after it. Measured against it (hidden 1024 x 16, int4, batch 8, 128-token
-  prompts, peak memory over the builder's original; hidden 256 x 8 for the nodes): a buffer that grows
+  then the key RMSNorm over all slots, the logits of each token ``[batch, sequence, 1, slots]`` (a
+  ``FusedMatMul`` of the pseudo-query with the keys, the slot axis read as each token's columns), the
+  slots of blocks not begun masked out (an ``Add``), a ``Softmax`` over the last axis and the weighted sum
+  as one product per token (``FusedMatMul`` of the weights with the buffer, then a ``Reshape`` to
+  ``[batch, sequence, hidden]``): 7-8 nodes per site with the norm after it. The same nodes with a
+  ``MatMul`` for the logits ``[slots, batch, sequence, 1]``, a ``Softmax`` over the first axis (which
+  onnxruntime runs by transposing) and ``Mul`` and ``ReduceSum`` for the weighted sum decoded at 0.77 /
+  0.83 (int4, batch 1 / 8) and 0.88 / 0.88 (fp32) of the builder's original where this takes 0.79 /
+  0.90 and 0.91 / 0.95 (Llama hidden 256 x 8, a decoding step in one thread, docs/bench.md); the peak
+  memory is the same, set by ``ScatterND``'s copy of the buffer (below). Measured against it (hidden 1024
+  x 16, int4, batch 8, 128-token prompts, peak memory over the builder's original; hidden 256 x 8 for the
+  nodes): a buffer that grows
   by a slot as each block begins, with no slot to mask (200 nodes against 209 for Llama), 1.13x where
   this takes 1.08x (its buffers of four sizes are not reused); writing the partial sum, kept beside the
   buffer, into the slot (``Add``, ``Unsqueeze``, ``ScatterND``: 237 nodes), 1.10x; stacking the sources
@@ -454,6 +462,7 @@ def _per_site(graph: onnx.GraphProto, stream: GraphStream, block_size: int, aggr
     # (a buffer grown by a slot per block took more memory through a prompt, its sizes not reused).
     sources = builder.node("Pad", [embedding, builder.shape([0, 0, 0, 0, slots - 1, 0, 0, 0], "empty_slots")],
                            "sources")
+    to_stream = builder.shape([0, 0, -1], "stream_shape")
     replacements: dict[str, list[onnx.NodeProto]] = {}
     for position, found in enumerate(stream.sites):
         aggregation = aggregations[position + 1]
@@ -467,18 +476,21 @@ def _per_site(graph: onnx.GraphProto, stream: GraphStream, block_size: int, aggr
         key_norm = builder.constant(aggregation.key_norm, "key_norm")
         keys = builder.node("SimplifiedLayerNormalization", [sources, key_norm], "keys", axis=-1,
                             epsilon=aggregation.eps)
-        logits = builder.node("MatMul", [keys, builder.constant(aggregation.query.reshape(-1, 1), "query")], "logits")
+        # [batch, sequence, 1, slots]: one product per token, the slots last for the softmax.
+        logits = builder.node("FusedMatMul", [builder.constant(aggregation.query.reshape(1, 1, 1, -1), "query"), keys],
+                              "logits", domain="com.microsoft", transB=1, transBatchB=1)
         if slot + 1 < slots:
             # The slots of blocks not begun yet (zeros) get no weight.
-            mask = np.zeros((slots, 1, 1, 1), np.float32)
+            mask = np.zeros(slots, np.float32)
             mask[slot + 1:] = np.finfo(np.float32).min
             logits = builder.node("Add", [logits, builder.constant(mask, "later_blocks")], "masked")
-        weights = builder.node("Softmax", [logits], "softmax", axis=0)
-        weighted = builder.node("Mul", [sources, weights], "weighted")
-        total = builder.node("ReduceSum", [weighted, first], "aggregate", keepdims=0)
-        if aggregation.preserve_scale:
-            total = builder.node("Mul", [total, builder.constant(np.array(site.num_sources, np.float32), "count")],
-                                 "scaled")
+        weights = builder.node("Softmax", [logits], "softmax", axis=-1)
+        # The weighted sum as one product per token, [batch, sequence, 1, hidden], the slot axis taken as
+        # the rows of each token's matrix: no [slots, batch, sequence, hidden] product to sum.
+        count = float(site.num_sources) if aggregation.preserve_scale else 1.0
+        total = builder.node("FusedMatMul", [weights, sources], "aggregate_rows", domain="com.microsoft", alpha=count,
+                             transBatchB=1)
+        total = builder.node("Reshape", [total, to_stream], "aggregate")
         node = by_name[found.node]
         if node.op_type == "Add":
             # The norm after the add (and nothing else the rewrite keeps) reads its output: now the aggregate.

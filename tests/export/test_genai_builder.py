@@ -165,6 +165,11 @@ def test_per_site_form_puts_one_aggregation_before_each_sublayer_and_the_head():
     assert [n.input[2] for n in scatters] == [f"f{i}" for i in range(4)]
     assert [n.name.split("/")[2] for n in model.graph.node if n.op_type == "Add"] == [
         site.name for site in plan.sites[1:3]]
+    # The logits and the weighted sum one product per token each, the softmax over the last axis (slots).
+    assert ops.count("FusedMatMul") == 2 * 4 and "ReduceSum" not in ops
+    assert not [n for n in model.graph.node if n.op_type == "MatMul" and n.name.startswith("/attnres")]
+    softmaxes = [n for n in model.graph.node if n.op_type == "Softmax"]
+    assert [helper.get_attribute_value(a) for n in softmaxes for a in n.attribute] == [-1] * 4
 
 
 def test_attention_form_is_one_attention_per_site_over_the_completed_blocks():
