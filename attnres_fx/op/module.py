@@ -153,7 +153,8 @@ def run_site(module: BlockAttnRes, entered, *sources: torch.Tensor) -> torch.Ten
     the module as usual): what a block's graph calls for each aggregation. On the CPU, straight to the C++
     operator's function (its autograd registered in C++ too), which checks its inputs itself (sources of
     mixed shapes or dtypes take :func:`aggregate`): a decoding step's few microseconds, and no Python at all
-    in a training step's backward."""
+    in a training step's backward. Under TorchDynamo (a block graph compiled by Inductor) the plain ops of
+    :func:`aggregate`, which Inductor fuses."""
     if type(module) is not BlockAttnRes or compat.module_hooks(module):
         return module(*entered, *sources)         # hooks, or another module put in the site's place (a wrapper)
     listed = [*entered, *sources]
@@ -164,7 +165,7 @@ def run_site(module: BlockAttnRes, entered, *sources: torch.Tensor) -> torch.Ten
     if proj is None or norm is None:
         proj, norm = module.proj.weight, module.norm.weight
     first = listed[0]
-    if type(first) is torch.Tensor and first.is_cpu and proj.is_cpu:
+    if type(first) is torch.Tensor and first.is_cpu and proj.is_cpu and not torch.compiler.is_dynamo_compiling():
         kernel = _CPU_KERNEL[0] if _CPU_KERNEL else _cpu_kernel()
         if kernel is not None:
             try:

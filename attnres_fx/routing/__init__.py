@@ -79,7 +79,6 @@ def set_compiler(model: nn.Module, conversion: Conversion, compiler: str, option
         raise ValueError(f"compiler must be one of {COMPILERS}, got {compiler!r}")
     conversion.compiler = compiler
     conversion.compile_options = dict(options)
-    conversion.traces.clear()
     whole_call(model, conversion, compiler == "inductor")
     for router in routers(model):
         router.reset()

@@ -1,5 +1,6 @@
-"""TorchDynamo where a route needs it: the model route's whole-call graphs, and the layer route's blocks
-under Inductor (:func:`attnres_fx.compile`) or whose own code ``torch.fx`` cannot trace.
+"""TorchDynamo where a route needs it: the model route's whole-call graphs, the layer route's blocks whose
+own code ``torch.fx`` cannot trace, and under Inductor (:func:`attnres_fx.compile`) the capture of the
+layer route's rewritten block graphs.
 
 A routed module's call runs a ``torch.compile``'d entry of its own forward (``fullgraph``), whose backend
 rewrites a copy of each graph Dynamo captures. Dynamo captures one graph per call signature, train/eval

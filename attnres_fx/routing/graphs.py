@@ -1,16 +1,16 @@
 """The rewritten graphs the routes run: built from a capture, cached, and made callable.
 
-- **Block graphs** (the layer route, eagerly): a block call traced with its sublayers as calls
+- **Block graphs** (the layer route): a block call traced with its sublayers as calls
   (:mod:`attnres_fx.capture.block_tracer`), one trace per *kind* of block and call shape (:class:`TraceCache`:
   blocks that run the same code with the same constants share it), then rewritten for one block and one
   state layout (:func:`block_variant`): a copy of the trace, the block's planned sites matched and
   rewritten with the stream's state as extra inputs and outputs, compiled to Python that resolves the
   block's modules when it runs. What the graph takes and returns is one record, the
   :class:`~attnres_fx.passes.signature.LayerGraphSignature` the rewrite stored with it.
-- **Dynamo graphs** (the model route; the layer route under Inductor, or for a block whose own code fx
-  cannot trace): the backends that rewrite a copy of each graph TorchDynamo captures
-  (:func:`rewritten_dynamo_graph`) and run it eagerly or hand it to Inductor with the AttnRes weights as
-  extra inputs (:class:`WeightReader`).
+  Under Inductor the router compiles that code through TorchDynamo (its sublayers inlined, guarded).
+- **Dynamo graphs** (the model route; the layer route for a block whose own code fx cannot trace): the
+  backends that rewrite a copy of each graph TorchDynamo captures (:func:`rewritten_dynamo_graph`) and
+  run it eagerly or hand it to Inductor with the AttnRes weights as extra inputs (:class:`WeightReader`).
 """
 
 from __future__ import annotations

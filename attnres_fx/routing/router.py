@@ -3,8 +3,10 @@
 - :class:`LayerRouter` (the layer route): the forward of a module that performs residual sites (a block,
   ``model.layers.3``). A call looks up the graph for its call shape and the stream's state
   (:mod:`attnres_fx.routing.graphs`), runs it with the state the carrier brought, and returns the
-  block's result with the new state on the carrier (:mod:`attnres_fx.routing.state`). Under Inductor, or
-  for a block whose own code ``torch.fx`` cannot trace, the block runs on TorchDynamo instead
+  block's result with the new state on the carrier (:mod:`attnres_fx.routing.state`). Under Inductor the
+  same rewritten graph is compiled: TorchDynamo captures its code (the sublayers it calls inlined, with
+  Dynamo's guards on them) and hands it to Inductor. A block whose own code ``torch.fx`` cannot trace runs
+  on TorchDynamo instead, its own forward captured and rewritten through the same signature
   (:mod:`attnres_fx.routing.dynamo`).
 - :class:`ModelRouter` (the model route): the forward of the root (and of a stream's owner that is
   called on its own): each call is one TorchDynamo graph, every stream in it rewritten.
@@ -287,8 +289,9 @@ class LayerRouter(Router):
                                                                if site.position is not None else self.ends))
 
     def reset(self) -> None:
+        # The block traces and rewritten graphs serve every compiler: kept (a first call after
+        # attnres_fx.compile traces nothing either); what Dynamo made is not.
         super().reset()
-        self._shapes.clear()
         self._dynamo_graphs.clear()
 
     def installed(self) -> None:
@@ -357,16 +360,17 @@ class LayerRouter(Router):
         return self._proceed(args, kwargs)
 
     def _proceed(self, args: tuple, kwargs: dict):
-        if self.conversion.compiler == "eager":
-            if compat.fx_trace_left_behind():
-                compat.undo_fx_trace_left_behind()      # an interrupted trace, anywhere in the process
-            if self._constants_changed():
-                # Another kind of block now: its own traces (shared with the blocks of that kind).
-                self._forwards.clear()
-                self._shapes.clear()
-            routes, inputs = self._routes(args, kwargs)
-            if routes.traced is not None and not (self.opened and self._opened_hooks()):   # _runs_block_graph
-                return self._run_block_graph(routes, inputs)
+        if self.conversion.compiler != "eager":
+            self._refuse_checkpointed_cache(args, kwargs)
+        if compat.fx_trace_left_behind():
+            compat.undo_fx_trace_left_behind()      # an interrupted trace, anywhere in the process
+        if self._constants_changed():
+            # Another kind of block now: its own traces (shared with the blocks of that kind).
+            self._forwards.clear()
+            self._shapes.clear()
+        routes, inputs = self._routes(args, kwargs)
+        if routes.traced is not None and not (self.opened and self._opened_hooks()):   # _runs_block_graph
+            return self._run_block_graph(routes, inputs)
         return self._run_dynamo(args, kwargs)
 
     def prepare(self, args: tuple, kwargs: dict, layout: StateLayout | None, modules: dict) -> _ShapeRoutes:
@@ -461,7 +465,11 @@ class LayerRouter(Router):
                 blocks = layout.blocks
                 tensors = (*tensors[:blocks], restated(view, tensors[:blocks]))
             inputs[routes.stream_input] = view
-        results = variant.forward(variant.bound, *inputs, *variant.state_arguments(tensors))
+        state_arguments = variant.state_arguments(tensors)
+        if self.conversion.compiler == "eager":
+            results = variant.forward(variant.bound, *inputs, *state_arguments)
+        else:
+            results = self._run_compiled(variant, inputs, state_arguments)
         # The graph returns the block's result as its one output, then the carrier and the state after it.
         after = self._state_after(state, tensors, variant.next_offset, results[variant.results + 1:])
         if after is None:
@@ -550,6 +558,24 @@ class LayerRouter(Router):
             before.successor = after
         return carrier_out, hooked
 
+    def _run_compiled(self, variant: graphs.BlockVariant, inputs: list, state: tuple):
+        """The block graph ``variant`` compiled by Inductor: TorchDynamo captures the rewritten graph's own
+        code (the block's sublayers inlined, with Dynamo's guards on them), one cache per block and
+        variant (a code object of its own)."""
+        compiler = self.conversion.compiler
+        key = (compiler, "block graph", variant)
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._entries[key] = dynamo.compiled_entry(entry_function(variant.forward),
+                                                               self._block_graph_backend, compiler)
+        bound = variant.bound
+        return dynamo.run(lambda: entry(bound, *inputs, *state), lambda: variant.forward(bound, *inputs, *state),
+                          self.module, lambda err: _graph_break_message(self, err), self.checkpointing_flag_holders)
+
+    def _block_graph_backend(self, gm: fx.GraphModule, example_inputs: list):
+        self.conversion.stats.captures += 1
+        return compat.inductor_compile(gm, example_inputs, config_patches=self.conversion.compile_options or None)
+
     # -- forward hooks on the block ------------------------------------------------------------------
 
     def _user_hooks(self) -> bool:
@@ -607,7 +633,6 @@ class LayerRouter(Router):
     # -- TorchDynamo ---------------------------------------------------------------------------------
 
     def _run_dynamo(self, args: tuple, kwargs: dict):
-        self._refuse_checkpointed_cache(args, kwargs)
         carrier, state, via = _find_state((args, kwargs), self.conversion, self.stream)
         self._check_entry(state)
         given = (args, kwargs)

@@ -137,10 +137,12 @@ class Interrupt:
 
 
 def retrace(model):
-    """Make the next call trace its blocks again."""
+    """Make the next call trace its blocks again (a router's reset keeps its routes: they serve every
+    compiler)."""
     conversion_of(model).traces.clear()
     for router in attnres_fx.routing.routers(model):
         router.reset()
+        router._shapes.clear()
 
 
 def call_under(model, ids, interrupt: Interrupt):

@@ -373,8 +373,9 @@ def test_a_block_graph_calls_its_sublayers_and_traces_through_the_ones_that_hold
 def test_compile_takes_the_whole_call_where_it_can_and_block_by_block_where_it_cannot():
     """attnres_fx.compile: one Inductor graph of the whole call, the blocks' results still the plain
     residual sums (the same values the eager layer route returns, 1e-5: Inductor reorders fp32 sums);
-    a model whose own forward is no single graph compiles block by block. Either way remove() restores
-    the original exactly."""
+    a model whose own forward is no single graph compiles block by block: each block's rewritten graph,
+    traced by torch.fx before and kept, captured by Dynamo (nothing traced again), a hook added to a
+    sublayer afterwards honoured. Either way remove() restores the original exactly."""
     ids = example_ids(tiny().config)
     for cls, whole in ((TinyTransformer, True), (Chatty, False)):
         model = randomise_pseudo_queries(attnres_fx.attnresify(tiny(cls=cls), (ids,), block_size=2))
@@ -383,14 +384,28 @@ def test_compile_takes_the_whole_call_where_it_can_and_block_by_block_where_it_c
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             eager = model(ids)
+            traced = conversion_of(model).stats.traces
             attnres_fx.compile(model)
             compiled = model(ids)
         torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(seen[-1], seen[0], rtol=1e-5, atol=1e-5)
         root = model.__dict__["forward"]
         assert isinstance(root, routing.WholeCallRouter) and root.whole is whole
-        block_graphs = [len(router.rewritten) for router in routing.routers(model) if router is not root]
-        assert block_graphs == ([0, 0, 0] if whole else [1, 1, 1])
+        # One Dynamo capture: of the whole call, or of each block's rewritten graph (traced by torch.fx
+        # before compile, and kept).
+        stats = conversion_of(model).stats
+        assert (stats.captures, stats.traces) == ((1 if whole else 3), traced)
+        assert not any(router._dynamo_graphs for router in routing.routers(model) if router is not root), \
+            "no block's own forward captured and rewritten: the rewritten block graphs are compiled"
+        if not whole:
+            # Dynamo's guards on the sublayers the compiled block graphs inline: a hook added now fires.
+            model.blocks[2].mlp.register_forward_hook(lambda module, args, out: out * 2)
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                hooked = model(ids)
+                attnres_fx.compile(model, backend="eager")
+                torch.testing.assert_close(hooked, model(ids), rtol=1e-5, atol=1e-5)
+            assert not torch.allclose(hooked, compiled)
         attnres_fx.remove(model)
         assert "forward" not in model.__dict__ and not routing.routers(model)
 
