@@ -80,9 +80,15 @@ def call_shape(args: tuple, kwargs: dict, traced: tuple[nn.Module, ...]) -> tupl
     inputs: list = []
     positional = []
     for value in args:
-        if type(value) is torch.Tensor:             # the common case, without a call
+        kind = type(value)
+        if kind is torch.Tensor:                    # the common cases, without a call
             inputs.append(value)
             positional.append(TENSOR)
+        elif kind is int or kind is float:          # a decoding step's position
+            inputs.append(value)
+            positional.append(kind)
+        elif value is None:
+            positional.append((kind, None))
         else:
             positional.append(_shape_of(value, inputs))
     keywords = []

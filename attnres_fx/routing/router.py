@@ -338,14 +338,15 @@ class LayerRouter(Router):
             # Read nothing of the router's own state here: Dynamo would guard on it.
             return self._while_compiling(type(self.module).forward, args, kwargs)
         forward, checkpointed, _ = self._forwards.get(type(self.module)) or self._class_forward()
-        if in_own_call():
+        context = call_context()            # read once: a ContextVar look-up per block call otherwise
+        if context.own:
             # A capture of the model in this thread: the module as written.
             return forward(self.module, *args, **kwargs)
         if torch.compiler.is_exporting():
             self._refuse_export()
         if checkpointed and compat.hf_checkpointing_on(self.module):
             return compat.hf_checkpointed_call(self.module, lambda *a, **k: self._intercepted(a, k), args, kwargs)
-        if call_context().interceptors:
+        if context.interceptors:
             return self._intercepted(args, kwargs)
         return self._proceed(args, kwargs)
 
@@ -498,12 +499,13 @@ class LayerRouter(Router):
                     if state is not None:
                         carrier, routes.stream_input = value, index
                         break
-        self._check_entry(state)
+        if state is None or state.position > self.span.start:
+            self._check_entry(state)
         return (carrier, state, via) if state is not None else (None, None, "")
 
     def _check_entry(self, state: StreamState | None) -> None:
         """Refuses a call that brings no state to a block that does not start the stream, or the state of
-        a later place in it."""
+        a later place in it (called where either may be the case)."""
         if state is None:
             if not self.starts:
                 raise RoutingError(self._stateless_message())
