@@ -26,7 +26,8 @@ blocks and the partial, then that norm without the skip. Two forms (``rewrite(fo
   hidden]`` of a slot per source of the final aggregation (the embedding, then one per block), made once
   (``Pad`` of the embedding with zeros); each site adds its branch into its block's slot (one
   ``ScatterND`` with ``reduction="add"``: the slot holds the block's partial sum, with no ``Add`` of its
-  own and no partial tensor beside the buffer; onnxruntime 1.32 copies the buffer there, off the peak),
+  own and no partial tensor beside the buffer; onnxruntime 1.32 copies the whole buffer there, a copy
+  that is part of the peak),
   then the key RMSNorm over all slots, the logits of each token ``[batch, sequence, 1, slots]`` (a
   ``FusedMatMul`` of the pseudo-query with the keys, the slot axis read as each token's columns), the
   slots of blocks not begun masked out (an ``Add``), a ``Softmax`` over the last axis and the weighted sum
