@@ -8,8 +8,8 @@ Llama's builder folder computes the torch model's logits (prompt and 8 decoding 
 generates its tokens on a padded batch; a builder graph of another depth is refused before anything is written.
 Also slow (a second each): the fp16 graph written for CUDA keeps the aggregation in fp32 and computes
 the prompt's logits (on the CPU provider); int4 agrees with the torch model as closely as the builder's
-int4 of the original agrees with the original, and computes, in each family, the torch model holding its
-dequantized weights; the logits of Qwen2, Qwen3, Phi-3, Gemma, Gemma 2, Granite and SmolLM3.
+int4 of the original agrees with the original (teacher-forced sequences), and computes, in each family, the
+torch model holding its dequantized weights; the logits of Qwen2, Qwen3, Phi-3, Gemma, Gemma 2, Granite and SmolLM3.
 """
 
 import copy
@@ -28,7 +28,7 @@ from attnres_fx import StreamMismatchError, export
 from attnres_fx.export import builder_stream, genai_builder
 from attnres_fx.passes.plan import Plan, Site, StreamPlan
 from attnres_fx.testing import randomise_pseudo_queries
-from attnres_fx.testing.serving import greedy_reference, serving_model, tiny_tokenizer
+from attnres_fx.testing.serving import VOCAB, greedy_reference, serving_model, tiny_tokenizer
 from genai_support import needs_genai
 from hf_models import needs_hf
 
@@ -319,10 +319,12 @@ def test_rewritten_graph_computes_block_attnres(form, block_size, row_by_row, pr
 
 # --- the builder's folders ----------------------------------------------------------------------------
 
-def converted(family: str = "llama", **config) -> torch.nn.Module:
+def converted(family: str = "llama", randomise: bool = True, **config) -> torch.nn.Module:
+    """The family's serving model converted (block size 2), its pseudo-queries random unless ``randomise`` is
+    False (then zero, as ``attnresify`` leaves them: the original's function, each aggregation the sum)."""
     model = serving_model(family, **SIZE, **config)
     attnres_fx.attnresify(model, (torch.arange(3, 19).reshape(2, 8),), block_size=2)
-    return randomise_pseudo_queries(model)
+    return randomise_pseudo_queries(model) if randomise else model
 
 
 def served_logits(folder: Path, prompt: list[int], steps: int) -> tuple[np.ndarray, list[int]]:
@@ -408,23 +410,70 @@ def test_a_builder_graph_of_another_depth_is_refused_before_anything_is_written(
     assert list(tmp_path.iterdir()) == []
 
 
-def int4_error(model: torch.nn.Module, root: Path) -> float:
+def forced_logits(folder: Path, sequence: list[int], prompt: int) -> np.ndarray:
+    """onnxruntime-genai's last-position logits after ``sequence[:prompt]`` and after each later token of
+    ``sequence`` appended in turn (``[len(sequence) - prompt + 1, vocab]``): the same positions whatever the
+    folder would have generated."""
+    import onnxruntime_genai as og
+
+    model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    params.set_search_options(do_sample=False, max_length=len(sequence) + 1, batch_size=1)
+    generator = og.Generator(model, params)
+    generator.append_tokens(np.array([sequence[:prompt]], dtype=np.int32))
+    rows = [np.asarray(generator.get_output("logits"))[0, -1]]
+    for token in sequence[prompt:]:
+        generator.append_tokens(np.array([[token]], dtype=np.int32))
+        rows.append(np.asarray(generator.get_output("logits"))[0, -1])
+    return np.stack(rows)
+
+
+# Teacher-forced sequences for the int4 checks: the prompt, then tokens fixed here (not generated, which
+# would compare each folder on another sequence, or on none where a folder's greedy pick is EOS at once).
+FORCED = [PROMPT + np.random.default_rng(seed).integers(3, VOCAB, DECODE_STEPS).tolist() for seed in range(4)]
+
+
+def forced_error(model: torch.nn.Module, folder: Path | None, reference: torch.nn.Module | None = None) -> float:
+    """The largest logit error over :data:`FORCED` of ``folder`` (or of the torch model ``reference``)
+    against ``model``, relative to each sequence's largest logit."""
+    errors = []
+    for sequence in FORCED:
+        with torch.no_grad():
+            want = model(torch.tensor([sequence])).logits[0, len(PROMPT) - 1:]
+            got = reference(torch.tensor([sequence])).logits[0, len(PROMPT) - 1:] if folder is None else \
+                torch.from_numpy(forced_logits(folder, sequence, len(PROMPT)))
+        errors.append(float((got - want).abs().max() / want.abs().max()))
+    return max(errors)
+
+
+def int4_folder(model: torch.nn.Module, root: Path) -> Path:
     folder = export.to_genai(model, root, precision="int4")
     graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
     assert any(node.op_type == "MatMulNBits" for node in graph.node)
-    return max_relative_error(model, folder, PROMPT)
+    return folder
 
 
 @pytest.mark.slow
 @needs_hf
 @needs_genai
-def test_int4_agrees_with_the_model_as_the_builders_int4_of_the_original_does(tmp_path):
-    model = converted()
-    original = serving_model("llama", **SIZE)
-    ours, builders = int4_error(model, tmp_path / "converted"), int4_error(original, tmp_path / "original")
-    print(f"int4 logits, max relative error against torch: converted {ours:.4f}, builder's original {builders:.4f}")
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
+def test_int4_agrees_with_the_model_as_the_builders_int4_of_the_original_does(family, tmp_path):
+    """The converted model as ``attnresify`` leaves it (zero pseudo-queries: the original's function) served
+    at int4 is as far from the torch model as the builder's int4 of the original is from the original.
+    Measured, converted / original: Llama 0.1471 / 0.1478, Gemma 2 0.3177 / 0.3177 (Mistral, with a window
+    as long as the context, has Llama's weights and figures). With random pseudo-queries the converted
+    folder is further off (Llama 0.82, Gemma 2 0.91), as far as int4 rounds that model's weights: the next
+    test."""
+    window = {"sliding_window": 128} if family in ("gemma2", "mistral") else {}
+    model = converted(family, randomise=False, **window)
+    original = serving_model(family, **SIZE, **window)
+    ours = forced_error(model, int4_folder(model, tmp_path / "converted"))
+    builders = forced_error(original, int4_folder(original, tmp_path / "original"))
+    print(f"{family} int4 logits, max relative error against torch: converted {ours:.4f}, builder's original "
+          f"{builders:.4f}")
     assert builders > FP32_LOGITS_RTOL, "int4 should round the logits"
-    assert ours <= 1.5 * builders
+    # 5%: the aggregations run in fp32 on the int4 sublayers' outputs where the builder adds them.
+    assert ours <= 1.05 * builders
 
 
 def dequantized_weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -493,9 +542,9 @@ def computing_in_fp32(folder: Path, copy_to: Path) -> Path:
 def test_int4_graph_computes_the_converted_model_with_its_dequantized_weights(family, tmp_path):
     """The pass's own error in an int4 graph, without int4's: the torch model holding the weights the
     graph's MatMulNBits dequantize to, against the graph computing them in fp32. Measured 1e-6 in every
-    family (against the torch model itself the int4 folder is 0.16-0.52 off, Gemma 2's 1.19, the builder's
-    int4 of the original 0.10-0.17: a converted model with random pseudo-queries feeds more of its
-    sublayers' rounded outputs to its norms than the original's embedding-dominated stream does). Mistral
+    family (against the torch model itself the int4 folder is 0.64-1.08 off on teacher-forced sequences,
+    the builder's int4 of the original 0.15-0.32: a converted model with random pseudo-queries feeds more of
+    its sublayers' rounded outputs to its norms than the original's embedding-dominated stream does). Mistral
     and Gemma 2 with a window as long as the context, which takes the builder's graph."""
     model = converted(family, **({"sliding_window": 128} if family in ("gemma2", "mistral") else {}))
     folder = export.to_genai(model, tmp_path / "int4", precision="int4")
@@ -508,24 +557,19 @@ def test_int4_graph_computes_the_converted_model_with_its_dequantized_weights(fa
 @pytest.mark.slow
 @needs_hf
 @needs_genai
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "phi3", "mistral", "gemma2"])
 def test_int4_folder_is_as_far_from_the_model_as_its_rounded_weights_are(family, tmp_path):
     """The served int4 folder (the builder's int8 activations included) against the torch model, no further
     off than the torch model holding the folder's 4-bit weights is: what int4 costs this model, the pass
-    adding nothing. Measured, served / rounded weights: Llama 0.157 / 0.157, Qwen2 0.206 / 0.201, Qwen3
-    0.523 / 0.522, Phi-3 0.307 / 0.330; the builder's int4 of the original 0.140 / 0.139, 0.119 / 0.119,
-    0.173 / 0.174, 0.116 / 0.118. The converted models (random pseudo-queries) lose more to 4-bit weights
-    than the originals (1.1-3.0x); at zero pseudo-queries their int4 folders are 1.00-1.02x the builder's
-    int4 of the original off."""
-    model = converted(family)
-    folder = export.to_genai(model, tmp_path / "int4", precision="int4")
-    got, sequence = served_logits(folder, PROMPT, DECODE_STEPS)
-    positions = slice(len(PROMPT) - 1, len(PROMPT) + DECODE_STEPS)
-    with torch.no_grad():
-        want = model(torch.tensor([sequence])).logits[0, positions]
-        rounded = with_weights(model, dequantized_weights(folder))(torch.tensor([sequence])).logits[0, positions]
-    served = float((torch.from_numpy(got) - want).abs().max() / want.abs().max())
-    rounding = float((rounded - want).abs().max() / want.abs().max())
+    adding nothing. Measured on :data:`FORCED`, served / rounded weights: Llama
+    0.819 / 0.833, Qwen2 1.033 / 1.025, Qwen3 1.078 / 1.069, Phi-3 0.642 / 0.636, Gemma 2 0.912 / 0.907 (Mistral's are
+    Llama's). The converted models
+    (random pseudo-queries) lose more to 4-bit weights than the originals (previous test)."""
+    window = {"sliding_window": 128} if family in ("gemma2", "mistral") else {}
+    model = converted(family, **window)
+    folder = int4_folder(model, tmp_path / "int4")
+    served = forced_error(model, folder)
+    rounding = forced_error(model, None, with_weights(model, dequantized_weights(folder)))
     print(f"{family} int4, max relative error against torch: served {served:.4f}, its weights {rounding:.4f}")
     assert rounding > FP32_LOGITS_RTOL, "int4 should round the logits"
     # 10%: the folder's int8 activations (the builder's accuracy_level 4) round on top of the weights.
