@@ -30,6 +30,11 @@ Contract
               ``preserves_computation`` is True: the result equals the per-site form up to fp32
               rounding (about 1e-6 relative).
 
+:func:`apply_two_phase_to_site_calls` is the same schedule for a graph whose aggregations are
+:func:`~attnres_fx.op.module.run_site` calls (a layer-route block graph, what Inductor compiles for calls
+without gradients): its phase nodes take the sites' modules, read when the graph runs, and a site whose
+module would not run as a plain ``BlockAttnRes`` then (hooks, another module in its place) runs per site.
+
 A *group* is the set of sites whose sources minus the last (the partial) are the very same nodes: the
 sites of one block (and the stream's final aggregation, which reads the last block's completed set).
 A site with no completed block (the first one, whose only source is the embedding) gets phase 2 alone,
@@ -81,7 +86,8 @@ from attnres_fx.op.aggregation import (
     softmax_parts,
     weighted_sum,
 )
-from attnres_fx.op.module import BlockAttnRes, captured
+from attnres_fx import compat
+from attnres_fx.op.module import BlockAttnRes, captured, run_site
 from attnres_fx.errors import PassContractError
 from attnres_fx.op.kernels import cpu
 
@@ -241,6 +247,64 @@ def apply_two_phase(gm: fx.GraphModule) -> fx.GraphModule:
     untouched) on a module without BlockAttnRes aggregations, or one already switched.
     """
     return TwoPhaseSchedule()(gm).graph_module
+
+
+def apply_two_phase_to_site_calls(gm: fx.GraphModule) -> fx.GraphModule:
+    """The two-phase schedule for a graph whose aggregations are :func:`~attnres_fx.op.module.run_site` calls
+    (a layer-route block graph: ``run_site(module, entered, *sources)``, ``entered`` the completed blocks the
+    graph received as one list), in place; returns ``gm``. The sites that read the same completed blocks
+    (the same ``entered`` and the same sources before the partial) share one :func:`phase1_at`; each site
+    becomes a :func:`phase2_at`. The modules stay arguments, resolved when the graph runs: a site whose module
+    has hooks or was replaced runs as :func:`run_site` does. A site with no completed block is left as it is.
+    """
+    graph = gm.graph
+    groups: dict[tuple, list[fx.Node]] = {}
+    for node in graph.find_nodes(op="call_function", target=run_site):
+        _, entered, *sources = node.args
+        if entered or len(sources) > 1:
+            groups.setdefault((entered, tuple(sources[:-1])), []).append(node)
+    order = {node: index for index, node in enumerate(graph.nodes)}
+    for number, ((entered, completed), members) in enumerate(groups.items()):
+        for member in members[1:]:
+            # A later site's module (a get_attr, no inputs) is read where phase 1 now reads it.
+            if order[member.args[0]] > order[members[0]]:
+                members[0].prepend(member.args[0])
+                order[member.args[0]] = order[members[0]]
+        with graph.inserting_before(members[0]):
+            state = graph.create_node("call_function", phase1_at,
+                                      (tuple(member.args[0] for member in members), entered, *completed),
+                                      name=f"attnres_phase1_{number}")
+        for index, member in enumerate(members):
+            member.target = phase2_at
+            member.args = (member.args[0], state, index, *member.args[1:])
+    graph.lint()
+    gm.meta.setdefault("attnres", {})["schedule"] = SCHEDULE_META
+    gm.recompile()
+    return gm
+
+
+def phase1_at(modules: tuple, entered, *completed: torch.Tensor) -> tuple | None:
+    """:func:`phase1` for the sites of ``modules`` (their AttnRes modules now) over the completed blocks
+    ``(*entered, *completed)``; ``None`` where one of them would not run as a plain ``BlockAttnRes`` (hooks on
+    it, another module in its place) or their ``eps`` differ: each site then runs :func:`run_site`."""
+    if any(type(module) is not BlockAttnRes or compat.module_hooks(module) for module in modules):
+        return None
+    eps = modules[0].eps
+    if any(module.eps != eps for module in modules):
+        return None
+    return phase1(tuple(module.proj.weight for module in modules), tuple(module.norm.weight for module in modules),
+                  (*entered, *completed), eps=eps)
+
+
+def phase2_at(module, states: tuple | None, index: int, entered, *sources: torch.Tensor) -> torch.Tensor:
+    """The site of ``module``: :func:`phase2` of the partial (the last source) with its query's phase-1 state
+    (``states[index]``), or ``run_site(module, entered, *sources)`` where :func:`phase1_at` gave none."""
+    if states is None:
+        return run_site(module, entered, *sources)
+    first = entered[0] if entered else sources[0]
+    scale = float(len(entered) + len(sources)) if module.preserve_scale else 1.0
+    return phase2(states[index], module.proj.weight, module.norm.weight, sources[-1], first, eps=module.eps,
+                  scale=scale)
 
 
 def can_apply_two_phase(module) -> bool:

@@ -7,7 +7,8 @@
   rewritten with the stream's state as extra inputs and outputs, compiled to Python that resolves the
   block's modules when it runs. What the graph takes and returns is one record, the
   :class:`~attnres_fx.passes.signature.LayerGraphSignature` the rewrite stored with it.
-  Under Inductor the router compiles that code through TorchDynamo (its sublayers inlined, guarded).
+  Under Inductor the router compiles that code through TorchDynamo (its sublayers inlined, guarded); for
+  calls without gradients the code of its two-phase form (:meth:`BlockVariant.two_phase_forward`).
 - **Dynamo graphs** (the model route; the layer route for a block whose own code fx cannot trace): the
   backends that rewrite a copy of each graph TorchDynamo captures (:func:`rewritten_dynamo_graph`) and
   run it eagerly or hand it to Inductor with the AttnRes weights as extra inputs (:class:`WeightReader`).
@@ -43,7 +44,7 @@ from ..passes.node_kinds import is_reshape
 from ..passes.pipeline import LayerTarget, rewrite_captured
 from ..passes.rewrite import Emitter, ModuleCalls, ParameterInputs, lift_attnres_weights
 from ..passes.signature import BLOCKS, PARTIAL, SIGNATURE, WEIGHT_INPUT, LayerGraphSignature, StateLayout
-from ..passes.two_phase import apply_two_phase
+from ..passes.two_phase import apply_two_phase, apply_two_phase_to_site_calls
 from .. import compat
 
 if TYPE_CHECKING:
@@ -51,14 +52,19 @@ if TYPE_CHECKING:
 
 
 
+# In a rewritten block graph's meta: (forward, graph module) of its two-phase form.
+TWO_PHASE_FORWARD = "attnres_two_phase_forward"
+
+
 class BlockVariant:
     """One block's rewritten graph for one call shape and state layout; ``forward(bound, *inputs, *state)``
     returns ``(result, partial, *committed)`` (``(result,)`` where the graph ends the stream)."""
 
-    def __init__(self, forward: Callable, signature: LayerGraphSignature, bound: Bound):
+    def __init__(self, forward: Callable, signature: LayerGraphSignature, bound: Bound, graph_module: fx.GraphModule):
         self.forward = forward
         self.signature = signature
         self.bound = bound
+        self.graph_module = graph_module
         # What every call reads of the signature, read once (a block call's budget is microseconds).
         self.stream_input = signature.stream_input
         self.results = signature.results
@@ -66,6 +72,19 @@ class BlockVariant:
         self.next_offset = signature.next_offset
         self.blocks_as_list = BLOCKS in signature.inputs
         self.takes_partial = PARTIAL in signature.inputs
+
+    def two_phase_forward(self) -> Callable:
+        """The forward of this graph in the two-phase schedule
+        (:func:`~attnres_fx.passes.two_phase.apply_two_phase_to_site_calls`): what Inductor compiles for calls
+        without gradients, as for a TorchDynamo graph (:func:`rewritten_dynamo_graph`). Made from the
+        rewritten graph at the first such call (no trace, no rewrite), shared by the blocks that share it."""
+        found = self.graph_module.meta.get(TWO_PHASE_FORWARD)
+        if found is None:
+            with compat.lazy_graph_modules():
+                gm = apply_two_phase_to_site_calls(copy_graph_module(self.graph_module, "TwoPhaseBlock"))
+            found = self.graph_module.meta[TWO_PHASE_FORWARD] = (
+                compiled_forward(gm.graph, f"{type(getattr(self.bound, BLOCK)).__name__} two-phase graph"), gm)
+        return found[0]
 
     def state_arguments(self, tensors: tuple) -> tuple:
         """The state inputs from ``tensors`` (the completed block sums, then the partial sum where the graph
@@ -333,7 +352,7 @@ def block_variant(router: LayerRouter, traced: TracedBlock, shape: CallShape, la
               if not node.target.startswith(BLOCK + ".") and node.target != FINAL}
     final = place_of(router.root, planned.final.name) if FINAL in gm._modules else None
     router.rewritten.append(gm)
-    return BlockVariant(forward, gm.meta[SIGNATURE], Bound(router.module, final, **others))
+    return BlockVariant(forward, gm.meta[SIGNATURE], Bound(router.module, final, **others), gm)
 
 
 def rewritten_block(router: LayerRouter, traced: TracedBlock, shape: CallShape, layout: StateLayout | None,

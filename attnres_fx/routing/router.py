@@ -563,13 +563,16 @@ class LayerRouter(Router):
     def _run_compiled(self, variant: graphs.BlockVariant, inputs: list, state: tuple):
         """The block graph ``variant`` compiled by Inductor: TorchDynamo captures the rewritten graph's own
         code (the block's sublayers inlined, with Dynamo's guards on them), one cache per block and
-        variant (a code object of its own)."""
+        variant (a code object of its own). Without gradients, the graph in the two-phase schedule, as
+        for a TorchDynamo graph (:func:`~attnres_fx.routing.graphs.rewritten_dynamo_graph`)."""
         compiler = self.conversion.compiler
-        key = (compiler, "block graph", variant)
+        two_phase = not torch.is_grad_enabled()
+        key = (compiler, "block graph", variant, two_phase)
         entry = self._entries.get(key)
         if entry is None:
-            entry = self._entries[key] = dynamo.compiled_entry(entry_function(variant.forward),
-                                                               self._block_graph_backend, compiler)
+            forward = variant.two_phase_forward() if two_phase else variant.forward
+            entry = self._entries[key] = dynamo.compiled_entry(entry_function(forward), self._block_graph_backend,
+                                                               compiler)
         bound = variant.bound
         return dynamo.run(lambda: entry(bound, *inputs, *state), lambda: variant.forward(bound, *inputs, *state),
                           self.module, lambda err: _graph_break_message(self, err), self.checkpointing_flag_holders)

@@ -21,6 +21,9 @@ from attnres_fx import routing
 from attnres_fx.models import TinyConfig, TinyTransformer, example_ids
 from attnres_fx.conversion import conversion_of
 from attnres_fx.errors import TraceError
+from attnres_fx.capture.block_tracer import compiled_forward
+from attnres_fx.op.module import run_site
+from attnres_fx.passes.two_phase import phase1_at, phase2_at
 from attnres_fx.passes.signature import BLOCK, CARRIER, PARTIAL, SIGNATURE, SPARE
 from attnres_fx.routing import graphs
 from attnres_fx.routing.state import state_of
@@ -408,6 +411,88 @@ def test_compile_takes_the_whole_call_where_it_can_and_block_by_block_where_it_c
             assert not torch.allclose(hooked, compiled)
         attnres_fx.remove(model)
         assert "forward" not in model.__dict__ and not routing.routers(model)
+
+
+@cold_compile
+@pytest.mark.slow
+def test_compiled_block_graphs_run_the_two_phase_schedule_without_gradients(monkeypatch):
+    """Block by block under Inductor (a model whose own forward is no single graph), a call without
+    gradients compiles each block graph in the two-phase schedule, as the TorchDynamo graphs of the other
+    paths are: the graph Dynamo captures holds phase 1's ops, nothing is traced or rewritten again, and the
+    result is the eager route's (1e-5: Inductor reorders fp32 sums). A call with gradients compiles the
+    per-site graph. A hook put on a site's module afterwards is honoured (Dynamo guards on it)."""
+    captured = []
+    backend = routing.LayerRouter._block_graph_backend
+    monkeypatch.setattr(routing.LayerRouter, "_block_graph_backend",
+                        lambda self, gm, inputs: captured.append(gm) or backend(self, gm, inputs))
+    ids = example_ids(tiny().config)
+    model = randomise_pseudo_queries(attnres_fx.attnresify(tiny(layers=4, cls=Chatty), (ids,), block_size=4), std=1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.no_grad():
+            eager = model(ids)
+        with_grad = model(ids)
+        stats = copy.copy(conversion_of(model).stats)
+        attnres_fx.compile(model)
+        with torch.no_grad():
+            compiled = model(ids)
+        assert not model.__dict__["forward"].whole
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+        after = conversion_of(model).stats
+        assert (after.traces, after.rewrites) == (stats.traces, stats.rewrites)
+        assert [_runs_phase1(gm) for gm in captured] == [True] * 4
+        torch.testing.assert_close(model(ids), with_grad, rtol=1e-5, atol=1e-5)
+        assert [_runs_phase1(gm) for gm in captured[4:]] == [False] * 4
+        model.blocks[2].mlp_res.register_forward_hook(lambda module, args, out: out * 2)
+        with torch.no_grad():
+            hooked = model(ids)
+            attnres_fx.compile(model, backend="eager")
+            torch.testing.assert_close(hooked, model(ids), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(hooked, compiled)
+
+
+def _runs_phase1(gm):
+    """Whether a graph TorchDynamo captured holds ops of the two-phase schedule's phase 1."""
+    return any("in phase1" in (node.meta.get("stack_trace") or "") for node in gm.graph.nodes)
+
+
+def _variants(model):
+    return [variant for router in routing.routers(model) if isinstance(router, routing.LayerRouter)
+            for routes in router._shapes.values() for variant in routes.variants.values()]
+
+
+def test_a_block_graph_in_the_two_phase_schedule_computes_the_per_site_graph():
+    """The two-phase form of each rewritten block graph (what Inductor compiles for calls without
+    gradients), run eagerly, returns what the per-site graph returns (1e-5: the softmax over the completed
+    blocks and the partial regrouped, fp32 sums in another order). Structural: one phase 1 per set of
+    completed blocks the block's sites read, a phase 2 per site (a site with no completed block keeps its
+    call), made from the rewritten graph without a trace or a rewrite. A hook put on a site's module
+    afterwards is honoured: that block's sites run as modules again."""
+    model = randomise_pseudo_queries(attnres_fx.attnresify(tiny(layers=4), block_size=4), std=1.0)
+    ids = example_ids(model.config)
+    with torch.no_grad():
+        per_site = model(ids)
+        stats = copy.copy(conversion_of(model).stats)
+        for variant in _variants(model):
+            calls = variant.graph_module.graph.find_nodes(op="call_function", target=run_site)
+            groups = {(c.args[1], tuple(c.args[2:-1])) for c in calls if c.args[1] or len(c.args) > 3}
+            variant.forward = variant.two_phase_forward()
+            graph = variant.graph_module.meta[graphs.TWO_PHASE_FORWARD][1].graph
+            assert len(graph.find_nodes(op="call_function", target=phase1_at)) == len(groups)
+            assert (len(graph.find_nodes(op="call_function", target=phase2_at))
+                    + len(graph.find_nodes(op="call_function", target=run_site))) == len(calls)
+        assert any(len(g.find_nodes(op="call_function", target=phase2_at))
+                   > len(g.find_nodes(op="call_function", target=phase1_at))
+                   for g in (v.graph_module.meta[graphs.TWO_PHASE_FORWARD][1].graph for v in _variants(model))), \
+            "some phase 1 serves two sites"
+        torch.testing.assert_close(model(ids), per_site, rtol=1e-5, atol=1e-5)
+        assert conversion_of(model).stats == stats, "no trace, no rewrite"
+        model.blocks[2].mlp_res.register_forward_hook(lambda module, args, out: out * 2)
+        hooked = model(ids)
+        for variant in _variants(model):
+            variant.forward = compiled_forward(variant.graph_module.graph, "per-site")
+        torch.testing.assert_close(hooked, model(ids), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(hooked, per_site)
 
 
 def test_blocks_of_one_kind_share_their_trace_and_their_rewritten_graphs():
