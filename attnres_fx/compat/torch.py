@@ -187,12 +187,6 @@ def saved_tensor_hooks_active() -> bool:
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
 
-def operator_function(overload) -> Callable:
-    """The C++ function behind a ``torch.ops`` overload (``OpOverload._op``, no public accessor): calling it
-    skips the overload's Python ``__call__`` frame, the same dispatch after it (torch 2.11 to 2.14)."""
-    return getattr(overload, "_op", overload)
-
-
 def module_hooks(module: nn.Module) -> bool:
     """Whether calling ``module`` does more than its class's forward: forward or backward hooks of its own,
     global ones (the private hook dicts of ``nn.Module`` and ``torch.nn.modules.module``; no public
@@ -472,7 +466,6 @@ __all__ = [
     "graph_break_release_hint",
     "checkpoint_regions_when_run_eagerly",
     "global_forward_hooks",
-    "operator_function",
     "fx_trace_undone",
     "fx_trace_left_behind",
     "undo_fx_trace_left_behind",

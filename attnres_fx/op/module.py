@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.overrides import has_torch_function
 
 from . import aggregation, ops
 from .. import compat
@@ -150,8 +151,8 @@ def run_site(module: BlockAttnRes, entered, *sources: torch.Tensor) -> torch.Ten
     """``module(*entered, *sources)`` (``entered``: the completed blocks a layer's graph received, as one
     sequence), without ``nn.Module``'s call machinery where the module is a ``BlockAttnRes`` without hooks
     (any hook, its own or global, or a module of another class put in its place, and the call goes through
-    the module as usual): what a block's graph calls for each aggregation. On the CPU, straight to the C++
-    operator's function (its autograd registered in C++ too), which checks its inputs itself (sources of
+    the module as usual): what a block's graph calls for each aggregation. On the CPU, for tensors without
+    ``__torch_function__``, straight to the C++ operator (its autograd registered in C++ too), which checks its inputs itself (sources of
     mixed shapes or dtypes take :func:`aggregate`): a decoding step's few microseconds, and no Python at all
     in a training step's backward. Under TorchDynamo (a block graph compiled by Inductor) the plain ops of
     :func:`aggregate`, which Inductor fuses."""
@@ -167,7 +168,7 @@ def run_site(module: BlockAttnRes, entered, *sources: torch.Tensor) -> torch.Ten
     first = listed[0]
     if type(first) is torch.Tensor and first.is_cpu and proj.is_cpu and not torch.compiler.is_dynamo_compiling():
         kernel = _CPU_KERNEL[0] if _CPU_KERNEL else _cpu_kernel()
-        if kernel is not None:
+        if kernel is not None and not has_torch_function(listed):
             try:
                 return kernel(listed, proj, norm, module.eps, module.preserve_scale)
             except RuntimeError:
@@ -179,11 +180,11 @@ _CPU_KERNEL: list = []          # the C++ operator's function, once found
 
 
 def _cpu_kernel():
-    """``attnres_cpu::aggregate``'s C++ function (:func:`~attnres_fx.compat.operator_function`: one Python
-    frame less per aggregation than the overload), or ``None`` where the kernel is not available."""
+    """The C++ operator's entry for plain tensors (:func:`attnres_fx.op.kernels.cpu.aggregate_op`), or
+    ``None`` where the kernel is not available."""
     if not _CPU_KERNEL:
         op = cpu_aggregate()
         if not op:
             return None
-        _CPU_KERNEL.append(compat.operator_function(op))
+        _CPU_KERNEL.append(op)
     return _CPU_KERNEL[0]

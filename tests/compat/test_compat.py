@@ -140,17 +140,3 @@ def test_a_capture_ignoring_several_logging_functions_logs_no_error():
         dynamo_logger.removeHandler(handler)
     assert torch.equal(out, torch.ones(2))
     assert not [r for r in records if r.levelno >= logging.ERROR], [r.getMessage()[:300] for r in records]
-
-
-def test_operator_function_is_the_overloads_dispatch_without_its_python_frame():
-    # What run_site calls for each aggregation: the same result and dispatch as the overload (its
-    # autograd included), without OpOverload.__call__ on the way.
-    overload = torch.ops.aten.mul.Tensor
-    function = compat.operator_function(overload)
-    assert not hasattr(function, "__code__")
-    a = torch.randn(3, requires_grad=True)
-    b = torch.randn(3)
-    out = function(a, b)
-    assert torch.equal(out, overload(a, b))
-    out.sum().backward()
-    assert torch.equal(a.grad, b)

@@ -12,6 +12,8 @@ import textwrap
 import pytest
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from attnres_fx.op import aggregation, ops
 from attnres_fx.op.kernels import cpu
@@ -288,6 +290,63 @@ def test_a_call_without_gradients_runs_no_other_operator():
     with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         torch.ops.attnres_cpu.aggregate(sources, proj.weight, norm.weight, EPS, False)
     assert [event.name for event in profile.events()] == ["attnres_cpu::aggregate"]
+
+
+class _Seen:
+    """What a torch-function or dispatch mode sees called."""
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def _record(self, func, args, kwargs):
+        self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+class _FunctionMode(_Seen, TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return self._record(func, args, kwargs)
+
+
+class _DispatchMode(_Seen, TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self._record(func, args, kwargs)
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
+def test_a_blocks_call_through_the_operators_python_entry_matches_the_module(grad):
+    """run_site calls the C++ operator through its own Python entry (no schema conversion of the arguments):
+    the module's result, and with gradients the operator's C++ autograd node."""
+    from attnres_fx import BlockAttnRes
+    from attnres_fx.op.module import run_site
+
+    module = BlockAttnRes(33)
+    nn.init.normal_(module.proj.weight)
+    sources = [s if grad else s.detach() for s in _sources((2, 3, 33), 4)]
+    with torch.set_grad_enabled(grad):
+        got = run_site(module, sources[:3], sources[3])
+        want = block_attn_res(sources[:3], sources[3], module.proj, module.norm)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert (got.grad_fn is not None and "attnres_cpu::AggregateFunction" in got.grad_fn.name()) == grad
+
+
+@needs_cpu_kernel
+def test_a_blocks_call_is_seen_by_torch_function_and_dispatch_modes():
+    """The operator's Python entry skips __torch_function__, so run_site takes it only without a torch-function
+    mode (or subclass); dispatch modes see the operator either way (the entry calls the dispatcher)."""
+    from attnres_fx import BlockAttnRes
+    from attnres_fx.op.module import run_site
+
+    module = BlockAttnRes(8)
+    sources = [s.detach() for s in _sources((1, 1, 8), 3)]
+    with torch.no_grad():
+        with _FunctionMode() as function_mode:
+            run_site(module, sources[:2], sources[2])
+        with _DispatchMode() as dispatch_mode:
+            run_site(module, sources[:2], sources[2])
+    assert "attnres_cpu.aggregate" in function_mode.seen
+    assert dispatch_mode.seen == ["attnres_cpu.aggregate.default"]
 
 
 @needs_cpu_kernel

@@ -20,6 +20,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/SmallVector.h>
 #include <torch/autograd.h>
+#include <torch/extension.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -941,6 +942,15 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> aggregate_backward_saved_meta(
 }
 
 
+// The operator for Python callers (attnres_fx/op/module.py's run_site): the dispatcher call
+// torch.ops.attnres_cpu.aggregate makes, autograd and dispatch modes included, without that path's boxing
+// of every argument against the schema, some 10 us a call once a decoding step has pushed it out of the
+// caches (half of what the aggregation cost a step). The GIL is released as torch.ops releases it.
+at::Tensor python_aggregate(const std::vector<at::Tensor>& sources, const at::Tensor& proj_weight,
+                            const at::Tensor& norm_weight, double eps, bool preserve_scale) {
+  return aggregate_op().call(sources, proj_weight, norm_weight, eps, preserve_scale);
+}
+
 }  // namespace attnres_cpu
 
 TORCH_LIBRARY(attnres_cpu, m) {
@@ -978,4 +988,8 @@ TORCH_LIBRARY_IMPL(attnres_cpu, Meta, m) {
   m.impl("aggregate_saving_logits", &attnres_cpu::aggregate_saving_logits_meta);
   m.impl("aggregate_backward_saved", &attnres_cpu::aggregate_backward_saved_meta);
   m.impl("weight_grads", &attnres_cpu::weight_grads_meta);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("aggregate", &attnres_cpu::python_aggregate, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -13,6 +13,8 @@ warns once, saying why; :mod:`attnres_fx.op.ops` then runs the PyTorch formulati
 from __future__ import annotations
 
 import hashlib
+import importlib.machinery
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -47,9 +49,8 @@ def available() -> bool:
     fails, False with one :class:`~attnres_fx.AttnResWarning` saying why."""
     if _State.loaded is None:
         try:
-            _load()
+            _State.aggregate = _load().aggregate
             _State.loaded = True
-            _State.aggregate = torch.ops.attnres_cpu.aggregate.default
         except _Unavailable as err:
             _State.loaded, _State.reason = False, str(err)
             warnings.warn(f"attnres_fx: the C++ CPU kernel is not available ({err}); the aggregation runs as "
@@ -63,9 +64,11 @@ def loaded() -> bool:
 
 
 def aggregate_op():
-    """The operator ``attnres_cpu::aggregate`` where :func:`available`, else ``None``: its one overload, whose
-    call skips the overload resolution of ``torch.ops.attnres_cpu.aggregate`` (some 3 us, per aggregation
-    of a decoding step)."""
+    """Where :func:`available`, a function that calls the operator ``attnres_cpu::aggregate`` as
+    ``torch.ops.attnres_cpu.aggregate`` does (through the dispatcher: autograd, dispatch modes), for plain
+    tensors only: no ``__torch_function__`` (check :func:`torch.overrides.has_torch_function` first), and
+    without converting each argument against the schema (some 10 us with cold caches, per aggregation of a
+    decoding step); else ``None``."""
     return _State.aggregate if _State.loaded is not None else (available() and _State.aggregate)
 
 
@@ -92,13 +95,22 @@ def library_name() -> str:
     return f"attnres_cpu_{digest[:16]}"
 
 
-def _load() -> None:
+def _load():
+    """Build the library where its cache has none; load it (registering the operators) and return it as a
+    Python module (its entry for :func:`aggregate_op`)."""
     name = library_name()
     directory = cache_dir() / name
     library = directory / f"{name}.so"
-    if (directory / _BUILT).exists() and library.exists():
-        torch.ops.load_library(str(library))
-        return
+    if not ((directory / _BUILT).exists() and library.exists()):
+        _build(name, directory)
+    torch.ops.load_library(str(library))
+    loader = importlib.machinery.ExtensionFileLoader(name, str(library))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader))
+    loader.exec_module(module)
+    return module
+
+
+def _build(name: str, directory: Path) -> None:
     from torch.utils import cpp_extension
 
     compiler = os.environ.get("CXX", "c++")
