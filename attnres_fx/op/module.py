@@ -152,10 +152,10 @@ def run_site(module: BlockAttnRes, entered, *sources: torch.Tensor) -> torch.Ten
     sequence), without ``nn.Module``'s call machinery where the module is a ``BlockAttnRes`` without hooks
     (any hook, its own or global, or a module of another class put in its place, and the call goes through
     the module as usual): what a block's graph calls for each aggregation. On the CPU, for tensors without
-    ``__torch_function__``, straight to the C++ operator (its autograd registered in C++ too), which checks its inputs itself (sources of
-    mixed shapes or dtypes take :func:`aggregate`): a decoding step's few microseconds, and no Python at all
-    in a training step's backward. Under TorchDynamo (a block graph compiled by Inductor) the plain ops of
-    :func:`aggregate`, which Inductor fuses."""
+    ``__torch_function__``, straight to the C++ operator (its autograd registered in C++ too), which checks
+    its inputs itself (sources of mixed shapes or dtypes take :func:`aggregate`): a decoding step's few
+    microseconds, and no Python at all in a training step's backward. Under TorchDynamo (a block graph
+    compiled by Inductor) the plain ops of :func:`aggregate`, which Inductor fuses."""
     if type(module) is not BlockAttnRes or compat.module_hooks(module):
         return module(*entered, *sources)         # hooks, or another module put in the site's place (a wrapper)
     listed = [*entered, *sources]
