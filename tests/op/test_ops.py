@@ -262,6 +262,34 @@ def test_saved_tensors_go_through_saved_tensors_hooks(name):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
+# Calls without gradients: more sources and a wider row than the forward's scratch holds inline (17 > 16,
+# 5000 > 4096: it takes the heap), more tokens than one chunk of work (at::parallel_for), a few tokens.
+NO_GRAD_CASES = [(17, (1, 1, 5000)), (2, (1, 600, 64)), (3, (2, 2, 7))]
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("k, shape", NO_GRAD_CASES, ids=["past-the-inline-scratch", "over-a-chunk", "few-tokens"])
+def test_a_call_without_gradients_matches_the_reference(k, shape):
+    proj, norm = _weights(shape[-1])
+    sources = [s.detach() for s in _sources(shape, k)]
+    with torch.no_grad():
+        got = torch.ops.attnres_cpu.aggregate(sources, proj.weight, norm.weight, EPS, True)
+        want = block_attn_res(sources[:-1], sources[-1], proj, norm, preserve_scale=True)
+    # fp32 sums taken in another order: round-off only, relative to the output's magnitude.
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@needs_cpu_kernel
+def test_a_call_without_gradients_runs_no_other_operator():
+    """A decoding step's call allocates its output below the dispatcher and keeps its scratch on the stack:
+    no ATen operator runs inside it (each costs microseconds when the step has pushed it out of the caches)."""
+    proj, norm = _weights(64)
+    sources = [s.detach() for s in _sources((1, 1, 64), 5)]
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        torch.ops.attnres_cpu.aggregate(sources, proj.weight, norm.weight, EPS, False)
+    assert [event.name for event in profile.events()] == ["attnres_cpu::aggregate"]
+
+
 @needs_cpu_kernel
 def test_non_contiguous_sources():
     proj, norm = _weights(8)

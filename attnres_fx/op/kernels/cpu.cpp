@@ -14,9 +14,11 @@
 // pointers may alias, so the compiler neither keeps them in registers nor vectorises freely).
 
 #include <ATen/ATen.h>
+#include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <c10/util/SmallVector.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -559,26 +561,44 @@ std::vector<at::Tensor> contiguous(const at::TensorList tensors) {
   return out;
 }
 
+// Inline capacities of the forward's scratch (larger calls take the heap): the folded query of a width up
+// to kInlineWidth, the row pointers and softmax stats of up to kInlineSources sources.
+constexpr int64_t kInlineWidth = 4096;
+constexpr int64_t kInlineSources = 16;
+
 // The forward; with `save`, also the logits' parts the backward needs ([2, K, T] fp32: save_logits).
+// A decoding step calls it with a few tokens, after the step's weights have pushed its code and data out of
+// the caches, so each call pays for every allocation and helper it runs (one call at [1, 1, 256] after
+// streaming 32 MB: an ATen allocation through the dispatcher 11-14 us, through at::detail 6 us; the whole
+// call 49-65 us with three of them, 36-48 us as here). Hence: the output (and saved logits) are its only
+// allocations, made below the dispatcher; the query and the scratch live on the stack; contiguous sources
+// (every call the stream makes) are not copied. (at::parallel_for runs a chunk of work or less on this
+// thread at no measurable cost.)
 std::tuple<at::Tensor, at::Tensor> forward(at::TensorList sources_in, const at::Tensor& proj_weight,
                                            const at::Tensor& norm_weight, double eps, bool preserve_scale, bool save) {
   const Rows rows = check_sources(sources_in, "attnres::aggregate");
-  const auto sources = contiguous(sources_in);
+  const bool dense =
+      std::all_of(sources_in.begin(), sources_in.end(), [](const at::Tensor& s) { return s.is_contiguous(); });
+  const std::vector<at::Tensor> copies = dense ? std::vector<at::Tensor>() : contiguous(sources_in);
+  const at::TensorList sources = dense ? sources_in : at::TensorList(copies);
   const int64_t K = static_cast<int64_t>(sources.size()), D = rows.dim;
-  const at::Tensor query = folded_query(proj_weight, norm_weight, D, "attnres::aggregate");
+  c10::SmallVector<float, kInlineWidth> query(D);
+  fold_query(proj_weight, norm_weight, D, "attnres::aggregate", query.data());
   const float scale = preserve_scale ? static_cast<float>(K) : 1.f;
-  at::Tensor out = at::empty_like(sources[0]);
-  at::Tensor saved = save ? at::empty({2, K, rows.count}, sources[0].options().dtype(at::kFloat)) : at::Tensor();
+  // at::detail::empty_cpu: what at::empty's CPU kernel allocates with (the same in torch 2.11 to 2.14),
+  // without the dispatcher's way there; every element of both is written below.
+  at::Tensor out(at::detail::empty_cpu(sources[0].sizes(), sources[0].scalar_type()));
+  at::Tensor saved = save ? at::Tensor(at::detail::empty_cpu({2, K, rows.count}, at::kFloat)) : at::Tensor();
   ATTNRES_DISPATCH(out.scalar_type(), "attnres_aggregate", [&] {
-    std::vector<const scalar_t*> pointers;
+    c10::SmallVector<const scalar_t*, kInlineSources> pointers;
     for (const auto& s : sources) pointers.push_back(s.const_data_ptr<scalar_t>());
     const scalar_t* const* src = pointers.data();
-    const float* q = query.const_data_ptr<float>();
+    const float* q = query.data();
     scalar_t* o = out.mutable_data_ptr<scalar_t>();
     float* kept = save ? saved.mutable_data_ptr<float>() : nullptr;
     at::parallel_for(0, rows.count, grain(K * D), [&](int64_t begin, int64_t end) {
-      std::vector<const scalar_t*> rows_of_tile(kTile * K);
-      std::vector<float> stats(2 * K * kTile, 0.f);
+      c10::SmallVector<const scalar_t*, kInlineSources * kTile> rows_of_tile(kTile * K);
+      c10::SmallVector<float, 2 * kInlineSources * kTile> stats(2 * K * kTile, 0.f);
       aggregate_rows(src, K, q, D, static_cast<float>(eps), scale, o, rows_of_tile.data(), stats.data(), begin,
                      end, kept, rows.count);
     });
