@@ -429,7 +429,7 @@ def forced_logits(folder: Path, sequence: list[int], prompt: int) -> np.ndarray:
 
 
 # Teacher-forced sequences for the int4 checks: the prompt, then tokens fixed here (not generated, which
-# would compare each folder on another sequence, or on none where a folder's greedy pick is EOS at once).
+# would compare each folder on another sequence, or on too short a one where a folder's greedy sequence ends early).
 FORCED = [PROMPT + np.random.default_rng(seed).integers(3, VOCAB, DECODE_STEPS).tolist() for seed in range(4)]
 
 
