@@ -168,7 +168,7 @@ def run_site(module: BlockAttnRes, entered, *sources: torch.Tensor) -> torch.Ten
     first = listed[0]
     if type(first) is torch.Tensor and first.is_cpu and proj.is_cpu and not torch.compiler.is_dynamo_compiling():
         kernel = _CPU_KERNEL[0] if _CPU_KERNEL else _cpu_kernel()
-        if kernel is not None and not has_torch_function(listed):
+        if kernel is not None and not has_torch_function((*listed, proj, norm)):
             try:
                 return kernel(listed, proj, norm, module.eps, module.preserve_scale)
             except RuntimeError:

@@ -35,6 +35,7 @@ model calls it itself.
 from __future__ import annotations
 
 import torch
+from torch.overrides import has_torch_function
 
 from . import aggregation
 from .kernels import cpu
@@ -187,9 +188,11 @@ def eager(proj_weight: torch.Tensor, norm_weight: torch.Tensor, sources, *, eps:
     """The aggregation as eager PyTorch runs it fastest (``benchmarks/bench.py``'s ``kernels`` section
     measures the choices):
 
-    - on the CPU, the C++ operator ``attnres_cpu::aggregate`` straight away, with a gradient too: its
-      autograd is registered in C++, and it checks its inputs itself (sources of mixed shapes or dtypes,
-      which it refuses, take :func:`~attnres_fx.op.aggregation.fusable`: broadcasting, promotion);
+    - on the CPU, the C++ operator ``attnres_cpu::aggregate`` straight away (through the library's own entry,
+      :func:`~attnres_fx.op.kernels.cpu.aggregate_op`, for tensors without ``__torch_function__``), with a
+      gradient too: its autograd is registered in C++, and it checks its inputs itself (sources of mixed
+      shapes or dtypes, which it refuses, take :func:`~attnres_fx.op.aggregation.fusable`: broadcasting,
+      promotion);
     - on other devices, the operator ``attnres::aggregate`` (the Triton kernel on CUDA) for sources of one
       shape and dtype, :func:`~attnres_fx.op.aggregation.fusable` for the others;
     - no kernel (no compiler): :func:`~attnres_fx.op.aggregation.stacked` for small sources, where the op
@@ -206,7 +209,9 @@ def eager(proj_weight: torch.Tensor, norm_weight: torch.Tensor, sources, *, eps:
     on_cpu = sources[0].device.type == "cpu"
     if on_cpu and cpu.available():
         try:
-            return torch.ops.attnres_cpu.aggregate(sources, proj_weight, norm_weight, eps, preserve_scale)
+            if has_torch_function((*sources, proj_weight, norm_weight)):
+                return torch.ops.attnres_cpu.aggregate(sources, proj_weight, norm_weight, eps, preserve_scale)
+            return cpu.aggregate_op()(sources, proj_weight, norm_weight, eps, preserve_scale)
         except RuntimeError:
             if uniform(sources):
                 raise

@@ -332,19 +332,22 @@ def test_a_blocks_call_through_the_operators_python_entry_matches_the_module(gra
 
 
 @needs_cpu_kernel
-def test_a_blocks_call_is_seen_by_torch_function_and_dispatch_modes():
-    """The operator's Python entry skips __torch_function__, so run_site takes it only without a torch-function
-    mode (or subclass); dispatch modes see the operator either way (the entry calls the dispatcher)."""
+@pytest.mark.parametrize("caller", ["run_site", "module"])
+def test_a_call_is_seen_by_torch_function_and_dispatch_modes(caller):
+    """The operator's Python entry skips __torch_function__, so run_site and eager calls take it only without
+    a torch-function mode (or subclass); dispatch modes see the operator either way (the entry calls the
+    dispatcher)."""
     from attnres_fx import BlockAttnRes
     from attnres_fx.op.module import run_site
 
     module = BlockAttnRes(8)
     sources = [s.detach() for s in _sources((1, 1, 8), 3)]
+    call = (lambda: run_site(module, sources[:2], sources[2])) if caller == "run_site" else (lambda: module(*sources))
     with torch.no_grad():
         with _FunctionMode() as function_mode:
-            run_site(module, sources[:2], sources[2])
+            call()
         with _DispatchMode() as dispatch_mode:
-            run_site(module, sources[:2], sources[2])
+            call()
     assert "attnres_cpu.aggregate" in function_mode.seen
     assert dispatch_mode.seen == ["attnres_cpu.aggregate.default"]
 
