@@ -12,7 +12,7 @@ from torch.overrides import has_torch_function
 
 from . import aggregation, ops
 from .. import compat
-from .kernels.cpu import aggregate_op as cpu_aggregate
+from .kernels import cpu
 from ..compat import is_fake
 
 if TYPE_CHECKING:
@@ -167,24 +167,10 @@ def run_site(module: BlockAttnRes, entered, *sources: torch.Tensor) -> torch.Ten
         proj, norm = module.proj.weight, module.norm.weight
     first = listed[0]
     if type(first) is torch.Tensor and first.is_cpu and proj.is_cpu and not torch.compiler.is_dynamo_compiling():
-        kernel = _CPU_KERNEL[0] if _CPU_KERNEL else _cpu_kernel()
-        if kernel is not None and not has_torch_function((*listed, proj, norm)):
+        kernel = cpu.aggregate_op()
+        if kernel and not has_torch_function((*listed, proj, norm)):
             try:
                 return kernel(listed, proj, norm, module.eps, module.preserve_scale)
             except RuntimeError:
                 pass
     return aggregate(proj, norm, listed, eps=module.eps, preserve_scale=module.preserve_scale)
-
-
-_CPU_KERNEL: list = []          # the C++ operator's function, once found
-
-
-def _cpu_kernel():
-    """The C++ operator's entry for plain tensors (:func:`attnres_fx.op.kernels.cpu.aggregate_op`), or
-    ``None`` where the kernel is not available."""
-    if not _CPU_KERNEL:
-        op = cpu_aggregate()
-        if not op:
-            return None
-        _CPU_KERNEL.append(op)
-    return _CPU_KERNEL[0]
