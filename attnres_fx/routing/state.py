@@ -57,6 +57,8 @@ class StreamState:
     snapshot: torch.Tensor | None = None
     # Whether the state travels on a new tensor a forward hook returned in place of the block's carrier.
     replaced: bool = False
+    # The zeros the next block sent back as the carrier's gradient where nothing in it read the carrier.
+    unread: torch.Tensor | None = None
 
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -171,7 +173,8 @@ def _remembered(tensor: torch.Tensor) -> torch.Tensor | None:
 
 class _Bundle(torch.autograd.Function):
     """The carrier a block returns, taking the state's tensors as inputs too. Backward: the carrier's
-    gradient, and for the state's tensors what the following blocks sent back. The result shares the
+    gradient (none where it is the zeros the next block sent for a carrier nothing read), and for the
+    state's tensors what the following blocks sent back. The result shares the
     carrier's storage but is no view of it: hooks that watch a module's results (FSDP2's) treat views as
     fragile."""
 
@@ -184,7 +187,12 @@ class _Bundle(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return (None, grad, *ctx.state.take_grads(ctx.count))
+        state = ctx.state
+        if grad is not None and grad is state.unread:
+            # Nothing read the carrier: no gradient into the block's residual adds, which would otherwise
+            # add these zeros to each branch output's gradient (a pass over the stream each).
+            grad = state.unread = None
+        return (None, grad, *state.take_grads(ctx.count))
 
 
 class _Unbundle(torch.autograd.Function):
@@ -202,10 +210,11 @@ class _Unbundle(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_carrier, *grads):
-        ctx.state.add_grads(grads)
+        state = ctx.state
+        state.add_grads(grads)
         if grad_carrier is None:
             shape, dtype, device = ctx.carrier
-            grad_carrier = torch.zeros((), dtype=dtype, device=device).expand(shape)
+            grad_carrier = state.unread = torch.zeros((), dtype=dtype, device=device).expand(shape)
         return None, grad_carrier
 
 

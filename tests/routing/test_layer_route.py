@@ -115,6 +115,34 @@ def test_between_blocks_the_stream_is_the_plain_sum_of_the_branch_outputs():
     torch.testing.assert_close(carrier, sum(state.blocks) + state.partial, rtol=1e-6, atol=1e-6)
 
 
+def test_a_carrier_read_between_blocks_sends_its_gradient_and_an_unread_one_zeros_to_its_hooks():
+    """The carrier's gradient reaches the block's residual adds where a loss reads the carrier (a loss on the
+    hidden states): the gradients add up over the two losses. Where nothing reads it, its hooks still see
+    a gradient, zeros."""
+    model = randomise_pseudo_queries(attnres_fx.attnresify(tiny(), block_size=2)).train()
+    ids = example_ids(model.config)
+    seen = {}
+    model.blocks[1].register_forward_hook(lambda m, a, out: seen.__setitem__("carrier", out))
+
+    def grads_of(read_output: bool, read_carrier: bool, hook=None):
+        model.zero_grad()
+        out = model(ids)
+        if hook is not None:
+            seen["carrier"].register_hook(hook)
+        losses = [out.square().mean()] * read_output + [seen["carrier"].square().mean()] * read_carrier
+        sum(losses).backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    both, output_only, carrier_only = grads_of(True, True), grads_of(True, False), grads_of(False, True)
+    assert any(g.abs().sum() > 0 for name, g in carrier_only.items() if name.startswith("blocks.0."))
+    for name, grad in both.items():
+        torch.testing.assert_close(grad, output_only[name] + carrier_only.get(name, 0), rtol=1e-5, atol=TIGHT,
+                                   msg=name)
+    hooked = []
+    grads_of(True, False, hook=hooked.append)
+    assert len(hooked) == 1 and not hooked[0].any()
+
+
 class Chatty(TinyTransformer):
     """A model whose own forward Dynamo cannot capture as one graph: a warning and a data-dependent
     branch outside every block."""
