@@ -618,7 +618,10 @@ std::tuple<at::Tensor, at::Tensor> aggregate_saving_logits(at::TensorList source
   return forward(sources, proj_weight, norm_weight, eps, preserve_scale, true);
 }
 
-// The backward; given `saved` (the forward's save_logits), without recomputing the logits.
+// The backward; given `saved` (the forward's save_logits), without recomputing the logits. As in the
+// forward, a training step's backward at a few tokens pays for every allocation and helper: the results
+// are allocated below the dispatcher, the query and the scratch live on the stack, and inputs already
+// contiguous and of the sources' dtype (every call autograd makes) are not copied.
 std::tuple<std::vector<at::Tensor>, at::Tensor> backward(const at::Tensor& grad_in, at::TensorList sources_in,
                                                          const at::Tensor& saved_in, const at::Tensor& proj_weight,
                                                          const at::Tensor& norm_weight, double eps,
@@ -629,23 +632,34 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> backward(const at::Tensor& grad_
                                                                            rows.count})),
               "attnres::aggregate_backward: the saved logits must be float32 [2, K, T] = [2, ", sources_in.size(), ", ",
               rows.count, "], got ", saved_in.scalar_type(), " ", saved_in.sizes());
-  const at::Tensor saved = saved_in.defined() ? saved_in.contiguous() : saved_in;
+  const at::Tensor saved = !saved_in.defined() || saved_in.is_contiguous() ? saved_in : saved_in.contiguous();
   TORCH_CHECK(grad_in.sizes() == sources_in[0].sizes(), "attnres::aggregate_backward: grad must have the sources' "
               "shape ", sources_in[0].sizes(), ", got ", grad_in.sizes());
-  const auto sources = contiguous(sources_in);
-  const at::Tensor grad = grad_in.to(sources[0].scalar_type()).contiguous();
+  const bool dense =
+      std::all_of(sources_in.begin(), sources_in.end(), [](const at::Tensor& s) { return s.is_contiguous(); });
+  const std::vector<at::Tensor> copies = dense ? std::vector<at::Tensor>() : contiguous(sources_in);
+  const at::TensorList sources = dense ? sources_in : at::TensorList(copies);
+  const at::ScalarType dtype = sources[0].scalar_type();
+  const at::Tensor grad =
+      grad_in.scalar_type() == dtype && grad_in.is_contiguous() ? grad_in : grad_in.to(dtype).contiguous();
   const int64_t K = static_cast<int64_t>(sources.size()), D = rows.dim, T = rows.count;
-  const at::Tensor query = folded_query(proj_weight, norm_weight, D, "attnres::aggregate_backward");
+  c10::SmallVector<float, kInlineWidth> query(D);
+  fold_query(proj_weight, norm_weight, D, "attnres::aggregate_backward", query.data());
   const float scale = preserve_scale ? static_cast<float>(K) : 1.f;
   std::vector<at::Tensor> grads;
-  for (const auto& s : sources) grads.push_back(at::empty_like(s));
-  at::Tensor grad_query = at::empty({D}, sources[0].options().dtype(at::kFloat));
-  // One partial dL/dq per chunk of tokens, summed at the end: deterministic, no atomics.
+  grads.reserve(K);
+  for (int64_t k = 0; k < K; ++k) grads.emplace_back(at::detail::empty_cpu(sources[0].sizes(), dtype));
+  at::Tensor grad_query(at::detail::empty_cpu({D}, at::kFloat));
+  // One partial dL/dq per chunk of tokens, summed at the end: deterministic, no atomics. A single chunk
+  // (one thread, or few tokens) sums straight into the result.
   const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), T / grain(K * D)));
-  std::vector<float> partial_dq(chunks * D, 0.f);
-  ATTNRES_DISPATCH(grad.scalar_type(), "attnres_aggregate_backward", [&] {
-    std::vector<const scalar_t*> src;
-    std::vector<scalar_t*> dst;
+  float* const out = grad_query.mutable_data_ptr<float>();
+  std::vector<float> partial_dq(chunks > 1 ? chunks * D : 0, 0.f);
+  float* const dq = chunks > 1 ? partial_dq.data() : out;
+  if (chunks == 1) std::fill(out, out + D, 0.f);
+  ATTNRES_DISPATCH(dtype, "attnres_aggregate_backward", [&] {
+    c10::SmallVector<const scalar_t*, kInlineSources> src;
+    c10::SmallVector<scalar_t*, kInlineSources> dst;
     for (int64_t k = 0; k < K; ++k) {
       src.push_back(sources[k].const_data_ptr<scalar_t>());
       dst.push_back(grads[k].mutable_data_ptr<scalar_t>());
@@ -653,22 +667,23 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> backward(const at::Tensor& grad_
     const scalar_t* const* s = src.data();
     scalar_t* const* gs = dst.data();
     const scalar_t* g = grad.const_data_ptr<scalar_t>();
-    const float* q = query.const_data_ptr<float>();
-    float* dq = partial_dq.data();
+    const float* q = query.data();
     const float* kept = saved.defined() ? saved.const_data_ptr<float>() : nullptr;
     at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
-      std::vector<float> g_rows(std::is_same_v<scalar_t, float> ? 0 : kTile * D), stats(6 * K * kTile, 0.f);
-      std::vector<const scalar_t*> rows_of_tile(kTile * K);
+      std::vector<float> g_rows(std::is_same_v<scalar_t, float> ? 0 : kTile * D);
+      c10::SmallVector<float, 6 * kInlineSources * kTile> stats(6 * K * kTile, 0.f);
+      c10::SmallVector<const scalar_t*, kInlineSources * kTile> rows_of_tile(kTile * K);
       for (int64_t c = first; c < last; ++c) {
         backward_rows(g, s, gs, K, q, D, static_cast<float>(eps), scale, g_rows.data(), rows_of_tile.data(),
                       stats.data(), dq + c * D, c * T / chunks, (c + 1) * T / chunks, kept, T);
       }
     });
   });
-  float* out = grad_query.mutable_data_ptr<float>();
-  std::copy(partial_dq.begin(), partial_dq.begin() + D, out);
-  for (int64_t c = 1; c < chunks; ++c) {
-    for (int64_t d = 0; d < D; ++d) out[d] += partial_dq[c * D + d];
+  if (chunks > 1) {
+    std::copy(partial_dq.begin(), partial_dq.begin() + D, out);
+    for (int64_t c = 1; c < chunks; ++c) {
+      for (int64_t d = 0; d < D; ++d) out[d] += partial_dq[c * D + d];
+    }
   }
   return {grads, grad_query};
 }
@@ -767,9 +782,12 @@ std::tuple<at::Tensor, at::Tensor> weight_grads(const at::Tensor& grad_query_in,
               "attnres_cpu::weight_grads: a float32 dL/dq and weights of as many elements (", D, "), got ",
               grad_query_in.scalar_type(), ", ", proj_weight.sizes(), " and ", norm_weight.sizes());
   const at::Tensor grad_query = grad_query_in.contiguous();
-  const at::Tensor proj = proj_weight.to(at::kFloat).contiguous(), norm = norm_weight.to(at::kFloat).contiguous();
-  at::Tensor grad_proj = at::empty(proj_weight.sizes(), proj_weight.options().dtype(at::kFloat));
-  at::Tensor grad_norm = at::empty(norm_weight.sizes(), norm_weight.options().dtype(at::kFloat));
+  const auto as_float = [](const at::Tensor& w) {
+    return w.scalar_type() == at::kFloat && w.is_contiguous() ? w : w.to(at::kFloat).contiguous();
+  };
+  const at::Tensor proj = as_float(proj_weight), norm = as_float(norm_weight);
+  at::Tensor grad_proj(at::detail::empty_cpu(proj_weight.sizes(), at::kFloat));
+  at::Tensor grad_norm(at::detail::empty_cpu(norm_weight.sizes(), at::kFloat));
   const float* dq = grad_query.const_data_ptr<float>();
   const float* p = proj.const_data_ptr<float>();
   const float* g = norm.const_data_ptr<float>();
@@ -779,7 +797,10 @@ std::tuple<at::Tensor, at::Tensor> weight_grads(const at::Tensor& grad_query_in,
     gp[d] = dq[d] * g[d];
     gn[d] = dq[d] * p[d];
   }
-  return {grad_proj.to(proj_weight.scalar_type()), grad_norm.to(norm_weight.scalar_type())};
+  const auto as_weight = [](const at::Tensor& grad, const at::Tensor& w) {
+    return w.scalar_type() == at::kFloat ? grad : grad.to(w.scalar_type());
+  };
+  return {as_weight(grad_proj, proj_weight), as_weight(grad_norm, norm_weight)};
 }
 
 std::tuple<at::Tensor, at::Tensor> weight_grads_meta(const at::Tensor& grad_query, const at::Tensor& proj_weight,
