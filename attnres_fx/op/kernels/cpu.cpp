@@ -309,46 +309,57 @@ void aggregate_rows(const T* const* __restrict sources, int64_t K, const float* 
   }
 }
 
-// The second look of the backward at one token, for G of its sources: dL/dv_k = w_k g + gd_k q + c_k v_k
-// written to outs[k], and sum_k gd_k v_k added to dq. The per-source scalars (at stride kTile) are
-// copied into registers first: read through the stats pointer inside the loop, they were reloaded after
-// every store (the compiler cannot rule out that a gradient row aliases them), which made this loop, not
-// memory, the backward's bottleneck. Groups of at most four keep the row pointers in registers too; dq
-// is accumulated in the same order as one pass over all sources would.
-template <typename T, int G>
-inline void source_grads(const T* const* __restrict rows, T* const* __restrict outs, const float* __restrict q,
-                         const float* __restrict g, const float* __restrict weight, const float* __restrict grad_dot,
+// The second look of the backward at P consecutive tokens, for G of their sources: dL/dv_k = w_k g + gd_k q
+// + c_k v_k written to outs[p * G + k], and sum_k gd_k v_k added to dq. The per-source scalars (token p's
+// at p, source k's at stride kTile) are copied into registers first: read through the stats pointer
+// inside the loop, they were reloaded after every store (the compiler cannot rule out that a gradient
+// row aliases them), which made this loop, not memory, the backward's bottleneck. Groups of at most
+// four rows keep the row pointers in registers too. Two tokens at once (where a token has one or two
+// sources) load and store dq once for both: at 2 sources dq was a third of the loop's stores.
+template <typename T, int G, int P = 1>
+inline void source_grads(const T* const* __restrict rows, int64_t row_stride, T* const* __restrict outs,
+                         const float* __restrict q, const float* const* __restrict g,
+                         const float* __restrict weight, const float* __restrict grad_dot,
                          const float* __restrict coefficient, int64_t D, float* __restrict dq) {
-  const T* r[G];
-  T* o[G];
-  Vec w[G], gd[G], c[G];
-  float ws[G], gds[G], cs[G];
-  for (int k = 0; k < G; ++k) {
-    r[k] = rows[k];
-    o[k] = outs[k];
-    ws[k] = weight[k * kTile];
-    gds[k] = grad_dot[k * kTile];
-    cs[k] = coefficient[k * kTile];
-    w[k] = Vec(ws[k]);
-    gd[k] = Vec(gds[k]);
-    c[k] = Vec(cs[k]);
+  const T* r[P][G];
+  T* o[P][G];
+  const float* gp[P];
+  Vec w[P][G], gd[P][G], c[P][G];
+  float ws[P][G], gds[P][G], cs[P][G];
+  for (int p = 0; p < P; ++p) {
+    gp[p] = g[p];
+    for (int k = 0; k < G; ++k) {
+      r[p][k] = rows[p * row_stride + k];
+      o[p][k] = outs[p * G + k];
+      ws[p][k] = weight[k * kTile + p];
+      gds[p][k] = grad_dot[k * kTile + p];
+      cs[p][k] = coefficient[k * kTile + p];
+      w[p][k] = Vec(ws[p][k]);
+      gd[p][k] = Vec(gds[p][k]);
+      c[p][k] = Vec(cs[p][k]);
+    }
   }
   int64_t d = 0;
   for (; d + kLanes <= D; d += kLanes) {
-    const Vec qv = Vec::loadu(q + d), gv = Vec::loadu(g + d);
+    const Vec qv = Vec::loadu(q + d);
     Vec dqv = Vec::loadu(dq + d);
-    for (int k = 0; k < G; ++k) {
-      const Vec x = load_fp32(r[k] + d);
-      store_fp32(o[k] + d, at::vec::fmadd(x, c[k], at::vec::fmadd(qv, gd[k], gv * w[k])));
-      dqv = at::vec::fmadd(x, gd[k], dqv);
+    for (int p = 0; p < P; ++p) {
+      const Vec gv = Vec::loadu(gp[p] + d);
+      for (int k = 0; k < G; ++k) {
+        const Vec x = load_fp32(r[p][k] + d);
+        store_fp32(o[p][k] + d, at::vec::fmadd(x, c[p][k], at::vec::fmadd(qv, gd[p][k], gv * w[p][k])));
+        dqv = at::vec::fmadd(x, gd[p][k], dqv);
+      }
     }
     dqv.store(dq + d);
   }
   for (; d < D; ++d) {
-    for (int k = 0; k < G; ++k) {
-      const float x = static_cast<float>(r[k][d]);
-      o[k][d] = static_cast<T>(ws[k] * g[d] + gds[k] * q[d] + cs[k] * x);
-      dq[d] += gds[k] * x;
+    for (int p = 0; p < P; ++p) {
+      for (int k = 0; k < G; ++k) {
+        const float x = static_cast<float>(r[p][k][d]);
+        o[p][k][d] = static_cast<T>(ws[p][k] * gp[p][d] + gds[p][k] * q[d] + cs[p][k] * x);
+        dq[d] += gds[p][k] * x;
+      }
     }
   }
 }
@@ -429,20 +440,35 @@ void backward_rows(const T* __restrict grad, const T* const* __restrict sources,
         (Vec(scale) * p).store(at(weight, k));
       }
     }
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t t = first + i;
-      const float* g = std::is_same_v<T, float> ? reinterpret_cast<const float*>(grad + t * D) : g_rows + i * D;
+    const auto g_row = [&](int64_t i) {
+      return std::is_same_v<T, float> ? reinterpret_cast<const float*>(grad + (first + i) * D) : g_rows + i * D;
+    };
+    const int64_t pairs = K <= 2 ? n / 2 * 2 : 0;  // tokens taken two at a time
+    for (int64_t i = 0; i < pairs; i += 2) {
+      T* outs[4];
+      for (int64_t p = 0; p < 2; ++p) {
+        for (int64_t k = 0; k < K; ++k) outs[p * K + k] = grads[k] + (first + i + p) * D;
+      }
+      const float* gs[2] = {g_row(i), g_row(i + 1)};
+      if (K == 2) {
+        source_grads<T, 2, 2>(rows + i * K, K, outs, q, gs, weight + i, grad_dot + i, coefficient + i, D, dq);
+      } else {
+        source_grads<T, 1, 2>(rows + i * K, K, outs, q, gs, weight + i, grad_dot + i, coefficient + i, D, dq);
+      }
+    }
+    for (int64_t i = pairs; i < n; ++i) {
+      const float* g = g_row(i);
       for (int64_t k = 0; k < K; k += 4) {
         T* outs[4];
         const int64_t G = std::min<int64_t>(4, K - k);
-        for (int64_t j = 0; j < G; ++j) outs[j] = grads[k + j] + t * D;
+        for (int64_t j = 0; j < G; ++j) outs[j] = grads[k + j] + (first + i) * D;
         const T* const* token_rows = rows + i * K + k;
         const int64_t j = k * kTile + i;
         switch (G) {
-          case 4: source_grads<T, 4>(token_rows, outs, q, g, weight + j, grad_dot + j, coefficient + j, D, dq); break;
-          case 3: source_grads<T, 3>(token_rows, outs, q, g, weight + j, grad_dot + j, coefficient + j, D, dq); break;
-          case 2: source_grads<T, 2>(token_rows, outs, q, g, weight + j, grad_dot + j, coefficient + j, D, dq); break;
-          default: source_grads<T, 1>(token_rows, outs, q, g, weight + j, grad_dot + j, coefficient + j, D, dq); break;
+          case 4: source_grads<T, 4>(token_rows, K, outs, q, &g, weight + j, grad_dot + j, coefficient + j, D, dq); break;
+          case 3: source_grads<T, 3>(token_rows, K, outs, q, &g, weight + j, grad_dot + j, coefficient + j, D, dq); break;
+          case 2: source_grads<T, 2>(token_rows, K, outs, q, &g, weight + j, grad_dot + j, coefficient + j, D, dq); break;
+          default: source_grads<T, 1>(token_rows, K, outs, q, &g, weight + j, grad_dot + j, coefficient + j, D, dq); break;
         }
       }
     }
