@@ -46,6 +46,7 @@ from ..passes.rewrite import Emitter, ModuleCalls, ParameterInputs, lift_attnres
 from ..passes.signature import BLOCKS, PARTIAL, SIGNATURE, WEIGHT_INPUT, LayerGraphSignature, StateLayout
 from ..passes.two_phase import apply_two_phase, apply_two_phase_to_site_calls
 from .. import compat
+from .state import StreamState, layout_of
 
 if TYPE_CHECKING:
     from .router import LayerRouter, Router
@@ -72,6 +73,13 @@ class BlockVariant:
         self.next_offset = signature.next_offset
         self.blocks_as_list = BLOCKS in signature.inputs
         self.takes_partial = PARTIAL in signature.inputs
+        # The layout of the state a call of this graph leaves (the same at every call), once known.
+        self.next_layout: StateLayout | None = None
+
+    def note_next_layout(self, after: StreamState) -> StateLayout | None:
+        """The layout of ``after``, the state a call of this graph left, kept for the calls after it."""
+        self.next_layout = layout_of(after, False, as_list=True)
+        return self.next_layout
 
     def two_phase_forward(self) -> Callable:
         """The forward of this graph in the two-phase schedule

@@ -23,6 +23,7 @@ import collections
 import contextlib
 import functools
 import inspect
+import itertools
 import logging
 import threading
 import time
@@ -52,6 +53,9 @@ LOG = logging.getLogger("attnres_fx")
 COMPILERS = ("eager", "inductor")
 # Two threads' first hooked calls of one block register one router hook between them.
 _HOOK_LOCK = threading.Lock()
+_NONE = type(None)
+# The kinds of positional arguments whose call shape their types alone give (see call_shape).
+_POSITIONAL_KINDS = frozenset({torch.Tensor, int, float, _NONE})
 
 
 class Router:
@@ -270,6 +274,9 @@ class LayerRouter(Router):
         self.ends = span.stop == self.planned.num_positions
         self.traced_modules = (module, *(module.get_submodule(path) for path in sorted(opened)))
         self._shapes: dict[CallShape, _ShapeRoutes] = {}
+        # The shapes of calls with positional tensors, numbers and None only, by the arguments' types and
+        # the block's mode: (shape, which arguments are graph inputs).
+        self._positional_shapes: dict[tuple, tuple[CallShape, tuple[bool, ...]]] = {}
         self._forwards: dict[type, tuple] = {}
         # On TorchDynamo, by the state's layout: what the block's graphs take and return, recorded by the
         # backend (:meth:`_dynamo_backend`).
@@ -280,7 +287,7 @@ class LayerRouter(Router):
         self._after_hooks_id: int | None = None
 
     def __getstate__(self) -> dict:
-        return {**super().__getstate__(), "_shapes": {}, "_forwards": {}, "_watched": ()}
+        return {**super().__getstate__(), "_shapes": {}, "_positional_shapes": {}, "_forwards": {}, "_watched": ()}
 
     @property
     def own_sites(self) -> tuple:
@@ -388,7 +395,22 @@ class LayerRouter(Router):
     def _routes(self, args: tuple, kwargs: dict) -> tuple[_ShapeRoutes, list]:
         """The routes of this call's shape (and of its Python numbers' values where the code needs them),
         made at the shape's first call; and the call's graph inputs."""
-        shape, inputs = call_shape(args, kwargs, self.traced_modules)
+        if kwargs or self.opened:
+            shape, inputs = call_shape(args, kwargs, self.traced_modules)
+        else:
+            # A call with positional arguments only (``layer(h, start_pos, freqs, mask)``): its shape
+            # follows from the arguments' types where they are tensors, numbers and None, found by
+            # them in C (the walk of call_shape is a block call's largest share of Python).
+            kinds = (*map(type, args), self.module.training)
+            found = self._positional_shapes.get(kinds)
+            if found is None:
+                shape, inputs = call_shape(args, kwargs, self.traced_modules)
+                if all(kind in _POSITIONAL_KINDS for kind in kinds[:-1]):
+                    # Finitely many keys (four kinds per argument): no bound needed.
+                    self._positional_shapes[kinds] = (shape, tuple(kind is not _NONE for kind in kinds[:-1]))
+            else:
+                shape, kept = found
+                inputs = [*itertools.compress(args, kept)]
         routes = self._shapes.get(shape) or self._routes_for(shape, args, kwargs, inputs)
         if routes.baked is not None:
             values = tuple([inputs[k] for k in routes.baked])
@@ -446,6 +468,48 @@ class LayerRouter(Router):
         return any(compat.module_hooks(module) for module in self.traced_modules[1:])
 
     def _run_block_graph(self, routes: _ShapeRoutes, inputs: list):
+        index = routes.stream_input
+        if index is not None and not torch.is_grad_enabled() and self.conversion.compiler == "eager":
+            carrier = inputs[index]
+            state = getattr(carrier, ATTRIBUTE, None)
+            if (state is not None and state.layout is not None and state.owner is self.conversion
+                    and state.stream == self.stream and state.position == self.span.start
+                    and not carrier.requires_grad and not state.replaced
+                    and (state.snapshot is None if state.version is None else state.version == carrier._version)
+                    and not self.module._forward_hooks and not compat.global_forward_hooks()):
+                variant = routes.variants.get(state.layout)
+                if variant is not None:
+                    return self._run_plain(routes, variant, inputs, state)
+        return self._run_recorded(routes, inputs)
+
+    def _run_plain(self, routes: _ShapeRoutes, variant: graphs.BlockVariant, inputs: list, state: StreamState):
+        """:meth:`_run_recorded` for the commonest call of a decoding loop, in fewer steps: eager, no
+        gradient recorded, the state found on the carrier as its block left it (not edited, no
+        checkpointing, at this block's first site) and no forward hook on the block to see the result.
+        A block call's budget there is microseconds, and the route's Python was its largest part."""
+        if not variant.blocks_as_list:
+            state_arguments = state.tensors
+        elif variant.takes_partial:
+            state_arguments = ([*state.blocks], state.partial)
+        else:
+            state_arguments = ([*state.blocks],)
+        results = variant.forward(variant.bound, *inputs, *state_arguments)
+        if self.ends:
+            note_stream_end(self.conversion, self.stream)
+        else:
+            # Without gradients the graph's carrier is the carrier returned, inside the block's result.
+            offset = variant.results
+            after = StreamState(self.conversion, self.stream, self.span.start + variant.next_offset,
+                                state.blocks + tuple(results[offset + 2:]), results[offset + 1])
+            after.layout = variant.next_layout or variant.note_next_layout(after)
+            returned(results[offset], after, False)
+            attach(results[offset], after)
+        result_type = routes.traced.result_type
+        return results[0] if result_type is None else result_type(results[0])
+
+    def _run_recorded(self, routes: _ShapeRoutes, inputs: list):
+        """A call of the block graph in ``routes`` in general: gradients recorded or not, any compiler, the
+        state edited in place or found by storage, forward hooks on the block."""
         carrier, state, via = self._entering(routes, inputs)
         changed = via == "carrier" and edited(carrier, state)
         # A block graph takes the completed blocks as one list, however many: it serves every depth.
@@ -475,6 +539,7 @@ class LayerRouter(Router):
         after = self._state_after(state, tensors, variant.next_offset, results[variant.results + 1:])
         if after is None:
             return routes.traced.result(results[0])
+        after.layout = variant.next_layout or variant.note_next_layout(after)
         carrier_out, hooked = self._leaving(results[variant.results], after, before, via, reentrant)
         # The carrier is the block's result itself (path (0,)) or inside it.
         path = variant.carrier

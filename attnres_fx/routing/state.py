@@ -59,6 +59,9 @@ class StreamState:
     replaced: bool = False
     # The zeros the next block sent back as the carrier's gradient where nothing in it read the carrier.
     unread: torch.Tensor | None = None
+    # The layout the next block finds it in when the carrier is not edited (layout_of), noted by the block
+    # that made it: its graph is looked up by it without making a new one at every call.
+    layout: StateLayout | None = None
 
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:

@@ -115,6 +115,53 @@ def test_between_blocks_the_stream_is_the_plain_sum_of_the_branch_outputs():
     torch.testing.assert_close(carrier, sum(state.blocks) + state.partial, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_calls_without_gradients_take_the_short_path_where_nothing_else_applies(mode, monkeypatch):
+    """A block called without gradients on the carrier its predecessor returned, unedited and with no
+    forward hook on it, runs on the route's short path (LayerRouter._run_plain); its results are the
+    general path's, exactly. A carrier edited in place (by a block's forward hook, or by the next one's
+    pre-hook), a block with a forward hook and a call with gradients take the general path."""
+    model = randomise_pseudo_queries(attnres_fx.attnresify(tiny(layers=4), block_size=2), std=1.0)
+    ids = example_ids(model.config)
+    plain = []
+    short = routing.LayerRouter._run_plain
+    monkeypatch.setattr(routing.LayerRouter, "_run_plain", lambda self, *a: plain.append(self.path) or short(self, *a))
+    context = torch.no_grad if mode == "no_grad" else torch.inference_mode
+
+    def both():
+        with context():
+            first = model(ids)
+            monkeypatch.setattr(routing.LayerRouter, "_run_block_graph", routing.LayerRouter._run_recorded)
+            general = model(ids)
+            monkeypatch.undo()
+            monkeypatch.setattr(routing.LayerRouter, "_run_plain",
+                                lambda self, *a: plain.append(self.path) or short(self, *a))
+        assert torch.equal(first, general)
+        return first
+
+    model(ids)
+    plain.clear()
+    unhooked = both()
+    assert plain == ["blocks.1", "blocks.2", "blocks.3"]       # blocks.0 starts the stream
+    handle = model.blocks[1].register_forward_hook(lambda module, args, out: out.add_(0.5))
+    plain.clear()
+    edited = both()
+    assert plain == ["blocks.3"] and not torch.allclose(edited, unhooked)
+    handle.remove()
+    model(ids)      # the route's own hook, kept after the block's forward hooks, goes with them here
+    if mode == "no_grad":
+        # An edit of a carrier the short path returned, before the next block reads it (seen by the
+        # carrier's version counter, which inference tensors do not have).
+        handle = model.blocks[2].register_forward_pre_hook(lambda module, args: args[0].add_(0.5))
+        plain.clear()
+        edited = both()
+        assert plain == ["blocks.1", "blocks.3"] and not torch.allclose(edited, unhooked)
+        handle.remove()
+    plain.clear()
+    model(ids)
+    assert plain == []
+
+
 def test_a_carrier_read_between_blocks_sends_its_gradient_and_an_unread_one_zeros_to_its_hooks():
     """The carrier's gradient reaches the block's residual adds where a loss reads the carrier (a loss on the
     hidden states): the gradients add up over the two losses. Where nothing reads it, its hooks still see
