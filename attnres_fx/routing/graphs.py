@@ -76,9 +76,11 @@ class BlockVariant:
         # The layout of the state a call of this graph leaves (the same at every call), once known.
         self.next_layout: StateLayout | None = None
 
-    def note_next_layout(self, after: StreamState) -> StateLayout | None:
-        """The layout of ``after``, the state a call of this graph left, kept for the calls after it."""
-        self.next_layout = layout_of(after, False, as_list=True)
+    def layout_after(self, after: StreamState) -> StateLayout | None:
+        """The layout of ``after``, the state a call of this graph left: worked out at the first call, the
+        same at every one after it."""
+        if self.next_layout is None:
+            self.next_layout = layout_of(after, False, as_list=True)
         return self.next_layout
 
     def two_phase_forward(self) -> Callable:

@@ -474,8 +474,7 @@ class LayerRouter(Router):
             state = getattr(carrier, ATTRIBUTE, None)
             if (state is not None and state.layout is not None and state.owner is self.conversion
                     and state.stream == self.stream and state.position == self.span.start
-                    and not carrier.requires_grad and not state.replaced
-                    and (state.snapshot is None if state.version is None else state.version == carrier._version)
+                    and not carrier.requires_grad and not edited(carrier, state)
                     and not self.module._forward_hooks and not compat.global_forward_hooks()):
                 variant = routes.variants.get(state.layout)
                 if variant is not None:
@@ -494,16 +493,12 @@ class LayerRouter(Router):
         else:
             state_arguments = ([*state.blocks],)
         results = variant.forward(variant.bound, *inputs, *state_arguments)
-        if self.ends:
-            note_stream_end(self.conversion, self.stream)
-        else:
+        after = self._state_after(state, state.tensors, variant.next_offset, results[variant.results + 1:])
+        if after is not None:
             # Without gradients the graph's carrier is the carrier returned, inside the block's result.
-            offset = variant.results
-            after = StreamState(self.conversion, self.stream, self.span.start + variant.next_offset,
-                                state.blocks + tuple(results[offset + 2:]), results[offset + 1])
-            after.layout = variant.next_layout or variant.note_next_layout(after)
-            returned(results[offset], after, False)
-            attach(results[offset], after)
+            after.layout = variant.layout_after(after)
+            returned(results[variant.results], after, False)
+            attach(results[variant.results], after)
         result_type = routes.traced.result_type
         return results[0] if result_type is None else result_type(results[0])
 
@@ -539,7 +534,7 @@ class LayerRouter(Router):
         after = self._state_after(state, tensors, variant.next_offset, results[variant.results + 1:])
         if after is None:
             return routes.traced.result(results[0])
-        after.layout = variant.next_layout or variant.note_next_layout(after)
+        after.layout = variant.layout_after(after)
         carrier_out, hooked = self._leaving(results[variant.results], after, before, via, reentrant)
         # The carrier is the block's result itself (path (0,)) or inside it.
         path = variant.carrier
