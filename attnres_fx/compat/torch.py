@@ -286,6 +286,12 @@ def global_forward_hooks() -> bool:
     return bool(_modules_module._global_forward_hooks)
 
 
+def global_forward_pre_hooks() -> bool:
+    """Whether forward pre-hooks registered for every module are in place
+    (``torch.nn.modules.module.register_module_forward_pre_hook``; its private dict, no public accessor)."""
+    return bool(_modules_module._global_forward_pre_hooks)
+
+
 def nn_module_hook_guards():
     """Within: TorchDynamo guards the hook dicts of the modules it traces
     (``torch._dynamo.config.skip_nnmodule_hook_guards`` off; read when a trace builds its guards), so that
@@ -466,6 +472,7 @@ __all__ = [
     "graph_break_release_hint",
     "checkpoint_regions_when_run_eagerly",
     "global_forward_hooks",
+    "global_forward_pre_hooks",
     "fx_trace_undone",
     "fx_trace_left_behind",
     "undo_fx_trace_left_behind",

@@ -44,7 +44,7 @@ from ..capture.tracers import as_args, dummy_inputs
 from ..conversion import conversion_of
 from ..errors import RoutingError
 from ..passes.plan import StreamPlan
-from ..routing.state import StreamState, attach, bundle, state_of, unbundle
+from ..routing.state import StreamState, attach, bundle, returned, state_of, unbundle
 
 
 @dataclass(frozen=True)
@@ -317,6 +317,8 @@ class PipelineStageModule(nn.Module):
             carrier = carrier + block.reshape_as(partial)
         carrier = bundle(carrier, state.tensors, grads_from=state)
         attach(carrier, state)
+        # The earlier blocks' forward hooks and the first block's pre-hooks see it first.
+        returned(carrier, state, hooked=True)
         return carrier
 
     def _leave(self, carrier: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -39,7 +39,7 @@ from torch import nn
 from ..conversion import Conversion, conversion_of
 from .install import install, routers, uninstall, whole_call
 from .router import COMPILERS, LayerRouter, ModelRouter, Router, WholeCallRouter, intercepting
-from .state import StreamState, attach, state_of
+from .state import StreamState, attach, returned, state_of
 
 __all__ = ["COMPILERS", "LayerRouter", "ModelRouter", "Router", "WholeCallRouter", "compiler_route", "eager_route",
            "enter_stream", "is_routed", "stream_state",
@@ -93,8 +93,11 @@ def is_routed(module: nn.Module) -> bool:
 def enter_stream(model: nn.Module, stream: int, carrier, position: int, blocks, partial) -> None:
     """Make the layer-routed ``stream`` of the converted ``model`` continue from ``carrier`` before residual site
     ``position``, with the completed block sums ``blocks`` and the partial sum ``partial`` (what
-    :func:`stream_state` gave where another process left the stream: a pipeline stage's)."""
-    attach(carrier, StreamState(conversion_of(model), stream, position, tuple(blocks), partial))
+    :func:`stream_state` gave where another process left the stream: a pipeline stage's). An edit of
+    ``carrier`` in place before the stream's next module reads it joins the stream."""
+    state = StreamState(conversion_of(model), stream, position, tuple(blocks), partial)
+    attach(carrier, state)
+    returned(carrier, state, hooked=True)
 
 
 def stream_state(model: nn.Module, stream: int, carrier) -> tuple[tuple, Any]:

@@ -272,6 +272,9 @@ class LayerRouter(Router):
         self.planned = conversion.plan.streams[stream]
         self.starts = span.start == 0
         self.ends = span.stop == self.planned.num_positions
+        # The block that takes the carrier this one returns: its forward pre-hooks see the carrier first.
+        following = [later.owner for later in self.planned.layers if later.start == span.stop]
+        self.following = root.get_submodule(following[0]) if following else None
         self.traced_modules = (module, *(module.get_submodule(path) for path in sorted(opened)))
         self._shapes: dict[CallShape, _ShapeRoutes] = {}
         # The shapes of calls with positional tensors, numbers and None only, by the arguments' types and
@@ -497,7 +500,7 @@ class LayerRouter(Router):
         if after is not None:
             # Without gradients the graph's carrier is the carrier returned, inside the block's result.
             after.layout = variant.layout_after(after)
-            returned(results[variant.results], after, False)
+            returned(results[variant.results], after, False, self.following)
             attach(results[variant.results], after)
         result_type = routes.traced.result_type
         return results[0] if result_type is None else result_type(results[0])
@@ -507,6 +510,8 @@ class LayerRouter(Router):
         state edited in place or found by storage, forward hooks on the block."""
         carrier, state, via = self._entering(routes, inputs)
         changed = via == "carrier" and edited(carrier, state)
+        if via == "carrier" and not changed:
+            self._check_pre_hooks_seen(carrier, state)
         # A block graph takes the completed blocks as one list, however many: it serves every depth.
         layout = layout_of(state, changed, as_list=True)
         variant = routes.variants.get(layout)
@@ -574,6 +579,23 @@ class LayerRouter(Router):
                                f"stream {self.stream}, but its own sites start at {self.span.start}: the stream's "
                                "modules must be called once each, in order")
 
+    def _check_pre_hooks_seen(self, carrier: torch.Tensor, state: StreamState) -> None:
+        """Refuses a call whose forward pre-hooks may have edited the carrier in place where nothing can
+        tell: an inference tensor (no version counter) of which no copy was kept, because the block that
+        returned it looked for the pre-hooks of the block after it, not of this one (a block skipped), or
+        they were registered after it returned. The short path takes only a carrier its block returned for
+        this one, and does not look again (hooks registered during a call are not looked for there)."""
+        if (state.snapshot is None and state.version is None and carrier.is_inference()
+                and (self.module._forward_pre_hooks or compat.global_forward_pre_hooks())):
+            raise RoutingError(
+                f"{self.where} has forward pre-hooks (its own, or ones registered for every module) and takes, "
+                f"under torch.inference_mode(), the stream after residual site {state.position} of stream "
+                f"{self.stream}, which the module before it returned without a copy for these hooks (a module "
+                "of the stream skipped, or the hooks registered during the call): an inference tensor has no "
+                "version counter, so an edit of it in place by these hooks could not be told. Call the "
+                "stream's modules in order with hooks registered before the call, or run under "
+                "torch.no_grad(), where edits are seen.")
+
     def _state_after(self, state: StreamState | None, tensors: tuple, next_offset: int,
                      state_out: tuple) -> StreamState | None:
         """The stream's state after this call (``state_out``: the partial sum, then the blocks it committed),
@@ -615,7 +637,7 @@ class LayerRouter(Router):
         carrier_out = bundle(carrier, after.tensors, grads_from=after)
         attach(carrier_out, after)
         hooked = self._user_hooks()
-        returned(carrier_out, after, hooked)
+        returned(carrier_out, after, hooked, self.following)
         if reentrant:
             before.successor = after
         return carrier_out, hooked
@@ -702,6 +724,8 @@ class LayerRouter(Router):
         self._check_entry(state)
         given = (args, kwargs)
         changed = via == "carrier" and edited(carrier, state)
+        if via == "carrier" and not changed:
+            self._check_pre_hooks_seen(carrier, state)
         # The graph takes the state's tensors as real inputs (Dynamo guards on their dtypes and shapes); what
         # it depends on besides is the state's layout.
         layout = layout_of(state, changed, as_list=False)

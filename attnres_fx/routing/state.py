@@ -29,8 +29,9 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
-from ..compat import view_base
+from ..compat import global_forward_pre_hooks, view_base
 from ..passes.signature import StateLayout
 
 ATTRIBUTE = "_attnres_stream_state"
@@ -95,12 +96,15 @@ def attach(carrier: torch.Tensor, state: StreamState) -> None:
     setattr(carrier, ATTRIBUTE, state)
 
 
-def returned(carrier: torch.Tensor, state: StreamState, hooked: bool) -> None:
-    """Note how ``carrier`` is as its block returns it with ``state`` (``hooked``: whether a forward hook
-    may see it before the next block does), so that the next block can tell an in-place edit."""
+def returned(carrier: torch.Tensor, state: StreamState, hooked: bool, following: nn.Module | None = None) -> None:
+    """Note how ``carrier`` is as its block returns it with ``state``, so that the next block can tell an
+    in-place edit: its version counter; where it has none (an inference tensor), a copy, taken where a hook
+    may see the carrier before the next block's router does: the block's forward hooks (``hooked``), the
+    forward pre-hooks of ``following`` (the module that takes it next) or those registered for every
+    module. Without such hooks the note costs one look at those dicts, no copy."""
     if not carrier.is_inference():
         state.version = carrier._version
-    elif hooked:
+    elif hooked or (following is not None and following._forward_pre_hooks) or global_forward_pre_hooks():
         state.snapshot = carrier.clone()
 
 

@@ -149,17 +149,74 @@ def test_calls_without_gradients_take_the_short_path_where_nothing_else_applies(
     assert plain == ["blocks.3"] and not torch.allclose(edited, unhooked)
     handle.remove()
     model(ids)      # the route's own hook, kept after the block's forward hooks, goes with them here
-    if mode == "no_grad":
-        # An edit of a carrier the short path returned, before the next block reads it (seen by the
-        # carrier's version counter, which inference tensors do not have).
-        handle = model.blocks[2].register_forward_pre_hook(lambda module, args: args[0].add_(0.5))
-        plain.clear()
-        edited = both()
-        assert plain == ["blocks.1", "blocks.3"] and not torch.allclose(edited, unhooked)
-        handle.remove()
+    # An edit of a carrier the short path returned, before the next block reads it (seen by the carrier's
+    # version counter, or where it has none, an inference tensor, by a copy kept for the pre-hook).
+    handle = model.blocks[2].register_forward_pre_hook(lambda module, args: args[0].add_(0.5))
+    plain.clear()
+    edited = both()
+    assert plain == ["blocks.1", "blocks.3"] and not torch.allclose(edited, unhooked)
+    handle.remove()
     plain.clear()
     model(ids)
     assert plain == []
+
+
+@pytest.mark.parametrize("path", ["short", "general"])
+@pytest.mark.parametrize("where", ["next block", "every module"])
+def test_a_pre_hook_that_edits_the_carrier_under_inference_mode_is_seen(where, path, monkeypatch):
+    """Activation steering in a forward pre-hook (``args[0].add_(v)``) of the block after the one that
+    returned the carrier, which has no hook itself, under ``torch.inference_mode()``: the carrier is an
+    inference tensor (no version counter), yet the edit reaches the stream as in the original model, at
+    the first call after conversion and at the decoding steps after it, on the short path and the general
+    one. The hook is the block's own or one registered for every module. Converted with ``preserve_scale``
+    at zero init (the original function): fp32 sums in another order, 1e-5 relative."""
+    from attnres_fx.checks import relative_error
+    from attnres_fx.testing.handwritten import HandwrittenConfig, Transformer
+
+    torch.manual_seed(0)
+    original = Transformer(HandwrittenConfig(dim=32, layers=4, heads=4, vocab=100, max_batch=2, max_seq=64)).eval()
+    ids = torch.randint(1, 100, (2, 6), generator=torch.Generator().manual_seed(0))
+    model = attnres_fx.attnresify(copy.deepcopy(original), (ids,), preserve_scale=True, block_size=2)
+    if path == "general":
+        monkeypatch.setattr(routing.LayerRouter, "_run_block_graph", routing.LayerRouter._run_recorded)
+    v = torch.randn(32, generator=torch.Generator().manual_seed(2))
+    steps = [(ids, 0), *((ids[:, k:k + 1], 6 + k) for k in range(3))]
+    outputs = {}
+    for name, each in (("original", original), ("converted", model)):
+        target = each.layers[2]
+
+        def steer(module, args, target=target):
+            if module is target:
+                args[0].add_(v)
+        handle = (target.register_forward_pre_hook(steer) if where == "next block" else
+                  torch.nn.modules.module.register_module_forward_pre_hook(steer))
+        try:
+            with torch.inference_mode():
+                outputs[name] = [each(tokens, start) for tokens, start in steps]
+        finally:
+            handle.remove()
+    with torch.inference_mode():
+        unhooked = original(ids)
+    assert relative_error(outputs["original"][0], unhooked) > 0.01, "the edit has an effect"
+    for got, want in zip(outputs["converted"], outputs["original"]):
+        assert relative_error(got, want) < 1e-5, relative_error(got, want)
+
+
+def test_a_pre_hook_that_may_edit_a_carrier_returned_for_another_block_is_refused_under_inference_mode():
+    """Under ``torch.inference_mode()`` a block keeps a copy of its carrier only for the pre-hooks of the
+    block after it: a block called on a carrier returned for another (one skipped) with a pre-hook could
+    not tell its edit, and says so; under ``torch.no_grad()`` the version counter tells it."""
+    model = randomise_pseudo_queries(attnres_fx.attnresify(tiny(layers=4), block_size=2), std=1.0)
+    ids = example_ids(model.config)
+    model.blocks[2].register_forward_pre_hook(lambda module, args: args[0].add_(0.5))
+    with torch.no_grad():
+        model.blocks[2](model.blocks[0](model.embed(ids)))
+        in_order = model.blocks[2](model.blocks[1](model.blocks[0](model.embed(ids))))
+    with torch.inference_mode():
+        with pytest.raises(attnres_fx.RoutingError, match="(?s)at 'blocks.2' has forward pre-hooks.*no_grad"):
+            model.blocks[2](model.blocks[0](model.embed(ids)))
+        got = model.blocks[2](model.blocks[1](model.blocks[0](model.embed(ids))))
+    torch.testing.assert_close(got, in_order, rtol=TIGHT, atol=TIGHT)
 
 
 def test_a_carrier_read_between_blocks_sends_its_gradient_and_an_unread_one_zeros_to_its_hooks():
