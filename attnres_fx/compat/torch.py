@@ -197,6 +197,17 @@ def module_hooks(module: nn.Module) -> bool:
                 or _modules_module._global_backward_pre_hooks)
 
 
+# The hook dicts module_hooks reads, for a check written in C (attnres_fx/op/kernels/cpu.cpp's run_site): the
+# instance attributes of a module's own hooks, and the process-wide dicts, which torch 2.11-2.14 fill and empty in
+# place (the register_module_* functions and handles), never rebinding them, so holding the dicts is enough.
+MODULE_HOOK_ATTRIBUTES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def global_module_hook_dicts() -> tuple[dict, ...]:
+    return (_modules_module._global_forward_hooks, _modules_module._global_forward_pre_hooks,
+            _modules_module._global_backward_hooks, _modules_module._global_backward_pre_hooks)
+
+
 # What torch.fx's symbolic tracing patches for the duration of a trace (torch.fx._symbolic_trace: ``Tracer.trace``
 # patches ``nn.Module.__call__`` and ``__getattr__``, the functions registered with ``torch.fx.wrap``
 # (``_wrapped_fns_to_patch``, ``_wrapped_methods_to_patch``) and ``math`` functions found in the globals of
@@ -506,6 +517,8 @@ __all__ = [
     "compiling_despite_force_eager",
     "saved_tensor_hooks_active",
     "module_hooks",
+    "MODULE_HOOK_ATTRIBUTES",
+    "global_module_hook_dicts",
     "nn_module_hook_guards",
     "mha_fast_path_off",
     "on_dynamo_compile",

@@ -155,7 +155,13 @@ def run_site(module: BlockAttnRes, entered, *sources: torch.Tensor) -> torch.Ten
     ``__torch_function__``, straight to the C++ operator (its autograd registered in C++ too), which checks
     its inputs itself (sources of mixed shapes or dtypes take :func:`aggregate`): a decoding step's few
     microseconds, and no Python at all in a training step's backward. Under TorchDynamo (a block graph
-    compiled by Inductor) the plain ops of :func:`aggregate`, which Inductor fuses."""
+    compiled by Inductor) the plain ops of :func:`aggregate`, which Inductor fuses. The common case (a
+    ``BlockAttnRes`` without hooks, plain CPU tensors) is checked and run in C (:class:`cpu.Entries`)."""
+    entry = cpu.Entries.run_site
+    if entry is not None:
+        result = entry(BlockAttnRes, module, entered, sources)
+        if result is not None:
+            return result
     if type(module) is not BlockAttnRes or compat.module_hooks(module):
         return module(*entered, *sources)         # hooks, or another module put in the site's place (a wrapper)
     listed = [*entered, *sources]

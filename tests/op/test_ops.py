@@ -353,6 +353,71 @@ def test_a_call_is_seen_by_torch_function_and_dispatch_modes(caller):
     assert dispatch_mode.seen == ["attnres_cpu.aggregate.default"]
 
 
+def _declines(case, module, sources):
+    """Set up ``case`` on ``module`` / ``sources`` (undone on exit): a call the C site entry must leave to
+    run_site's Python path."""
+    import contextlib
+    from torch.nn.utils import parametrize
+
+    class Doubled(nn.Module):
+        def forward(self, weight):
+            return weight * 2
+
+    stack = contextlib.ExitStack()
+    if case == "forward hook":
+        stack.callback(module.register_forward_hook(lambda m, a, o: None).remove)
+    elif case == "forward pre-hook":
+        stack.callback(module.register_forward_pre_hook(lambda m, a: None).remove)
+    elif case == "global forward hook":
+        stack.callback(nn.modules.module.register_module_forward_hook(lambda m, a, o: None).remove)
+    elif case == "instance forward":
+        module.forward = module.forward
+        stack.callback(lambda: module.__dict__.pop("forward"))
+    elif case == "parametrized weight":
+        parametrize.register_parametrization(module.proj, "weight", Doubled())
+        stack.callback(lambda: parametrize.remove_parametrizations(module.proj, "weight"))
+    elif case == "torch-function mode":
+        stack.enter_context(_FunctionMode())
+    elif case == "tensor subclass":
+        sources[-1] = sources[-1].as_subclass(_Subclass)
+    elif case == "meta source":
+        sources[:] = [s.to("meta") for s in sources]
+    elif case == "mixed shapes":
+        sources[-1] = sources[-1][..., :1, :]
+    return stack
+
+
+class _Subclass(torch.Tensor):
+    pass
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("case", ["plain", "subclass module", "forward hook", "forward pre-hook",
+                                  "global forward hook", "instance forward", "parametrized weight",
+                                  "torch-function mode", "tensor subclass", "meta source", "mixed shapes"])
+def test_the_c_site_entry_runs_the_operator_only_where_run_site_would_need_nothing_else(case):
+    """``cpu.Entries.run_site`` (run_site's checks in C) gives the operator's result for a plain BlockAttnRes
+    on plain CPU tensors, and ``None`` (run_site's Python path decides) wherever anything else may apply;
+    run_site's result is the module's either way."""
+    from attnres_fx import BlockAttnRes
+    from attnres_fx.op.module import run_site
+
+    site_class = BlockAttnRes if case != "subclass module" else type("Subclassed", (BlockAttnRes,), {})
+    module = site_class(8)
+    nn.init.normal_(module.proj.weight)
+    sources = [s.detach() for s in _sources((2, 3, 8), 4)]
+    with torch.no_grad(), _declines(case, module, sources):
+        entered, rest = tuple(sources[:3]), tuple(sources[3:])
+        got = cpu.Entries.run_site(BlockAttnRes, module, entered, rest)
+        if case == "plain":
+            want = torch.ops.attnres_cpu.aggregate(sources, module.proj.weight, module.norm.weight, module.eps, False)
+            assert torch.equal(got, want)
+        else:
+            assert got is None
+        if case not in ("meta source", "torch-function mode"):
+            torch.testing.assert_close(run_site(module, entered, *rest), module(*sources))
+
+
 @needs_cpu_kernel
 def test_non_contiguous_sources():
     proj, norm = _weights(8)

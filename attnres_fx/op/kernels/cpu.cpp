@@ -989,15 +989,6 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> aggregate_backward_saved_meta(
 }
 
 
-// The operator for Python callers (attnres_fx/op/module.py's run_site): the dispatcher call
-// torch.ops.attnres_cpu.aggregate makes, autograd and dispatch modes included, without that path's boxing
-// of every argument against the schema, some 10 us a call once a decoding step has pushed it out of the
-// caches (half of what the aggregation cost a step). The GIL is released as torch.ops releases it.
-at::Tensor python_aggregate(const std::vector<at::Tensor>& sources, const at::Tensor& proj_weight,
-                            const at::Tensor& norm_weight, double eps, bool preserve_scale) {
-  return aggregate_op().call(sources, proj_weight, norm_weight, eps, preserve_scale);
-}
-
 }  // namespace attnres_cpu
 
 TORCH_LIBRARY(attnres_cpu, m) {
@@ -1037,6 +1028,245 @@ TORCH_LIBRARY_IMPL(attnres_cpu, Meta, m) {
   m.impl("weight_grads", &attnres_cpu::weight_grads_meta);
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("aggregate", &attnres_cpu::python_aggregate, pybind11::call_guard<pybind11::gil_scoped_release>());
+
+// ------------------------------------------------------------------------------------- Python entries
+// Two functions for Python callers, written against CPython's vectorcall convention (METH_FASTCALL)
+// rather than pybind11, whose argument conversion and exception set-up cost some 5 K instructions a
+// call (a decoding step makes two aggregations a block, each a few microseconds of arithmetic):
+//
+//   aggregate(sources, proj_weight, norm_weight, eps, preserve_scale)
+//       The dispatcher call torch.ops.attnres_cpu.aggregate makes (autograd and dispatch modes
+//       included) without that path's boxing of every argument against the schema. For tensors
+//       without __torch_function__ (the caller checks).
+//   run_site(site_class, module, entered, sources)
+//       attnres_fx/op/module.py's run_site where nothing but the operator is needed: `module` is
+//       exactly `site_class` (BlockAttnRes), has no hook of its own or global (the dicts `configure`
+//       named) and no instance `forward`, its weights are plain parameters, every source is a plain
+//       CPU tensor and no __torch_function__ mode is active. Then the operator's result; else None,
+//       and the caller takes its Python path, which handles everything else (including the errors).
+//
+// Both release the GIL around the operator, as torch.ops does.
+namespace {
+
+// What `configure` was given, and interned names; kept in the module object's state.
+struct EntryState {
+  PyObject* hook_names;    // tuple of str: instance attributes holding a module's hook dicts
+  PyObject* global_hooks;  // tuple of dict: the process-wide module hooks
+  PyObject* modules;       // "_modules"
+  PyObject* parameters;    // "_parameters"
+  PyObject* forward;       // "forward"
+  PyObject* proj;          // "proj"
+  PyObject* norm;          // "norm"
+  PyObject* weight;        // "weight"
+  PyObject* eps;           // "eps"
+  PyObject* preserve_scale;  // "preserve_scale"
+};
+
+EntryState* entry_state(PyObject* self) {
+  return static_cast<EntryState*>(PyModule_GetState(self));
+}
+
+// Borrowed: the item `name` of `object`'s instance dict, or nullptr.
+PyObject* instance_item(PyObject* object, PyObject* name) {
+  PyObject* dict = PyObject_GenericGetDict(object, nullptr);
+  if (dict == nullptr) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  PyObject* item = PyDict_GetItemWithError(dict, name);
+  Py_DECREF(dict);  // the object keeps its dict, and the dict its item
+  return item;
+}
+
+bool empty_dict(PyObject* object) {
+  return object != nullptr && PyDict_Check(object) && PyDict_GET_SIZE(object) == 0;
+}
+
+// A plain tensor (torch.Tensor or nn.Parameter, no subclass) on the CPU.
+bool plain_cpu_tensor(PyObject* object) {
+  return THPVariable_CheckExact(object) && THPVariable_Unpack(object).is_cpu();
+}
+
+at::Tensor run_operator(const std::vector<at::Tensor>& sources, const at::Tensor& proj_weight,
+                        const at::Tensor& norm_weight, double eps, bool preserve_scale) {
+  pybind11::gil_scoped_release no_gil;
+  return attnres_cpu::aggregate_op().call(sources, proj_weight, norm_weight, eps, preserve_scale);
+}
+
+PyObject* python_aggregate(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (nargs != 5 || !PyList_Check(args[0]) || !THPVariable_Check(args[1]) || !THPVariable_Check(args[2]) ||
+      !PyFloat_Check(args[3]) || !PyBool_Check(args[4])) {
+    PyErr_SetString(PyExc_TypeError,
+                    "aggregate(sources: list[Tensor], proj_weight: Tensor, norm_weight: Tensor, eps: float, "
+                    "preserve_scale: bool)");
+    return nullptr;
+  }
+  const Py_ssize_t count = PyList_GET_SIZE(args[0]);
+  std::vector<at::Tensor> sources;
+  sources.reserve(count);
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    PyObject* item = PyList_GET_ITEM(args[0], i);
+    if (!THPVariable_Check(item)) {
+      PyErr_SetString(PyExc_TypeError, "aggregate: every source must be a tensor");
+      return nullptr;
+    }
+    sources.push_back(THPVariable_Unpack(item));
+  }
+  return THPVariable_Wrap(run_operator(sources, THPVariable_Unpack(args[1]), THPVariable_Unpack(args[2]),
+                                       PyFloat_AS_DOUBLE(args[3]), args[4] == Py_True));
+  END_HANDLE_TH_ERRORS
+}
+
+// Borrowed: module.<child>._parameters["weight"] where it is a plain CPU tensor, else nullptr.
+PyObject* child_weight(const EntryState& names, PyObject* children, PyObject* child_name) {
+  PyObject* child = PyDict_GetItemWithError(children, child_name);
+  if (child == nullptr) return nullptr;
+  PyObject* parameters = instance_item(child, names.parameters);
+  if (parameters == nullptr || !PyDict_Check(parameters)) return nullptr;
+  PyObject* weight = PyDict_GetItemWithError(parameters, names.weight);
+  return weight != nullptr && plain_cpu_tensor(weight) ? weight : nullptr;
+}
+
+// Appends the tensors of a tuple or list; false where one is not a plain CPU tensor.
+bool append_plain(PyObject* sequence, std::vector<at::Tensor>& out) {
+  if (!PyTuple_Check(sequence) && !PyList_Check(sequence)) return false;
+  const Py_ssize_t count = PySequence_Fast_GET_SIZE(sequence);
+  PyObject** items = PySequence_Fast_ITEMS(sequence);
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    if (!plain_cpu_tensor(items[i])) return false;
+    out.push_back(THPVariable_Unpack(items[i]));
+  }
+  return true;
+}
+
+PyObject* python_run_site(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (nargs != 4) {
+    PyErr_SetString(PyExc_TypeError, "run_site(site_class, module, entered, sources)");
+    return nullptr;
+  }
+  const EntryState& names = *entry_state(self);
+  PyObject* module = args[1];
+  if (names.hook_names == nullptr || reinterpret_cast<PyObject*>(Py_TYPE(module)) != args[0] ||
+      at::impl::torch_function_mode_enabled()) {
+    Py_RETURN_NONE;
+  }
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(names.global_hooks); ++i) {
+    if (PyDict_GET_SIZE(PyTuple_GET_ITEM(names.global_hooks, i)) != 0) Py_RETURN_NONE;
+  }
+  PyObject* dict = PyObject_GenericGetDict(module, nullptr);
+  if (dict == nullptr) return nullptr;
+  // The module keeps its dict alive for the rest of the call (the GIL is held until the operator runs,
+  // and the values read from it are copied into tensors or doubles by then).
+  Py_DECREF(dict);
+  if (PyDict_GetItemWithError(dict, names.forward) != nullptr) Py_RETURN_NONE;
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(names.hook_names); ++i) {
+    if (!empty_dict(PyDict_GetItemWithError(dict, PyTuple_GET_ITEM(names.hook_names, i)))) Py_RETURN_NONE;
+  }
+  PyObject* children = PyDict_GetItemWithError(dict, names.modules);
+  PyObject* eps = PyDict_GetItemWithError(dict, names.eps);
+  PyObject* preserve_scale = PyDict_GetItemWithError(dict, names.preserve_scale);
+  if (children == nullptr || !PyDict_Check(children) || eps == nullptr || !PyFloat_Check(eps) ||
+      preserve_scale == nullptr || !PyBool_Check(preserve_scale)) {
+    Py_RETURN_NONE;
+  }
+  PyObject* proj = child_weight(names, children, names.proj);
+  PyObject* norm = proj == nullptr ? nullptr : child_weight(names, children, names.norm);
+  if (PyErr_Occurred()) return nullptr;
+  std::vector<at::Tensor> sources;
+  sources.reserve(8);
+  if (norm == nullptr || !append_plain(args[2], sources) || !append_plain(args[3], sources) || sources.empty()) {
+    Py_RETURN_NONE;
+  }
+  try {
+    return THPVariable_Wrap(run_operator(sources, THPVariable_Unpack(proj), THPVariable_Unpack(norm),
+                                         PyFloat_AS_DOUBLE(eps), preserve_scale == Py_True));
+  } catch (const c10::Error&) {
+    Py_RETURN_NONE;  // sources the operator refuses (mixed shapes or dtypes): the Python path decides
+  }
+  END_HANDLE_TH_ERRORS
+}
+
+// configure(hook_names, global_hooks): what run_site checks to be empty (attnres_fx/compat names them).
+PyObject* python_configure(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2 || !PyTuple_Check(args[0]) || !PyTuple_Check(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "configure(hook_names: tuple[str, ...], global_hooks: tuple[dict, ...])");
+    return nullptr;
+  }
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args[1]); ++i) {
+    if (!PyDict_Check(PyTuple_GET_ITEM(args[1], i))) {
+      PyErr_SetString(PyExc_TypeError, "configure: global_hooks must be dicts");
+      return nullptr;
+    }
+  }
+  EntryState& state = *entry_state(self);
+  Py_INCREF(args[0]);
+  Py_INCREF(args[1]);
+  Py_XSETREF(state.hook_names, args[0]);
+  Py_XSETREF(state.global_hooks, args[1]);
+  Py_RETURN_NONE;
+}
+
+PyMethodDef entry_methods[] = {
+    {"aggregate", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(python_aggregate)), METH_FASTCALL,
+     "The operator attnres_cpu::aggregate through the dispatcher, for plain tensors."},
+    {"run_site", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(python_run_site)), METH_FASTCALL,
+     "The aggregation of a BlockAttnRes without hooks on plain CPU tensors, or None."},
+    {"configure", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(python_configure)), METH_FASTCALL,
+     "The hook attributes and global hook dicts run_site checks."},
+    {nullptr, nullptr, 0, nullptr}};
+
+int entry_traverse(PyObject* self, visitproc visit, void* arg) {
+  const EntryState* state = entry_state(self);
+  Py_VISIT(state->hook_names);
+  Py_VISIT(state->global_hooks);
+  return 0;
+}
+
+int entry_clear(PyObject* self) {
+  EntryState* state = entry_state(self);
+  for (PyObject** slot : {&state->hook_names, &state->global_hooks, &state->modules, &state->parameters,
+                          &state->forward, &state->proj, &state->norm, &state->weight, &state->eps,
+                          &state->preserve_scale}) {
+    Py_CLEAR(*slot);
+  }
+  return 0;
+}
+
+#define ATTNRES_STRINGIFY(x) #x
+#define ATTNRES_NAME(x) ATTNRES_STRINGIFY(x)
+
+PyModuleDef entry_module = {PyModuleDef_HEAD_INIT,
+                            ATTNRES_NAME(TORCH_EXTENSION_NAME),
+                            "Python entries of the AttnRes CPU operator.",
+                            sizeof(EntryState),
+                            entry_methods,
+                            nullptr,
+                            entry_traverse,
+                            entry_clear,
+                            nullptr};
+
+}  // namespace
+
+#define ATTNRES_INIT_NAME2(name) PyInit_##name
+#define ATTNRES_INIT_NAME(name) ATTNRES_INIT_NAME2(name)
+
+PyMODINIT_FUNC ATTNRES_INIT_NAME(TORCH_EXTENSION_NAME)(void) {
+  PyObject* module = PyModule_Create(&entry_module);
+  if (module == nullptr) return nullptr;
+  EntryState& state = *entry_state(module);
+  state = EntryState{};
+  const std::pair<PyObject**, const char*> names[] = {
+      {&state.modules, "_modules"}, {&state.parameters, "_parameters"}, {&state.forward, "forward"},
+      {&state.proj, "proj"},        {&state.norm, "norm"},              {&state.weight, "weight"},
+      {&state.eps, "eps"},          {&state.preserve_scale, "preserve_scale"}};
+  for (const auto& [slot, text] : names) {
+    *slot = PyUnicode_InternFromString(text);
+    if (*slot == nullptr) {
+      Py_DECREF(module);
+      return nullptr;
+    }
+  }
+  return module;
 }

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from attnres_fx import compat
 from attnres_fx.errors import AttnResWarning
 
 SOURCE = Path(__file__).with_name("cpu.cpp")
@@ -44,12 +45,30 @@ class _State:
     reason: str | None = None
 
 
+class Entries:
+    """The library's entries for Python callers, once it is loaded (``None`` before, and where it cannot be).
+
+    ``run_site(site_class, module, entered, sources)``: what :func:`attnres_fx.op.module.run_site` does where
+    nothing but the operator is needed (``module`` exactly ``site_class``, no hooks, plain CPU tensors, no
+    ``__torch_function__`` mode), in C; else ``None``, and the caller takes its Python path. TorchDynamo traces
+    it as :func:`_run_site_traced`, which always returns ``None``: the Python path, whose plain ops Inductor fuses.
+    """
+    run_site = None
+
+
+def _run_site_traced(site_class, module, entered, sources):
+    return None
+
+
 def available() -> bool:
     """Whether the C++ kernel is loaded: built (or loaded from the cache) at the first call; if that
     fails, False with one :class:`~attnres_fx.AttnResWarning` saying why."""
     if _State.loaded is None:
         try:
-            _State.aggregate = _load().aggregate
+            library = _load()
+            library.configure(compat.MODULE_HOOK_ATTRIBUTES, compat.global_module_hook_dicts())
+            torch.compiler.substitute_in_graph(library.run_site, skip_signature_check=True)(_run_site_traced)
+            _State.aggregate, Entries.run_site = library.aggregate, library.run_site
             _State.loaded = True
         except _Unavailable as err:
             _State.loaded, _State.reason = False, str(err)
