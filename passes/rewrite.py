@@ -244,6 +244,10 @@ class _StreamSurgery:
         self.dead: list[fx.Node] = []
         self.blocks: list[fx.Node] = []
         self.partial: fx.Node | None = stream.start
+        # The branch outputs the partial sum adds, in order, where it is a plain sum of this graph's branch
+        # outputs (a block started in this graph, no reshape); None otherwise.
+        self.terms: list[fx.Node] | None = None
+        self.sums: list[tuple[fx.Node, fx.Node, tuple[fx.Node, ...]]] = []   # (site add, partial, terms)
         self.position = 0
         self.entered_blocks = 0
         self.carrier_out: fx.Node | None = None
@@ -310,6 +314,8 @@ class _StreamSurgery:
             if position % self.planned.block_size == 0:
                 self.commit()
             self.rebuild_partial_sum(site)
+            if self.span.layer and self.terms is not None:
+                self.sums.append((site.add, self.partial, tuple(self.terms)))
             self.position = position + 1
             if not self.span.layer:
                 self.dead.extend(value_nodes[1:])
@@ -319,9 +325,10 @@ class _StreamSurgery:
         if self.span.ends:
             self.skip_to(self.planned.num_positions)
             self.insert_final(value_nodes, layout)
-            self.erase_dead()
         else:
             self.carrier_out = self.stream.end
+        self.carry_partial_sums()
+        self.erase_dead()
 
     def skip_to(self, position: int) -> None:
         """Planned sites this graph does not hold (a sublayer the call does not run) add nothing, but a
@@ -335,6 +342,7 @@ class _StreamSurgery:
         if self.partial is not None:
             self.blocks.append(self.partial)
         self.partial = None
+        self.terms = None
 
     def sources(self) -> list[fx.Node]:
         return self.blocks + ([self.partial] if self.partial is not None else [])
@@ -371,14 +379,38 @@ class _StreamSurgery:
                 self.layout_of[output] = site.layout
                 if self.partial is None:
                     self.partial = output
+                    self.terms = [output]
                     continue
                 addend = self.in_layout(output, self.layout_of[self.partial], site.add)
+                self.terms = self.terms + [output] if self.terms is not None and addend is output else None
                 partial = self.graph.create_node(
                     "call_function", self.partial_add, (self.partial, addend),
                     name=f"{site.owner.replace('.', '_') or 'root'}_partial")
                 _annotate(partial, site.add, site.owner, "partial", with_module=False, inside=True)
                 self.layout_of[partial] = self.layout_of[self.partial]
                 self.partial = partial
+
+    def carry_partial_sums(self) -> None:
+        """In a layer's graph, a carrier that adds the same branch outputs after a carrier value ``c`` as the
+        partial sum of a block started in this graph, in the same order, becomes ``c + partial``: the
+        carrier adds in between are left to nobody and erased, so the graph makes as many stream-sized adds
+        as the original (``x + (a + f)`` instead of ``(x + a) + f``: the carrier differs by rounding).
+        Only a carrier something else reads (the layer's result, a hidden state) is rewritten, and only
+        where the carrier values in between are read by the chain alone: one read elsewhere stays
+        computed, and the carrier after it is left as it is."""
+        for add, partial, terms in self.sums:
+            if len(terms) < 2 or not _read_outside(add, self.stream):
+                continue
+            order = {node: i for i, node in enumerate(self.graph.nodes)}
+            chain = _peel(add, terms)
+            if chain is None or any(order[user] < order[partial] for user in add.users):
+                continue
+            base, between = chain
+            if not _same_values(base, terms):
+                continue
+            add.args = (base, partial)
+            partial.append(add)
+            self.dead.extend(between)
 
     def insert_final(self, value_nodes: list[fx.Node], layout: str) -> None:
         """What read the stream after its last site reads the final aggregation (none is taken where
@@ -461,6 +493,55 @@ def _out_of_place(add: fx.Node) -> None:
     result."""
     if add.target in _OUT_OF_PLACE:
         add.target = _OUT_OF_PLACE[add.target]
+
+
+_PLAIN_ADDS = {operator.add, torch.add, torch.ops.aten.add.Tensor, "add", "__add__"}
+
+
+def _is_plain_add(node: fx.Node) -> bool:
+    """``a + b`` of two nodes, out of place, without ``alpha``."""
+    return (node.op in ("call_function", "call_method") and node.target in _PLAIN_ADDS and not node.kwargs
+            and len(node.args) == 2 and all(isinstance(a, fx.Node) for a in node.args))
+
+
+def _peel(add: fx.Node, terms: Sequence[fx.Node]) -> tuple[fx.Node, list[fx.Node]] | None:
+    """Where ``add`` is ``((c + terms[0]) + ...) + terms[-1]``, a chain of plain adds whose values in
+    between nothing else reads: ``c`` and those values; else None."""
+    node, between = add, []
+    for term in reversed(terms):
+        if not _is_plain_add(node) or term not in node.args:
+            return None
+        if node is not add:
+            if len(node.users) != 1:
+                return None
+            between.append(node)
+        left, right = node.args
+        node = left if right is term else right
+    return node, between
+
+
+def _same_values(base: fx.Node, terms: Sequence[fx.Node]) -> bool:
+    """Whether the shapes and dtypes the capture recorded for ``base`` and ``terms`` are all one: no
+    broadcast, and no promotion, where a sum of branch outputs of a lower precision than the carrier would
+    round the carrier more than the original chain does. A trace that records none (a block traced with
+    its sublayers as calls) passes: the partial sum it keeps adds the branch outputs in their own dtype,
+    as the rewrite does everywhere."""
+    metas = [_value_meta(node) for node in (base, *terms)]
+    return None in metas or all(meta == metas[0] for meta in metas)
+
+
+def _value_meta(node: fx.Node) -> tuple | None:
+    for key in ("val", "example_value", "tensor_meta"):
+        value = node.meta.get(key)
+        if getattr(value, "shape", None) is not None and getattr(value, "dtype", None) is not None:
+            return tuple(value.shape), value.dtype
+    return None
+
+
+def _read_outside(add: fx.Node, stream: ResidualStream) -> bool:
+    """Whether a site's stream value is read by more than the next site's add."""
+    adds = {a for site in stream.sites for a in site.adds}
+    return any(user not in adds for user in add.users)
 
 
 def _layout(node: fx.Node, default: str) -> str:

@@ -10,6 +10,7 @@ falls back to the model route, or is refused with route="layer".
 """
 
 import copy
+import operator
 import warnings
 
 import pytest
@@ -113,6 +114,80 @@ def test_between_blocks_the_stream_is_the_plain_sum_of_the_branch_outputs():
     state, how = state_of(carrier, conversion_of(model), 0)
     assert how == "carrier" and state.position == 4 and len(state.blocks) == 2
     torch.testing.assert_close(carrier, sum(state.blocks) + state.partial, rtol=1e-6, atol=1e-6)
+
+
+def _adds(graph_module):
+    return [node for node in graph_module.graph.nodes if node.op == "call_function" and node.target is operator.add]
+
+
+def _hooked_outputs(model, ids):
+    seen = []
+    handles = [block.register_forward_hook(lambda m, a, out: seen.append(out)) for block in model.blocks]
+    result = model(ids)
+    for handle in handles:
+        handle.remove()
+    return result, seen
+
+
+@pytest.mark.parametrize("parallel, block_size", [(False, 2), (True, 1)], ids=["sequential", "parallel"])
+def test_a_block_that_starts_an_attnres_block_adds_as_often_as_the_original_block(parallel, block_size):
+    """Structural: each block begins an AttnRes block (its two sites, or its one site of two branches),
+    whose partial sum is ``attn + mlp``; the carrier it returns is ``x + partial`` rather than
+    ``(x + attn) + mlp``, so its graph makes the block's own two stream-sized adds, not three. The block
+    that ends the stream makes only the partial sum's. Numerical: at zero init with preserve_scale the
+    carriers and the result are the original's (fp32 sums in another order, as in the test above)."""
+    original = tiny(parallel, layers=4)
+    ids = example_ids(original.config)
+    model = attnres_fx.attnresify(copy.deepcopy(original), (ids,), preserve_scale=True, block_size=block_size)
+    result, carriers = _hooked_outputs(model, ids)
+    expected, original_carriers = _hooked_outputs(original, ids)
+    graphs_ = [graph for router in routing.routers(model) for graph in router.rewritten]
+    assert [len(_adds(graph)) for graph in graphs_] == [2, 2, 2, 1]
+    torch.testing.assert_close(result, expected, rtol=1e-5, atol=1e-6)
+    for carrier, original_carrier in zip(carriers[:3], original_carriers):
+        torch.testing.assert_close(carrier, original_carrier, rtol=1e-5, atol=1e-6)
+
+
+class MidpointBlock(torch.nn.Module):
+    """A block that also returns its stream value between its two sites."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.ln1, self.attn, self.ln2, self.mlp = block.ln1, block.attn, block.ln2, block.mlp
+
+    def forward(self, x):
+        h = x + self.attn(self.ln1(x))
+        return h + self.mlp(self.ln2(h)), h
+
+
+class Midpoints(TinyTransformer):
+    def forward(self, ids):
+        x, midpoints = self.embed(ids), []
+        for block in self.blocks:
+            x, midpoint = block(x)
+            midpoints.append(midpoint)
+        return self.head(self.ln_f(x)), torch.stack(midpoints)
+
+
+def test_a_carrier_value_read_elsewhere_inside_a_block_stays_computed():
+    """A stream value between two sites that the block also returns is computed as written, and the
+    carrier after it too (``h + mlp``: no add to spare there); at zero init with preserve_scale both are
+    the original's."""
+    torch.manual_seed(0)
+    original = Midpoints(dim=32, num_layers=3, num_heads=4).eval()
+    for index, block in enumerate(original.blocks):
+        original.blocks[index] = MidpointBlock(block)
+    ids = example_ids(original.config)
+    model = attnres_fx.attnresify(copy.deepcopy(original), (ids,), preserve_scale=True, block_size=2)
+    (logits, midpoints), (expected_logits, expected_midpoints) = model(ids), original(ids)
+    assert attnres_fx.plan_of(model).routes == ("layer",)
+    (graph,) = routing.routers(model)[1].rewritten
+    (output,) = graph.graph.find_nodes(op="output")
+    midpoint = output.args[0][0][1]        # the block's result (carrier, h), then the carrier and the state
+    assert midpoint.target is operator.add and len(_adds(graph)) == 3
+    assert any(node.target is operator.add and midpoint in node.args for node in midpoint.users)
+    torch.testing.assert_close(midpoints, expected_midpoints, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logits, expected_logits, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
