@@ -187,17 +187,7 @@ def saved_tensor_hooks_active() -> bool:
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
 
-def module_hooks(module: nn.Module) -> bool:
-    """Whether calling ``module`` does more than its class's forward: forward or backward hooks of its own,
-    global ones (the private hook dicts of ``nn.Module`` and ``torch.nn.modules.module``; no public
-    accessor), or a wrapper another library set as its instance ``forward`` (accelerate's device hooks)."""
-    return bool("forward" in module.__dict__ or module._forward_hooks or module._forward_pre_hooks
-                or module._backward_hooks or module._backward_pre_hooks or _modules_module._global_forward_hooks
-                or _modules_module._global_forward_pre_hooks or _modules_module._global_backward_hooks
-                or _modules_module._global_backward_pre_hooks)
-
-
-# The hook dicts module_hooks reads, for a check written in C (attnres_fx/op/kernels/cpu.cpp's run_site): the
+# The hook dicts module_hooks reads, also for a check written in C (attnres_fx/op/kernels/cpu.cpp's run_site): the
 # instance attributes of a module's own hooks, and the process-wide dicts, which torch 2.11-2.14 fill and empty in
 # place (the register_module_* functions and handles), never rebinding them, so holding the dicts is enough.
 MODULE_HOOK_ATTRIBUTES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -206,6 +196,15 @@ MODULE_HOOK_ATTRIBUTES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hoo
 def global_module_hook_dicts() -> tuple[dict, ...]:
     return (_modules_module._global_forward_hooks, _modules_module._global_forward_pre_hooks,
             _modules_module._global_backward_hooks, _modules_module._global_backward_pre_hooks)
+
+
+def module_hooks(module: nn.Module) -> bool:
+    """Whether calling ``module`` does more than its class's forward: forward or backward hooks of its own
+    (:data:`MODULE_HOOK_ATTRIBUTES`), global ones (:func:`global_module_hook_dicts`; private dicts of
+    ``nn.Module`` and ``torch.nn.modules.module``, no public accessor), or a wrapper another library set as its
+    instance ``forward`` (accelerate's device hooks). Read as attributes, which TorchDynamo guards."""
+    return bool("forward" in module.__dict__ or any(getattr(module, name) for name in MODULE_HOOK_ATTRIBUTES)
+                or any(global_module_hook_dicts()))
 
 
 # What torch.fx's symbolic tracing patches for the duration of a trace (torch.fx._symbolic_trace: ``Tracer.trace``
