@@ -1105,13 +1105,40 @@ class ReleasedGil {
 // meanwhile (a decoding step's aggregation of one token is about a microsecond of arithmetic).
 constexpr int64_t kReleaseGilElements = 1 << 15;
 
-at::Tensor run_operator(const std::vector<at::Tensor>& sources, const at::Tensor& proj_weight,
-                        const at::Tensor& norm_weight, double eps, bool preserve_scale) {
-  std::optional<ReleasedGil> no_gil;
-  if (sources.empty() || sources[0].numel() * static_cast<int64_t>(sources.size()) >= kReleaseGilElements) {
-    no_gil.emplace();
+// The sources of one call, read from their Python objects without a reference of their own: a copy of a
+// tensor that only its Python object holds takes a reference to that object through the interpreter (the
+// GIL taken again: some 600 instructions a tensor, as many to let it go), several a decoding step's
+// aggregation. The Python objects that hold them (the call's arguments) keep them alive while the GIL is
+// held; a call that releases it owns them instead (run_operator).
+class BorrowedSources {
+ public:
+  BorrowedSources() { tensors_.reserve(8); }
+  ~BorrowedSources() {
+    for (at::Tensor& tensor : tensors_) c10::MaybeOwnedTraits<at::Tensor>::destroyBorrow(tensor);
   }
-  return attnres_cpu::aggregate_op().call(sources, proj_weight, norm_weight, eps, preserve_scale);
+  BorrowedSources(const BorrowedSources&) = delete;
+  BorrowedSources& operator=(const BorrowedSources&) = delete;
+
+  void push(const at::Tensor& tensor) {
+    tensors_.push_back(c10::MaybeOwnedTraits<at::Tensor>::createBorrow(tensor));
+  }
+  const std::vector<at::Tensor>& tensors() const { return tensors_; }
+
+ private:
+  std::vector<at::Tensor> tensors_;
+};
+
+at::Tensor run_operator(const BorrowedSources& borrowed, const at::Tensor& proj_weight,
+                        const at::Tensor& norm_weight, double eps, bool preserve_scale) {
+  const std::vector<at::Tensor>& sources = borrowed.tensors();
+  if (!sources.empty() && sources[0].numel() * static_cast<int64_t>(sources.size()) < kReleaseGilElements) {
+    return attnres_cpu::aggregate_op().call(sources, proj_weight, norm_weight, eps, preserve_scale);
+  }
+  // Owned while another thread may run (and change the lists that held them); let go with the GIL held.
+  const std::vector<at::Tensor> owned(sources.begin(), sources.end());
+  const at::Tensor proj(proj_weight), norm(norm_weight);
+  ReleasedGil no_gil;
+  return attnres_cpu::aggregate_op().call(owned, proj, norm, eps, preserve_scale);
 }
 
 PyObject* python_aggregate(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
@@ -1124,15 +1151,14 @@ PyObject* python_aggregate(PyObject* self, PyObject* const* args, Py_ssize_t nar
     return nullptr;
   }
   const Py_ssize_t count = PyList_GET_SIZE(args[0]);
-  std::vector<at::Tensor> sources;
-  sources.reserve(count);
+  BorrowedSources sources;
   for (Py_ssize_t i = 0; i < count; ++i) {
     PyObject* item = PyList_GET_ITEM(args[0], i);
     if (!THPVariable_Check(item)) {
       PyErr_SetString(PyExc_TypeError, "aggregate: every source must be a tensor");
       return nullptr;
     }
-    sources.push_back(THPVariable_Unpack(item));
+    sources.push(THPVariable_Unpack(item));
   }
   return THPVariable_Wrap(run_operator(sources, THPVariable_Unpack(args[1]), THPVariable_Unpack(args[2]),
                                        PyFloat_AS_DOUBLE(args[3]), args[4] == Py_True));
@@ -1150,13 +1176,13 @@ PyObject* child_weight(const EntryState& names, PyObject* children, PyObject* ch
 }
 
 // Appends the tensors of a tuple or list; false where one is not a plain CPU tensor.
-bool append_plain(PyObject* sequence, std::vector<at::Tensor>& out) {
+bool append_plain(PyObject* sequence, BorrowedSources& out) {
   if (!PyTuple_Check(sequence) && !PyList_Check(sequence)) return false;
   const Py_ssize_t count = PySequence_Fast_GET_SIZE(sequence);
   PyObject** items = PySequence_Fast_ITEMS(sequence);
   for (Py_ssize_t i = 0; i < count; ++i) {
     if (!plain_cpu_tensor(items[i])) return false;
-    out.push_back(THPVariable_Unpack(items[i]));
+    out.push(THPVariable_Unpack(items[i]));
   }
   return true;
 }
@@ -1195,9 +1221,9 @@ PyObject* python_run_site(PyObject* self, PyObject* const* args, Py_ssize_t narg
   PyObject* proj = child_weight(names, children, names.proj);
   PyObject* norm = proj == nullptr ? nullptr : child_weight(names, children, names.norm);
   if (PyErr_Occurred()) return nullptr;
-  std::vector<at::Tensor> sources;
-  sources.reserve(8);
-  if (norm == nullptr || !append_plain(args[2], sources) || !append_plain(args[3], sources) || sources.empty()) {
+  BorrowedSources sources;
+  if (norm == nullptr || !append_plain(args[2], sources) || !append_plain(args[3], sources) ||
+      sources.tensors().empty()) {
     Py_RETURN_NONE;
   }
   try {
