@@ -49,6 +49,9 @@ CONSTANT_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype
                   torch.memory_format, enum.Enum, type(Ellipsis), slice, range)
 BLOCK = "block"         # the traced block, as a submodule of the tracer's root
 FINAL = "attnres_final"           # a stream's final aggregation, on a block graph's ``self`` (:class:`Bound`)
+# The block's own children on a block graph's ``self`` (:class:`Bound`): where its code reads the AttnRes modules
+# the block holds itself.
+CHILDREN = "attnres_children"
 # Functions that draw random values from their arguments' shapes alone.
 RANDOM_DRAWS = frozenset({torch.rand, torch.randn, torch.randint, torch.randperm, torch.normal})
 
@@ -341,12 +344,16 @@ def compiled_forward(graph: fx.Graph, name: str) -> Callable:
 
 
 class Bound:
-    """The ``self`` a block graph's code runs with: the block at :data:`BLOCK`, what else the graph refers to
-    (tensor constants), and a stream's final aggregation at :data:`FINAL`, looked up at every call in
-    ``final`` (its parent module and its name there): the module there then."""
+    """The ``self`` a block graph's code runs with: the block at :data:`BLOCK`, the modules it holds at
+    :data:`CHILDREN`, what else the graph refers to (tensor constants), and a stream's final aggregation at
+    :data:`FINAL`, looked up at every call in ``final`` (its parent module and its name there): the module
+    there then."""
 
-    def __init__(self, block: nn.Module, final: tuple[nn.Module, str] | None = None, **others: Any):
+    def __init__(self, block: nn.Module, final: tuple[nn.Module, str] | None = None, children: tuple[str, ...] = (),
+                 **others: Any):
         setattr(self, BLOCK, block)
+        setattr(self, CHILDREN, _Children(block._modules) if all(name in block._modules for name in children)
+                else _Through(block))
         self._final = final
         for name, value in others.items():
             setattr(self, name, value)
@@ -355,3 +362,23 @@ class Bound:
     def attnres_final(self) -> nn.Module:
         parent, name = self._final
         return parent._modules[name]
+
+
+class _Children:
+    """A module's children (its ``_modules``, the dict itself: a module put in a child's place later is found)
+    as attributes, read by a dict look-up: ``nn.Module.__getattr__``, which a child's name reaches, runs only
+    after CPython has raised and formatted an AttributeError, some microseconds a block call."""
+
+    def __init__(self, modules: dict[str, nn.Module]):
+        self.__dict__ = modules
+
+
+class _Through:
+    """The attributes of ``module`` as it gives them: :class:`Bound`'s children where the block does not hold
+    them itself (a wrapper that forwards attribute reads to the layer it holds)."""
+
+    def __init__(self, module: nn.Module):
+        self._module = module
+
+    def __getattr__(self, name: str):
+        return getattr(self._module, name)

@@ -27,6 +27,7 @@ from torch import fx, nn
 from ..op.module import BlockAttnRes, run_site
 from ..capture.block_tracer import (
     BLOCK,
+    CHILDREN,
     FINAL,
     Bound,
     CONSTANT_TYPES,
@@ -265,7 +266,9 @@ class BlockModuleCalls(Emitter):
 
     def emit(self, graph, site, sources, entered=None):
         prefix = self.block_path + "."
-        target = f"{BLOCK}.{site.name[len(prefix):]}" if site.name.startswith(prefix) else FINAL
+        relative = site.name[len(prefix):] if site.name.startswith(prefix) else None
+        # A module the block holds itself is read from its children (Bound), below it through the block.
+        target = FINAL if relative is None else f"{CHILDREN if '.' not in relative else BLOCK}.{relative}"
         # On the graph module (a copy of the referenced tree) for the graph's checks; the code runs on the
         # real block, given when it is called.
         self.gm.add_submodule(target, self.modules[site.name])
@@ -358,11 +361,13 @@ def block_variant(router: LayerRouter, traced: TracedBlock, shape: CallShape, la
     the block's modules on the ``self`` it is given."""
     planned = router.planned
     forward, gm = rewritten_block(router, traced, shape, layout, baked)
-    others = {node.target: getattr(gm, node.target) for node in gm.graph.find_nodes(op="get_attr")
-              if not node.target.startswith(BLOCK + ".") and node.target != FINAL}
+    attributes = [node.target for node in gm.graph.find_nodes(op="get_attr")]
+    children = tuple(target[len(CHILDREN) + 1:] for target in attributes if target.startswith(CHILDREN + "."))
+    others = {target: getattr(gm, target) for target in attributes
+              if not target.startswith((BLOCK + ".", CHILDREN + ".")) and target != FINAL}
     final = place_of(router.root, planned.final.name) if FINAL in gm._modules else None
     router.rewritten.append(gm)
-    return BlockVariant(forward, gm.meta[SIGNATURE], Bound(router.module, final, **others), gm)
+    return BlockVariant(forward, gm.meta[SIGNATURE], Bound(router.module, final, children, **others), gm)
 
 
 def rewritten_block(router: LayerRouter, traced: TracedBlock, shape: CallShape, layout: StateLayout | None,
