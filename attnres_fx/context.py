@@ -39,6 +39,11 @@ class CallContext:
 _CONTEXT: ContextVar[CallContext | None] = ContextVar("attnres_fx_call_context", default=None)
 
 
+# This thread's call context where it has one yet, else None: ContextVar.get itself, no Python frame (every block
+# call of the layer route reads it).
+existing_call_context = _CONTEXT.get
+
+
 def call_context() -> CallContext:
     """This thread's (or task's) call context."""
     context = _CONTEXT.get()

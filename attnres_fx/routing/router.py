@@ -43,7 +43,7 @@ from ..errors import RoutingError, TraceError
 from ..passes.layers import LayerSpan
 from ..passes.pipeline import LayerTarget
 from . import dynamo, graphs, host
-from ..context import call_context
+from ..context import call_context, existing_call_context
 from ..passes.signature import LayerGraphSignature, StateLayout, replaced_at
 from .state import (ATTRIBUTE, StreamState, attach, bundle, edited, layout_of, remember_for_recomputation, restated,
                     returned, state_of, unbundle)
@@ -348,7 +348,7 @@ class LayerRouter(Router):
             # Read nothing of the router's own state here: Dynamo would guard on it.
             return self._while_compiling(type(self.module).forward, args, kwargs)
         forward, checkpointed, _ = self._forwards.get(type(self.module)) or self._class_forward()
-        context = call_context()            # read once: a ContextVar look-up per block call otherwise
+        context = existing_call_context() or call_context()       # read once
         if context.own:
             # A capture of the model in this thread: the module as written.
             return forward(self.module, *args, **kwargs)
@@ -496,7 +496,7 @@ class LayerRouter(Router):
         else:
             state_arguments = ([*state.blocks],)
         results = variant.forward(variant.bound, *inputs, *state_arguments)
-        after = self._state_after(state, state.tensors, variant.next_offset, results[variant.results + 1:])
+        after = self._state_after(state, state.blocks, variant.next_offset, results[variant.results + 1:])
         if after is not None:
             # Without gradients the graph's carrier is the carrier returned, inside the block's result.
             after.layout = variant.layout_after(after)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import threading
 import weakref
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -37,19 +36,16 @@ from ..passes.signature import StateLayout
 ATTRIBUTE = "_attnres_stream_state"
 
 
-@dataclass(eq=False, slots=True)
 class StreamState:
     """Stream ``stream`` of the conversion ``owner`` before residual site ``position``: ``blocks``
     committed, then ``partial`` (``None`` at the stream's start, where the carrier itself is ``b_0``, and
     after a skipped block start). ``grads``: the gradients the following blocks sent back for
-    ``tensors``, summed."""
+    ``tensors``, summed.
 
-    owner: object
-    stream: int
-    position: int
-    blocks: tuple[torch.Tensor, ...] = ()
-    partial: torch.Tensor | None = None
-    grads: list = field(default_factory=list)
+    The attributes below start as the class gives them and are set on the state where they change: a block
+    makes a state at every call, and its construction is part of what a decoding step adds."""
+
+    grads: list | tuple = ()
     successor: StreamState | None = None      # the state a block made from this one, kept for reentrant
                                               # checkpointing's recomputation only
     # How the carrier was when the block returned it, to tell an in-place edit (:func:`edited`): its
@@ -63,6 +59,14 @@ class StreamState:
     # The layout the next block finds it in when the carrier is not edited (layout_of), noted by the block
     # that made it: its graph is looked up by it without making a new one at every call.
     layout: StateLayout | None = None
+
+    def __init__(self, owner: object, stream: int, position: int, blocks: tuple[torch.Tensor, ...] = (),
+                 partial: torch.Tensor | None = None):
+        self.owner = owner
+        self.stream = stream
+        self.position = position
+        self.blocks = blocks
+        self.partial = partial
 
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
