@@ -9,6 +9,10 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("transformers")
+# The in-process runs below put sys.modules back as they found it: a module first imported inside them
+# would be dropped while the operators it registered stay, and importing it again later in this process
+# fails (torchao, which transformers' models import, defines its operators at import). Imported here first.
+from transformers import LlamaConfig, LlamaModel  # noqa: E402, F401
 
 from attnres_fx.integrations import autoload  # noqa: E402
 from attnres_fx.testing.hf_parity import describe_failure  # noqa: E402
