@@ -406,9 +406,13 @@ class _StreamSurgery:
             if chain is None or any(order[user] < order[partial] for user in add.users):
                 continue
             base, between = chain
-            if not _same_values(base, terms):
+            alike = _recorded_alike(base, terms)
+            if alike is False or (alike is None and self.partial_add is not operator.add):
                 continue
-            add.args = (base, partial)
+            if alike:
+                add.args = (base, partial)
+            else:
+                add.op, add.target, add.args = "call_function", carry, (base, partial, *terms)
             partial.append(add)
             self.dead.extend(between)
 
@@ -520,14 +524,27 @@ def _peel(add: fx.Node, terms: Sequence[fx.Node]) -> tuple[fx.Node, list[fx.Node
     return node, between
 
 
-def _same_values(base: fx.Node, terms: Sequence[fx.Node]) -> bool:
-    """Whether the shapes and dtypes the capture recorded for ``base`` and ``terms`` are all one: no
-    broadcast, and no promotion, where a sum of branch outputs of a lower precision than the carrier would
-    round the carrier more than the original chain does. A trace that records none (a block traced with
-    its sublayers as calls) passes: the partial sum it keeps adds the branch outputs in their own dtype,
-    as the rewrite does everywhere."""
+def _recorded_alike(base: fx.Node, terms: Sequence[fx.Node]) -> bool | None:
+    """Whether the capture recorded one shape and dtype for ``base`` and all ``terms`` (no broadcast, and
+    no promotion, where a sum of branch outputs of a lower precision than the carrier would round the
+    carrier more than the original chain does); ``None`` where it recorded none (a block traced with its
+    sublayers as calls: :func:`carry` decides at the call)."""
     metas = [_value_meta(node) for node in (base, *terms)]
-    return None in metas or all(meta == metas[0] for meta in metas)
+    if None in metas:
+        return None
+    return all(meta == metas[0] for meta in metas)
+
+
+def carry(base: torch.Tensor, partial: torch.Tensor, *terms: torch.Tensor) -> torch.Tensor:
+    """A layer's carrier where its trace recorded no dtypes: ``base + partial`` (``partial`` the sum of
+    ``terms``, the branch outputs the chain adds) where the partial sum has the carrier's dtype; else the
+    terms added one at a time, as the original chain does: under ``torch.autocast`` bf16 branch outputs
+    on an fp32 stream would otherwise reach the carrier rounded to bf16 as a sum."""
+    if partial.dtype == base.dtype:
+        return base + partial
+    for term in terms:
+        base = base + term
+    return base
 
 
 def _value_meta(node: fx.Node) -> tuple | None:

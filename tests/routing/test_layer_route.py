@@ -24,6 +24,7 @@ from attnres_fx.conversion import conversion_of
 from attnres_fx.errors import TraceError
 from attnres_fx.capture.block_tracer import compiled_forward
 from attnres_fx.op.module import run_site
+from attnres_fx.passes import rewrite
 from attnres_fx.passes.two_phase import phase1_at, phase2_at
 from attnres_fx.passes.signature import BLOCK, CARRIER, PARTIAL, SIGNATURE, SPARE
 from attnres_fx.routing import graphs
@@ -117,7 +118,10 @@ def test_between_blocks_the_stream_is_the_plain_sum_of_the_branch_outputs():
 
 
 def _adds(graph_module):
-    return [node for node in graph_module.graph.nodes if node.op == "call_function" and node.target is operator.add]
+    """The stream-sized adds of a block graph: plain ones, and carriers computed as ``c + partial`` where
+    the partial sum has the carrier's dtype (one add there)."""
+    return [node for node in graph_module.graph.nodes
+            if node.op == "call_function" and node.target in (operator.add, rewrite.carry)]
 
 
 def _hooked_outputs(model, ids):
@@ -146,6 +150,28 @@ def test_a_block_that_starts_an_attnres_block_adds_as_often_as_the_original_bloc
     torch.testing.assert_close(result, expected, rtol=1e-5, atol=1e-6)
     for carrier, original_carrier in zip(carriers[:3], original_carriers):
         torch.testing.assert_close(carrier, original_carrier, rtol=1e-5, atol=1e-6)
+
+
+def test_a_carrier_under_autocast_adds_its_branch_outputs_one_at_a_time_as_the_original():
+    """Under ``torch.autocast`` the branch outputs are bf16 and the stream fp32: the carrier a block returns
+    is ``(x + attn) + mlp`` in fp32, bit for bit, as the original block adds them, not ``x + partial``
+    with the bf16 partial sum's rounding (which doubled the carriers' distance from the original's)."""
+    original = tiny(layers=4)
+    ids = example_ids(original.config)
+    model = attnres_fx.attnresify(copy.deepcopy(original), (ids,), block_size=2)
+    seen = {}
+    for index, block in enumerate(model.blocks):
+        block.register_forward_pre_hook(lambda m, args, index=index: seen.__setitem__(("x", index), args[0]))
+        block.register_forward_hook(lambda m, a, out, index=index: seen.__setitem__(("out", index), out))
+        for name in ("attn", "mlp"):
+            getattr(block, name).register_forward_hook(
+                lambda m, a, out, index=index, name=name: seen.__setitem__((name, index), out))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(ids)
+    for index in range(3):
+        assert seen["attn", index].dtype == torch.bfloat16 and seen["out", index].dtype == torch.float32
+        expected = (seen["x", index] + seen["attn", index]) + seen["mlp", index]
+        assert torch.equal(seen["out", index], expected), index
 
 
 class MidpointBlock(torch.nn.Module):
