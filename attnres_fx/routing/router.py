@@ -45,8 +45,8 @@ from ..passes.pipeline import LayerTarget
 from . import dynamo, graphs, host
 from ..context import call_context, existing_call_context
 from ..passes.signature import LayerGraphSignature, StateLayout, replaced_at
-from .state import (ATTRIBUTE, StreamState, attach, bundle, edited, layout_of, remember_for_recomputation, restated,
-                    returned, state_of, unbundle)
+from .state import (ATTRIBUTE, Following, StreamState, attach, bundle, edited, layout_of, remember_for_recomputation,
+                    restated, returned, state_of, unbundle)
 from .watch import note_stream_end, note_stream_start, refuse_foreign_fullgraph
 
 LOG = logging.getLogger("attnres_fx")
@@ -272,9 +272,13 @@ class LayerRouter(Router):
         self.planned = conversion.plan.streams[stream]
         self.starts = span.start == 0
         self.ends = span.stop == self.planned.num_positions
-        # The block that takes the carrier this one returns: its forward pre-hooks see the carrier first.
+        # Where the block that takes the carrier this one returns sits: its forward pre-hooks, or a module
+        # put in its place later, see the carrier first.
         following = [later.owner for later in self.planned.layers if later.start == span.stop]
-        self.following = root.get_submodule(following[0]) if following else None
+        self.following = None
+        if following:
+            parent, _, name = following[0].rpartition(".")
+            self.following = Following(root.get_submodule(parent), name, root.get_submodule(following[0]))
         self.traced_modules = (module, *(module.get_submodule(path) for path in sorted(opened)))
         self._shapes: dict[CallShape, _ShapeRoutes] = {}
         # The shapes of calls with positional tensors, numbers and None only, by the arguments' types and
@@ -478,7 +482,8 @@ class LayerRouter(Router):
             if (state is not None and state.layout is not None and state.owner is self.conversion
                     and state.stream == self.stream and state.position == self.span.start
                     and not carrier.requires_grad and not edited(carrier, state)
-                    and not self.module._forward_hooks and not compat.global_forward_hooks()):
+                    and not self.module._forward_hooks and not compat.global_forward_hooks()
+                    and not self._pre_hooks_unseen(state)):
                 variant = routes.variants.get(state.layout)
                 if variant is not None:
                     return self._run_plain(routes, variant, inputs, state)
@@ -579,14 +584,19 @@ class LayerRouter(Router):
                                f"stream {self.stream}, but its own sites start at {self.span.start}: the stream's "
                                "modules must be called once each, in order")
 
+    def _pre_hooks_unseen(self, state: StreamState) -> bool:
+        """Whether this block has forward pre-hooks (or ones for every module exist) that may have edited a
+        carrier without a version counter of which its block kept no copy (hooks registered during the
+        call, after that block returned): the general path refuses such a call."""
+        return (state.version is None and state.snapshot is None
+                and bool(self.module._forward_pre_hooks or compat.global_forward_pre_hooks()))
+
     def _check_pre_hooks_seen(self, carrier: torch.Tensor, state: StreamState) -> None:
         """Refuses a call whose forward pre-hooks may have edited the carrier in place where nothing can
         tell: an inference tensor (no version counter) of which no copy was kept, because the block that
         returned it looked for the pre-hooks of the block after it, not of this one (a block skipped), or
-        they were registered after it returned. The short path takes only a carrier its block returned for
-        this one, and does not look again (hooks registered during a call are not looked for there)."""
-        if (state.snapshot is None and state.version is None and carrier.is_inference()
-                and (self.module._forward_pre_hooks or compat.global_forward_pre_hooks())):
+        they were registered after it returned."""
+        if carrier.is_inference() and self._pre_hooks_unseen(state):
             raise RoutingError(
                 f"{self.where} has forward pre-hooks (its own, or ones registered for every module) and takes, "
                 f"under torch.inference_mode(), the stream after residual site {state.position} of stream "

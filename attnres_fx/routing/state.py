@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -100,15 +101,30 @@ def attach(carrier: torch.Tensor, state: StreamState) -> None:
     setattr(carrier, ATTRIBUTE, state)
 
 
-def returned(carrier: torch.Tensor, state: StreamState, hooked: bool, following: nn.Module | None = None) -> None:
+@dataclass(frozen=True)
+class Following:
+    """Where the block that takes a carrier next sits: ``parent``'s child ``name``, ``block`` at conversion."""
+
+    parent: nn.Module
+    name: str
+    block: nn.Module
+
+    def may_edit(self) -> bool:
+        """Whether code may see the carrier before the next block's router does: the block's forward
+        pre-hooks, or a module that took the block's place in its parent after conversion (a wrapper such
+        as ``checkpoint_wrapper``: its hooks and its own code run first)."""
+        return bool(self.block._forward_pre_hooks) or self.parent._modules.get(self.name) is not self.block
+
+
+def returned(carrier: torch.Tensor, state: StreamState, hooked: bool, following: Following | None = None) -> None:
     """Note how ``carrier`` is as its block returns it with ``state``, so that the next block can tell an
-    in-place edit: its version counter; where it has none (an inference tensor), a copy, taken where a hook
-    may see the carrier before the next block's router does: the block's forward hooks (``hooked``), the
-    forward pre-hooks of ``following`` (the module that takes it next) or those registered for every
-    module. Without such hooks the note costs one look at those dicts, no copy."""
+    in-place edit: its version counter; where it has none (an inference tensor), a copy, taken where code
+    may see the carrier before the next block's router does: the block's forward hooks (``hooked``), what
+    ``following`` says of the next block (:meth:`Following.may_edit`), or forward pre-hooks registered for
+    every module. Without such code the note costs a few looks at dicts, no copy."""
     if not carrier.is_inference():
         state.version = carrier._version
-    elif hooked or (following is not None and following._forward_pre_hooks) or global_forward_pre_hooks():
+    elif hooked or global_forward_pre_hooks() or (following is not None and following.may_edit()):
         state.snapshot = carrier.clone()
 
 

@@ -262,15 +262,27 @@ def test_calls_without_gradients_take_the_short_path_where_nothing_else_applies(
     assert plain == []
 
 
+class Wrapper(torch.nn.Module):
+    """A module put in a block's place after conversion, as ``checkpoint_wrapper`` is."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
+
+
 @pytest.mark.parametrize("path", ["short", "general"])
-@pytest.mark.parametrize("where", ["next block", "every module"])
+@pytest.mark.parametrize("where", ["next block", "every module", "wrapper of the next block"])
 def test_a_pre_hook_that_edits_the_carrier_under_inference_mode_is_seen(where, path, monkeypatch):
     """Activation steering in a forward pre-hook (``args[0].add_(v)``) of the block after the one that
     returned the carrier, which has no hook itself, under ``torch.inference_mode()``: the carrier is an
     inference tensor (no version counter), yet the edit reaches the stream as in the original model, at
     the first call after conversion and at the decoding steps after it, on the short path and the general
-    one. The hook is the block's own or one registered for every module. Converted with ``preserve_scale``
-    at zero init (the original function): fp32 sums in another order, 1e-5 relative."""
+    one. The hook is the block's own, one registered for every module, or one of a wrapper put in the
+    block's place after conversion. Converted with ``preserve_scale`` at zero init (the original
+    function): fp32 sums in another order, 1e-5 relative."""
     from attnres_fx.checks import relative_error
     from attnres_fx.testing.handwritten import HandwrittenConfig, Transformer
 
@@ -284,13 +296,15 @@ def test_a_pre_hook_that_edits_the_carrier_under_inference_mode_is_seen(where, p
     steps = [(ids, 0), *((ids[:, k:k + 1], 6 + k) for k in range(3))]
     outputs = {}
     for name, each in (("original", original), ("converted", model)):
+        if where == "wrapper of the next block":
+            each.layers[2] = Wrapper(each.layers[2])
         target = each.layers[2]
 
         def steer(module, args, target=target):
             if module is target:
                 args[0].add_(v)
-        handle = (target.register_forward_pre_hook(steer) if where == "next block" else
-                  torch.nn.modules.module.register_module_forward_pre_hook(steer))
+        handle = (torch.nn.modules.module.register_module_forward_pre_hook(steer) if where == "every module" else
+                  target.register_forward_pre_hook(steer))
         try:
             with torch.inference_mode():
                 outputs[name] = [each(tokens, start) for tokens, start in steps]
@@ -318,6 +332,20 @@ def test_a_pre_hook_that_may_edit_a_carrier_returned_for_another_block_is_refuse
             model.blocks[2](model.blocks[0](model.embed(ids)))
         got = model.blocks[2](model.blocks[1](model.blocks[0](model.embed(ids))))
     torch.testing.assert_close(got, in_order, rtol=TIGHT, atol=TIGHT)
+
+
+def test_a_pre_hook_registered_after_the_block_before_returned_is_refused_under_inference_mode():
+    """A pre-hook registered on the next block after a block returned its carrier, under
+    ``torch.inference_mode()``: no copy was kept for it and the carrier has no version counter, so an edit
+    could not be told; the call is refused by name on the short path as on the general one."""
+    model = randomise_pseudo_queries(attnres_fx.attnresify(tiny(layers=4), block_size=2), std=1.0)
+    ids = example_ids(model.config)
+    with torch.inference_mode():
+        model(ids)
+        carrier = model.blocks[1](model.blocks[0](model.embed(ids)))
+        model.blocks[2].register_forward_pre_hook(lambda module, args: args[0].add_(0.5))
+        with pytest.raises(attnres_fx.RoutingError, match="(?s)at 'blocks.2' has forward pre-hooks.*registered"):
+            model.blocks[2](carrier)
 
 
 def test_a_carrier_read_between_blocks_sends_its_gradient_and_an_unread_one_zeros_to_its_hooks():
