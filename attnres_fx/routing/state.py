@@ -76,7 +76,10 @@ class StreamState:
 
     def add_grads(self, grads) -> None:
         if not self.grads:
-            self.grads = [None] * len(grads)
+            # The first (in a training step the only) gradients for this state: nothing to sum, no loop in
+            # the backward's Python, where every line runs with cold caches.
+            self.grads = list(grads)
+            return
         for k, grad in enumerate(grads):
             if grad is not None:
                 self.grads[k] = grad if self.grads[k] is None else self.grads[k] + grad
