@@ -234,7 +234,7 @@ class _Unbundle(torch.autograd.Function):
     @staticmethod
     def forward(ctx, state: StreamState, carrier: torch.Tensor):
         ctx.state = state
-        ctx.carrier = (carrier.shape, carrier.dtype, carrier.device)
+        ctx.carrier = (carrier.shape, carrier.dtype, carrier.device, type(carrier) is torch.Tensor)
         ctx.set_materialize_grads(False)
         return (carrier.view_as(carrier), *(t.view_as(t) for t in state.tensors))
 
@@ -243,9 +243,26 @@ class _Unbundle(torch.autograd.Function):
         state = ctx.state
         state.add_grads(grads)
         if grad_carrier is None:
-            shape, dtype, device = ctx.carrier
-            grad_carrier = state.unread = torch.zeros((), dtype=dtype, device=device).expand(shape)
+            shape, dtype, device, plain = ctx.carrier
+            kept = plain and not torch.compiler.is_compiling()
+            zeros = _UNREAD_ZEROS.get((shape, dtype, device)) if kept else None
+            if zeros is None:
+                zeros = torch.zeros((), dtype=dtype, device=device).expand(shape)
+                if kept:
+                    if len(_UNREAD_ZEROS) >= _UNREAD_ZEROS_KEPT:
+                        _UNREAD_ZEROS.clear()
+                    _UNREAD_ZEROS[shape, dtype, device] = zeros
+            grad_carrier = state.unread = zeros
         return None, grad_carrier
+
+
+# The zeros _Unbundle sends for a carrier nothing read, by shape, dtype and device (plain tensors only: a
+# fake or functional tensor belongs to its trace). Made once, not at every block of every backward: the
+# first torch call in the backward's Python after the kernels ran took some 100 us of a training step's
+# block there (caches cold), the same call again some 10 us. They cannot be edited in place (every element
+# is the one zero), so one serves every call.
+_UNREAD_ZEROS: dict[tuple, torch.Tensor] = {}
+_UNREAD_ZEROS_KEPT = 16
 
 
 def _recorded(carrier: torch.Tensor, tensors) -> bool:
