@@ -24,6 +24,7 @@ states of the original forward, so the gradients meet where they would have.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from dataclasses import dataclass
@@ -244,25 +245,20 @@ class _Unbundle(torch.autograd.Function):
         state.add_grads(grads)
         if grad_carrier is None:
             shape, dtype, device, plain = ctx.carrier
-            kept = plain and not torch.compiler.is_compiling()
-            zeros = _UNREAD_ZEROS.get((shape, dtype, device)) if kept else None
-            if zeros is None:
-                zeros = torch.zeros((), dtype=dtype, device=device).expand(shape)
-                if kept:
-                    if len(_UNREAD_ZEROS) >= _UNREAD_ZEROS_KEPT:
-                        _UNREAD_ZEROS.clear()
-                    _UNREAD_ZEROS[shape, dtype, device] = zeros
-            grad_carrier = state.unread = zeros
+            # Plain tensors only: a fake or functional tensor belongs to its trace.
+            grad_carrier = state.unread = (_unread_zeros(shape, dtype, device)
+                                           if plain and not torch.compiler.is_compiling() else
+                                           torch.zeros((), dtype=dtype, device=device).expand(shape))
         return None, grad_carrier
 
 
-# The zeros _Unbundle sends for a carrier nothing read, by shape, dtype and device (plain tensors only: a
-# fake or functional tensor belongs to its trace). Made once, not at every block of every backward: the
-# first torch call in the backward's Python after the kernels ran took some 100 us of a training step's
-# block there (caches cold), the same call again some 10 us. They cannot be edited in place (every element
-# is the one zero), so one serves every call.
-_UNREAD_ZEROS: dict[tuple, torch.Tensor] = {}
-_UNREAD_ZEROS_KEPT = 16
+@functools.lru_cache(maxsize=16)
+def _unread_zeros(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The zeros :class:`_Unbundle` sends for a carrier nothing read, made once, not at every block of every
+    backward: the first torch call in the backward's Python after the kernels ran took some 100 us of a
+    training step's block there (caches cold), the same call again some 10 us. They cannot be edited in
+    place (every element is the one zero), so one serves every call."""
+    return torch.zeros((), dtype=dtype, device=device).expand(shape)
 
 
 def _recorded(carrier: torch.Tensor, tensors) -> bool:
