@@ -352,8 +352,10 @@ class Bound:
     def __init__(self, block: nn.Module, final: tuple[nn.Module, str] | None = None, children: tuple[str, ...] = (),
                  **others: Any):
         setattr(self, BLOCK, block)
+        # Where the block does not hold them itself (a wrapper that forwards attribute reads to the layer it
+        # holds), they are read through the block.
         setattr(self, CHILDREN, _Children(block._modules) if all(name in block._modules for name in children)
-                else _Through(block))
+                else block)
         self._final = final
         for name, value in others.items():
             setattr(self, name, value)
@@ -372,13 +374,3 @@ class _Children:
     def __init__(self, modules: dict[str, nn.Module]):
         self.__dict__ = modules
 
-
-class _Through:
-    """The attributes of ``module`` as it gives them: :class:`Bound`'s children where the block does not hold
-    them itself (a wrapper that forwards attribute reads to the layer it holds)."""
-
-    def __init__(self, module: nn.Module):
-        self._module = module
-
-    def __getattr__(self, name: str):
-        return getattr(self._module, name)
