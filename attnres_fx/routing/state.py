@@ -14,7 +14,11 @@ the carrier); their gradients go from the one to the other inside the state obje
 own gradient. So whatever watches a block's inputs and outputs sees everything that flows: FSDP2
 all-gathers a block's parameters for backward when its output's gradient arrives and reduce-scatters
 them once its input's gradient is complete; activation checkpointing recomputes a block from its
-arguments; a pipeline stage's outputs carry all of their gradients.
+arguments; a pipeline stage's outputs carry all of their gradients. For plain tensors both nodes are C++
+autograd Functions of the kernel library (``cpu.Entries.bundle`` / ``unbundle``: the same outputs, backwards
+without Python, the gradients kept in a holder the state points to); :class:`_Bundle` and
+:class:`_Unbundle` are the same nodes in Python, for tensor subclasses, TorchDynamo's traces and machines
+where the library cannot be built.
 
 Reentrant activation checkpointing recomputes a block on a detached copy of its input, which carries no
 attribute: the input of a block called that way is remembered by its storage
@@ -33,6 +37,7 @@ import torch
 from torch import nn
 
 from ..compat import global_forward_pre_hooks, view_base
+from ..op.kernels import cpu
 from ..passes.signature import StateLayout
 
 ATTRIBUTE = "_attnres_stream_state"
@@ -61,6 +66,9 @@ class StreamState:
     # The layout the next block finds it in when the carrier is not edited (layout_of), noted by the block
     # that made it: its graph is looked up by it without making a new one at every call.
     layout: StateLayout | None = None
+    # Where the C++ nodes carry this state's edges (cpu.Entries.bundle / unbundle): what keeps the gradients
+    # instead of ``grads`` and ``unread`` (a capsule they made).
+    holder: object | None = None
 
     def __init__(self, owner: object, stream: int, position: int, blocks: tuple[torch.Tensor, ...] = (),
                  partial: torch.Tensor | None = None):
@@ -76,6 +84,9 @@ class StreamState:
         return self.blocks if self.partial is None else (*self.blocks, self.partial)
 
     def add_grads(self, grads) -> None:
+        if self.holder is not None:
+            cpu.Entries.add_grads(self.holder, grads)
+            return
         if not self.grads:
             # The first (in a training step the only) gradients for this state: nothing to sum, no loop in
             # the backward's Python, where every line runs with cold caches.
@@ -86,6 +97,8 @@ class StreamState:
                 self.grads[k] = grad if self.grads[k] is None else self.grads[k] + grad
 
     def take_grads(self, count: int) -> list:
+        if self.holder is not None:
+            return cpu.Entries.take_grads(self.holder, count)
         grads, self.grads = (self.grads or [None] * count), []
         return grads
 
@@ -275,6 +288,11 @@ def _recorded(carrier: torch.Tensor, tensors) -> bool:
 def bundle(carrier: torch.Tensor, tensors: tuple[torch.Tensor, ...], grads_from: StreamState) -> torch.Tensor:
     """The carrier a block returns with its state's ``tensors`` (itself when no gradient is recorded):
     their gradients will be what the following blocks send back into ``grads_from``."""
+    entry = cpu.Entries.bundle
+    if entry is not None and not torch.compiler.is_compiling():
+        made = entry(grads_from, carrier, tensors)      # _Bundle as a C++ node, for plain tensors
+        if made is not None:
+            return made
     if not _recorded(carrier, tensors):
         return carrier
     return _Bundle.apply(grads_from, carrier, *tensors)
@@ -284,6 +302,11 @@ def unbundle(state: StreamState, carrier: torch.Tensor) -> tuple[torch.Tensor, t
     """The carrier and the state's tensors as a block reads them (one autograd node when a gradient is
     recorded, see the module docstring)."""
     tensors = state.tensors
+    entry = cpu.Entries.unbundle
+    if entry is not None and not torch.compiler.is_compiling():
+        made = entry(state, carrier, tensors)           # _Unbundle as a C++ node, for plain tensors
+        if made is not None:
+            return made
     if not _recorded(carrier, tensors):
         return carrier, tensors
     carrier, *tensors = _Unbundle.apply(state, carrier)

@@ -28,6 +28,7 @@ from attnres_fx.passes import rewrite
 from attnres_fx.passes.two_phase import phase1_at, phase2_at
 from attnres_fx.passes.signature import BLOCK, CARRIER, PARTIAL, SIGNATURE, SPARE
 from attnres_fx.routing import graphs
+from attnres_fx.op.kernels import cpu
 from attnres_fx.routing.state import state_of
 from attnres_fx.testing import randomise_pseudo_queries
 from toy_models import DecoderLayer, EncoderDecoder, make_inputs
@@ -50,6 +51,23 @@ def both_routes(model, *inputs, **options):
     return layer, whole
 
 
+# Which implementation makes the stream's autograd edges between blocks: the C++ nodes (where the kernel
+# library loads: the default), the Python Functions (tensor subclasses, traces), or one of each for the two
+# sides of one state (a block whose carrier takes one path and the next block's the other).
+EDGES = {"C++": ("bundle", "unbundle"), "Python": (), "C++ bundle": ("bundle",), "C++ unbundle": ("unbundle",)}
+
+
+@pytest.fixture(params=list(EDGES))
+def stream_edges(request, monkeypatch):
+    kept = EDGES[request.param]
+    if kept and not cpu.available():
+        pytest.skip(f"the C++ kernel: {cpu.unavailable_reason()}")
+    for name in ("bundle", "unbundle"):
+        if name not in kept:
+            monkeypatch.setattr(cpu.Entries, name, None)
+    return request.param
+
+
 def grads(model, ids):
     model.zero_grad()
     model(ids).float().square().mean().backward()
@@ -58,7 +76,7 @@ def grads(model, ids):
 
 @pytest.mark.parametrize("parallel", [False, True], ids=["sequential", "parallel"])
 @pytest.mark.parametrize("block_size", [1, 3])
-def test_both_routes_compute_the_same_model(parallel, block_size):
+def test_both_routes_compute_the_same_model(parallel, block_size, stream_edges):
     layer, whole = both_routes(tiny(parallel), block_size=block_size)
     ids = example_ids(layer.config)
     torch.testing.assert_close(layer(ids), whole(ids), rtol=TIGHT, atol=TIGHT)
@@ -115,6 +133,24 @@ def test_between_blocks_the_stream_is_the_plain_sum_of_the_branch_outputs():
     state, how = state_of(carrier, conversion_of(model), 0)
     assert how == "carrier" and state.position == 4 and len(state.blocks) == 2
     torch.testing.assert_close(carrier, sum(state.blocks) + state.partial, rtol=1e-6, atol=1e-6)
+
+
+def test_with_gradients_one_node_makes_the_carrier_from_the_carrier_and_the_state(stream_edges):
+    """Recording gradients, the carrier a block returns comes from one autograd node whose inputs are the
+    block's carrier and its state's tensors (the C++ node where the kernel library loads, else the Python
+    Function), and the next block reads both from one node on the carrier."""
+    model = randomise_pseudo_queries(attnres_fx.attnresify(tiny(), block_size=2)).train()
+    ids = example_ids(model.config)
+    seen = {}
+    model.blocks[1].register_forward_hook(lambda m, a, out: seen.__setitem__("carrier", out))
+    model.blocks[2].register_forward_pre_hook(lambda m, a: seen.__setitem__("read", a[0]))
+    model(ids)
+    carrier = seen["carrier"]
+    state, _ = state_of(carrier, conversion_of(model), 0)
+    node = carrier.grad_fn
+    assert ("BundleFunction" in node.name()) == (stream_edges in ("C++", "C++ bundle"))
+    assert len(node.next_functions) == 1 + len(state.tensors)
+    assert seen["read"] is carrier
 
 
 def _adds(graph_module):
@@ -348,7 +384,7 @@ def test_a_pre_hook_registered_after_the_block_before_returned_is_refused_under_
             model.blocks[2](carrier)
 
 
-def test_a_carrier_read_between_blocks_sends_its_gradient_and_an_unread_one_zeros_to_its_hooks():
+def test_a_carrier_read_between_blocks_sends_its_gradient_and_an_unread_one_zeros_to_its_hooks(stream_edges):
     """The carrier's gradient reaches the block's residual adds where a loss reads the carrier (a loss on the
     hidden states): the gradients add up over the two losses. Where nothing reads it, its hooks still see
     a gradient, zeros."""
@@ -457,7 +493,7 @@ def test_a_middle_block_called_on_its_own_says_what_it_needs():
 
 @pytest.mark.parametrize("on_dynamo", [False, True], ids=["fx", "dynamo"])
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
-def test_checkpointing_each_block_keeps_the_gradients(reentrant, on_dynamo, monkeypatch):
+def test_checkpointing_each_block_keeps_the_gradients(reentrant, on_dynamo, monkeypatch, stream_edges):
     """Each block checkpointed, its graph traced by torch.fx or captured by TorchDynamo (torch.fx refused: the
     state enters and leaves the Dynamo graph as real inputs and outputs, the stream's first input found by
     the argument it came from): the gradients of the unchanged calls (1e-5: the same sums, recomputed)."""

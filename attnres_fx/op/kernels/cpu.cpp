@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <mutex>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -989,6 +990,128 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> aggregate_backward_saved_meta(
 }
 
 
+
+// ------------------------------------------------------------------------------------- stream edges
+// The two autograd nodes of a layer-routed stream, _Bundle and _Unbundle of attnres_fx/routing/state.py
+// (which documents them; the Python classes remain for what these entries do not take: tensor subclasses,
+// TorchDynamo's traces), here as C++ Functions: the same forward, the same outputs (torch::autograd's
+// _wrap_outputs treats them as Python's does), backwards that run without the GIL. As Python Functions
+// they cost some 130 us a block of a training step (d=128, 24 layers), forward and backward, their
+// Python running with cold caches between the blocks' kernels.
+
+// The gradients the blocks that read a stream state's tensors sent back, summed as they come (the first
+// kept as they are), until the node of the block that made the state takes them; and the zeros an
+// unbundle node sent for a carrier nothing read, which that bundle node then drops. Shared by the state
+// (a capsule, attnres_fx/routing/state.py's StreamState.holder) and both nodes.
+struct StateGrads : torch::CustomClassHolder {
+  std::mutex lock;
+  std::vector<at::Tensor> grads;
+  at::Tensor unread;
+
+  // grads[k] += incoming[first + k] where defined.
+  void add(const std::vector<at::Tensor>& incoming, size_t first) {
+    const std::lock_guard<std::mutex> guard(lock);
+    if (grads.empty()) {
+      grads.assign(incoming.begin() + static_cast<std::ptrdiff_t>(first), incoming.end());
+      return;
+    }
+    for (size_t k = 0; k < grads.size() && first + k < incoming.size(); ++k) {
+      const at::Tensor& grad = incoming[first + k];
+      if (!grad.defined()) continue;
+      grads[k] = grads[k].defined() ? grads[k] + grad : grad;
+    }
+  }
+
+  std::vector<at::Tensor> take(size_t count) {
+    const std::lock_guard<std::mutex> guard(lock);
+    std::vector<at::Tensor> taken;
+    taken.swap(grads);
+    taken.resize(count);
+    return taken;
+  }
+};
+
+c10::intrusive_ptr<StateGrads> holder_of(torch::autograd::AutogradContext* ctx) {
+  return c10::static_intrusive_pointer_cast<StateGrads>(ctx->saved_data["grads"].toCapsule());
+}
+
+// The carrier a block returns, its state's tensors inputs too (a new tensor sharing the carrier's storage,
+// no view of it). Backward: the carrier's gradient (none where it is the unread zeros), and what the
+// following blocks sent back for the tensors.
+class BundleFunction : public torch::autograd::Function<BundleFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const c10::intrusive_ptr<StateGrads>& holder,
+                            const at::Tensor& carrier, at::TensorList tensors) {
+    ctx->saved_data["grads"] = c10::IValue::make_capsule(holder);
+    ctx->saved_data["count"] = static_cast<int64_t>(tensors.size());
+    ctx->set_materialize_grads(false);
+    return carrier.detach();
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    const auto holder = holder_of(ctx);
+    at::Tensor grad = grad_outputs[0];
+    {
+      const std::lock_guard<std::mutex> guard(holder->lock);
+      if (grad.defined() && holder->unread.defined() && grad.is_same(holder->unread)) {
+        grad = at::Tensor();  // nothing read the carrier: no pass over these zeros in the block's adds
+        holder->unread = at::Tensor();
+      }
+    }
+    std::vector<at::Tensor> taken = holder->take(static_cast<size_t>(ctx->saved_data["count"].toInt()));
+    torch::autograd::variable_list out;
+    out.reserve(taken.size() + 2);
+    out.emplace_back();  // the holder
+    out.push_back(std::move(grad));
+    for (at::Tensor& t : taken) out.push_back(std::move(t));
+    return out;
+  }
+};
+
+// A stream state's tensors, handed to UnbundleFunction outside its inputs: their gradients go to the
+// holder, not along autograd edges of this node.
+struct StateTensors {
+  std::vector<at::Tensor> tensors;
+};
+
+// A block's view of the carrier it was given and of the state's tensors, all outputs of one node on the
+// carrier. Backward: the state's gradients to the holder, the carrier's to the carrier (zeros where nothing
+// read it, so that hooks on the carrier's gradient fire).
+class UnbundleFunction : public torch::autograd::Function<UnbundleFunction> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                const c10::intrusive_ptr<StateGrads>& holder,
+                                                const at::Tensor& carrier, const StateTensors& state) {
+    ctx->saved_data["grads"] = c10::IValue::make_capsule(holder);
+    ctx->saved_data["sizes"] = carrier.sizes().vec();
+    ctx->saved_data["dtype"] = carrier.scalar_type();
+    ctx->saved_data["device"] = carrier.device();
+    ctx->set_materialize_grads(false);
+    torch::autograd::variable_list out;
+    out.reserve(state.tensors.size() + 1);
+    out.push_back(carrier.view_as(carrier));
+    for (const at::Tensor& t : state.tensors) out.push_back(t.view_as(t));
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    const auto holder = holder_of(ctx);
+    holder->add(grad_outputs, 1);
+    at::Tensor grad_carrier = grad_outputs[0];
+    if (!grad_carrier.defined()) {
+      const auto options = at::TensorOptions()
+                               .dtype(ctx->saved_data["dtype"].toScalarType())
+                               .device(ctx->saved_data["device"].toDevice());
+      grad_carrier = at::zeros({}, options).expand(ctx->saved_data["sizes"].toIntVector());
+      const std::lock_guard<std::mutex> guard(holder->lock);
+      holder->unread = grad_carrier;
+    }
+    return {at::Tensor(), grad_carrier, at::Tensor()};
+  }
+};
+
 }  // namespace attnres_cpu
 
 TORCH_LIBRARY(attnres_cpu, m) {
@@ -1030,7 +1153,7 @@ TORCH_LIBRARY_IMPL(attnres_cpu, Meta, m) {
 
 
 // ------------------------------------------------------------------------------------- Python entries
-// Two functions for Python callers, written against CPython's vectorcall convention (METH_FASTCALL)
+// Functions for Python callers, written against CPython's vectorcall convention (METH_FASTCALL)
 // rather than pybind11, whose argument conversion and exception set-up cost some 5 K instructions a
 // call (a decoding step makes two aggregations a block, each a few microseconds of arithmetic):
 //
@@ -1060,6 +1183,9 @@ struct EntryState {
   PyObject* weight;        // "weight"
   PyObject* eps;           // "eps"
   PyObject* preserve_scale;  // "preserve_scale"
+  PyObject* holder;          // "holder"
+  PyObject* grads;           // "grads"
+  PyObject* unread;          // "unread"
 };
 
 EntryState* entry_state(PyObject* self) {
@@ -1235,6 +1361,179 @@ PyObject* python_run_site(PyObject* self, PyObject* const* args, Py_ssize_t narg
   END_HANDLE_TH_ERRORS
 }
 
+// ------------------------------------------------------------------------------------- stream edges
+//   bundle(state, carrier, tensors) / unbundle(state, carrier, tensors)
+//       attnres_fx/routing/state.py's bundle and unbundle: the carrier alone (bundle) or the carrier and
+//       `tensors` as they are (unbundle) where no gradient is recorded; else the node's output(s), with
+//       the state's gradient holder (its attribute `holder`, made here where it is None). None where an
+//       argument is not a plain tensor (a subclass: the Python Functions take it).
+//   add_grads(holder, grads) / take_grads(holder, count)
+//       StreamState's, for a state whose gradients the holder keeps.
+constexpr const char* kHolderCapsule = "attnres_fx.StateGrads";
+
+void release_holder(PyObject* capsule) {
+  auto* raw = static_cast<attnres_cpu::StateGrads*>(PyCapsule_GetPointer(capsule, kHolderCapsule));
+  if (raw != nullptr) c10::intrusive_ptr<attnres_cpu::StateGrads>::reclaim(raw);  // drops the capsule's share
+}
+
+c10::intrusive_ptr<attnres_cpu::StateGrads> unpack_holder(PyObject* capsule) {
+  auto* raw = static_cast<attnres_cpu::StateGrads*>(PyCapsule_GetPointer(capsule, kHolderCapsule));
+  if (raw == nullptr) throw python_error();
+  return c10::intrusive_ptr<attnres_cpu::StateGrads>::reclaim_copy(raw);
+}
+
+// Moves what a Python node kept for the state (`state.grads`, `state.unread`) into a holder made for it: a
+// block whose node is Python (its carrier a tensor subclass, or recomputed by reentrant checkpointing in
+// its backward) sent gradients before the node that made the state took the C++ path.
+void adopt_python_grads(const EntryState& names, PyObject* state, attnres_cpu::StateGrads& holder) {
+  PyObject* grads = PyObject_GetAttr(state, names.grads);
+  if (grads == nullptr) throw python_error();
+  const bool kept = (PyList_Check(grads) || PyTuple_Check(grads)) && PySequence_Fast_GET_SIZE(grads) > 0;
+  if (kept) {
+    std::vector<at::Tensor> tensors;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(grads); ++i) {
+      PyObject* item = PySequence_Fast_GET_ITEM(grads, i);
+      tensors.push_back(THPVariable_Check(item) ? THPVariable_Unpack(item) : at::Tensor());
+    }
+    holder.add(tensors, 0);
+  }
+  Py_DECREF(grads);
+  PyObject* unread = PyObject_GetAttr(state, names.unread);
+  if (unread == nullptr) throw python_error();
+  if (THPVariable_Check(unread)) holder.unread = THPVariable_Unpack(unread);
+  Py_DECREF(unread);
+  if (kept) {
+    PyObject* none_kept = PyTuple_New(0);
+    const int failed = none_kept == nullptr ? -1 : PyObject_SetAttr(state, names.grads, none_kept);
+    Py_XDECREF(none_kept);
+    if (failed != 0) throw python_error();
+  }
+}
+
+// The holder `state.holder`, made and set where it is None.
+c10::intrusive_ptr<attnres_cpu::StateGrads> holder_for(const EntryState& names, PyObject* state) {
+  PyObject* held = PyObject_GetAttr(state, names.holder);
+  if (held == nullptr) throw python_error();
+  if (held == Py_None) {
+    Py_DECREF(held);
+    auto made = c10::make_intrusive<attnres_cpu::StateGrads>();
+    adopt_python_grads(names, state, *made);
+    held = PyCapsule_New(made.get(), kHolderCapsule, release_holder);
+    if (held == nullptr) throw python_error();
+    made.release();  // the capsule's share
+    if (PyObject_SetAttr(state, names.holder, held) != 0) {
+      Py_DECREF(held);
+      throw python_error();
+    }
+  }
+  auto holder = unpack_holder(held);
+  Py_DECREF(held);
+  return holder;
+}
+
+// The tensors of a tuple or list, borrowed; false where one is not a plain tensor.
+bool plain_tensors(PyObject* sequence, BorrowedSources& out) {
+  if (!PyTuple_Check(sequence) && !PyList_Check(sequence)) return false;
+  const Py_ssize_t count = PySequence_Fast_GET_SIZE(sequence);
+  PyObject** items = PySequence_Fast_ITEMS(sequence);
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    if (!THPVariable_CheckExact(items[i])) return false;
+    out.push(THPVariable_Unpack(items[i]));
+  }
+  return true;
+}
+
+bool recorded(const at::Tensor& carrier, const std::vector<at::Tensor>& tensors) {
+  if (!at::GradMode::is_enabled()) return false;
+  if (carrier.requires_grad()) return true;
+  return std::any_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) { return t.requires_grad(); });
+}
+
+PyObject* python_bundle(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (nargs != 3) {
+    PyErr_SetString(PyExc_TypeError, "bundle(state, carrier, tensors)");
+    return nullptr;
+  }
+  BorrowedSources tensors;
+  if (!THPVariable_CheckExact(args[1]) || !plain_tensors(args[2], tensors)) Py_RETURN_NONE;
+  const at::Tensor& carrier = THPVariable_Unpack(args[1]);
+  if (!recorded(carrier, tensors.tensors())) {
+    Py_INCREF(args[1]);
+    return args[1];
+  }
+  const auto holder = holder_for(*entry_state(self), args[0]);
+  return THPVariable_Wrap(attnres_cpu::BundleFunction::apply(holder, carrier, at::TensorList(tensors.tensors())));
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* python_unbundle(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (nargs != 3) {
+    PyErr_SetString(PyExc_TypeError, "unbundle(state, carrier, tensors)");
+    return nullptr;
+  }
+  BorrowedSources tensors;
+  if (!THPVariable_CheckExact(args[1]) || !plain_tensors(args[2], tensors)) Py_RETURN_NONE;
+  const at::Tensor& carrier = THPVariable_Unpack(args[1]);
+  if (!recorded(carrier, tensors.tensors())) return PyTuple_Pack(2, args[1], args[2]);
+  const auto holder = holder_for(*entry_state(self), args[0]);
+  const attnres_cpu::StateTensors state{std::vector<at::Tensor>(tensors.tensors().begin(), tensors.tensors().end())};
+  const torch::autograd::variable_list views = attnres_cpu::UnbundleFunction::apply(holder, carrier, state);
+  PyObject* viewed = PyTuple_New(static_cast<Py_ssize_t>(views.size()) - 1);
+  if (viewed == nullptr) return nullptr;
+  for (size_t k = 1; k < views.size(); ++k) PyTuple_SET_ITEM(viewed, k - 1, THPVariable_Wrap(views[k]));
+  PyObject* first = THPVariable_Wrap(views[0]);
+  PyObject* result = PyTuple_Pack(2, first, viewed);
+  Py_DECREF(first);
+  Py_DECREF(viewed);
+  return result;
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* python_add_grads(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (nargs != 2 || (!PyTuple_Check(args[1]) && !PyList_Check(args[1]))) {
+    PyErr_SetString(PyExc_TypeError, "add_grads(holder, grads: list[Tensor | None])");
+    return nullptr;
+  }
+  const auto holder = unpack_holder(args[0]);
+  std::vector<at::Tensor> grads;
+  const Py_ssize_t count = PySequence_Fast_GET_SIZE(args[1]);
+  PyObject** items = PySequence_Fast_ITEMS(args[1]);
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    if (items[i] == Py_None) {
+      grads.emplace_back();
+    } else if (THPVariable_Check(items[i])) {
+      grads.push_back(THPVariable_Unpack(items[i]));
+    } else {
+      PyErr_SetString(PyExc_TypeError, "add_grads: every gradient must be a tensor or None");
+      return nullptr;
+    }
+  }
+  holder->add(grads, 0);
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* python_take_grads(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (nargs != 2 || !PyLong_Check(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "take_grads(holder, count: int)");
+    return nullptr;
+  }
+  const auto holder = unpack_holder(args[0]);
+  const std::vector<at::Tensor> taken = holder->take(PyLong_AsSize_t(args[1]));
+  PyObject* out = PyList_New(static_cast<Py_ssize_t>(taken.size()));
+  if (out == nullptr) return nullptr;
+  for (size_t k = 0; k < taken.size(); ++k) {
+    PyObject* item = taken[k].defined() ? THPVariable_Wrap(taken[k]) : (Py_INCREF(Py_None), Py_None);
+    PyList_SET_ITEM(out, static_cast<Py_ssize_t>(k), item);
+  }
+  return out;
+  END_HANDLE_TH_ERRORS
+}
+
 // configure(hook_names, global_hooks): what run_site checks to be empty (attnres_fx/compat names them).
 PyObject* python_configure(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 2 || !PyTuple_Check(args[0]) || !PyTuple_Check(args[1])) {
@@ -1260,6 +1559,14 @@ PyMethodDef entry_methods[] = {
      "The operator attnres_cpu::aggregate through the dispatcher, for plain tensors."},
     {"run_site", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(python_run_site)), METH_FASTCALL,
      "The aggregation of a BlockAttnRes without hooks on plain CPU tensors, or None."},
+    {"bundle", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(python_bundle)), METH_FASTCALL,
+     "attnres_fx/routing/state.py's bundle as a C++ autograd node, for plain tensors; else None."},
+    {"unbundle", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(python_unbundle)), METH_FASTCALL,
+     "attnres_fx/routing/state.py's unbundle as a C++ autograd node, for plain tensors; else None."},
+    {"add_grads", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(python_add_grads)), METH_FASTCALL,
+     "Gradients for a state's tensors, added to its holder."},
+    {"take_grads", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(python_take_grads)), METH_FASTCALL,
+     "The gradients a state's holder kept (count of them, None where none came), emptying it."},
     {"configure", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(python_configure)), METH_FASTCALL,
      "The hook attributes and global hook dicts run_site checks."},
     {nullptr, nullptr, 0, nullptr}};
@@ -1275,7 +1582,8 @@ int entry_clear(PyObject* self) {
   EntryState* state = entry_state(self);
   for (PyObject** slot : {&state->hook_names, &state->global_hooks, &state->modules, &state->parameters,
                           &state->forward, &state->proj, &state->norm, &state->weight, &state->eps,
-                          &state->preserve_scale}) {
+                          &state->preserve_scale, &state->holder, &state->grads,
+                          &state->unread}) {
     Py_CLEAR(*slot);
   }
   return 0;
@@ -1307,7 +1615,8 @@ PyMODINIT_FUNC ATTNRES_INIT_NAME(TORCH_EXTENSION_NAME)(void) {
   const std::pair<PyObject**, const char*> names[] = {
       {&state.modules, "_modules"}, {&state.parameters, "_parameters"}, {&state.forward, "forward"},
       {&state.proj, "proj"},        {&state.norm, "norm"},              {&state.weight, "weight"},
-      {&state.eps, "eps"},          {&state.preserve_scale, "preserve_scale"}};
+      {&state.eps, "eps"},          {&state.preserve_scale, "preserve_scale"}, {&state.holder, "holder"},
+      {&state.grads, "grads"},      {&state.unread, "unread"}};
   for (const auto& [slot, text] : names) {
     *slot = PyUnicode_InternFromString(text);
     if (*slot == nullptr) {

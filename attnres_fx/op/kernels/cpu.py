@@ -52,8 +52,17 @@ class Entries:
     nothing but the operator is needed (``module`` exactly ``site_class``, no hooks, plain CPU tensors, no
     ``__torch_function__`` mode), in C; else ``None``, and the caller takes its Python path. TorchDynamo traces
     it as :func:`_run_site_traced`, which always returns ``None``: the Python path, whose plain ops Inductor fuses.
+
+    ``bundle(state, carrier, tensors)``, ``unbundle(state, carrier, tensors)``, ``add_grads(holder, grads)``,
+    ``take_grads(holder, count)``: the stream's autograd edges as C++ nodes, for
+    :mod:`attnres_fx.routing.state` (which says what they do); ``bundle`` and ``unbundle`` return ``None``
+    where an argument is not a plain tensor. Not for TorchDynamo's traces (the caller checks).
     """
     run_site = None
+    bundle = None
+    unbundle = None
+    add_grads = None
+    take_grads = None
 
 
 def _run_site_traced(site_class, module, entered, sources):
@@ -69,6 +78,8 @@ def available() -> bool:
             library.configure(compat.MODULE_HOOK_ATTRIBUTES, compat.global_module_hook_dicts())
             torch.compiler.substitute_in_graph(library.run_site, skip_signature_check=True)(_run_site_traced)
             _State.aggregate, Entries.run_site = library.aggregate, library.run_site
+            Entries.bundle, Entries.unbundle = library.bundle, library.unbundle
+            Entries.add_grads, Entries.take_grads = library.add_grads, library.take_grads
             _State.loaded = True
         except _Unavailable as err:
             _State.loaded, _State.reason = False, str(err)
