@@ -78,6 +78,11 @@ class StreamState:
         self.blocks = blocks
         self.partial = partial
 
+    def __getstate__(self) -> dict:
+        # A carrier saved (torch.save of hidden states) takes its state along; the holder belongs to this
+        # process's autograd graph, and a capsule cannot be pickled.
+        return {name: value for name, value in self.__dict__.items() if name != "holder"}
+
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """The state's tensors in the order a block's graph takes them: the blocks, then the partial."""

@@ -153,6 +153,17 @@ def test_with_gradients_one_node_makes_the_carrier_from_the_carrier_and_the_stat
     assert seen["read"] is carrier
 
 
+def test_a_carrier_recorded_with_gradients_saves_with_torch_save(stream_edges, tmp_path):
+    """Hidden states kept from a training forward save and load: the state they carry goes along, without
+    the autograd graph's gradient holder."""
+    model = randomise_pseudo_queries(attnres_fx.attnresify(tiny(), block_size=2)).train()
+    ids = example_ids(model.config)
+    carrier = model.blocks[1](model.blocks[0](model.embed(ids)))
+    torch.save(carrier, tmp_path / "carrier.pt")
+    loaded = torch.load(tmp_path / "carrier.pt", weights_only=False)
+    torch.testing.assert_close(loaded, carrier, rtol=0, atol=0)
+
+
 def _adds(graph_module):
     """The stream-sized adds of a block graph: plain ones, and carriers computed as ``c + partial`` where
     the partial sum has the carrier's dtype (one add there)."""
