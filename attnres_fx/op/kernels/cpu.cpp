@@ -1301,13 +1301,14 @@ PyObject* child_weight(const EntryState& names, PyObject* children, PyObject* ch
   return weight != nullptr && plain_cpu_tensor(weight) ? weight : nullptr;
 }
 
-// Appends the tensors of a tuple or list; false where one is not a plain CPU tensor.
-bool append_plain(PyObject* sequence, BorrowedSources& out) {
+// Appends the tensors of a tuple or list, borrowed; false where one is not a plain tensor (torch.Tensor or
+// nn.Parameter, no subclass), or not on the CPU where `cpu_only`.
+bool append_plain(PyObject* sequence, BorrowedSources& out, bool cpu_only) {
   if (!PyTuple_Check(sequence) && !PyList_Check(sequence)) return false;
   const Py_ssize_t count = PySequence_Fast_GET_SIZE(sequence);
   PyObject** items = PySequence_Fast_ITEMS(sequence);
   for (Py_ssize_t i = 0; i < count; ++i) {
-    if (!plain_cpu_tensor(items[i])) return false;
+    if (!(cpu_only ? plain_cpu_tensor(items[i]) : THPVariable_CheckExact(items[i]))) return false;
     out.push(THPVariable_Unpack(items[i]));
   }
   return true;
@@ -1348,7 +1349,7 @@ PyObject* python_run_site(PyObject* self, PyObject* const* args, Py_ssize_t narg
   PyObject* norm = proj == nullptr ? nullptr : child_weight(names, children, names.norm);
   if (PyErr_Occurred()) return nullptr;
   BorrowedSources sources;
-  if (norm == nullptr || !append_plain(args[2], sources) || !append_plain(args[3], sources) ||
+  if (norm == nullptr || !append_plain(args[2], sources, true) || !append_plain(args[3], sources, true) ||
       sources.tensors().empty()) {
     Py_RETURN_NONE;
   }
@@ -1431,37 +1432,32 @@ c10::intrusive_ptr<attnres_cpu::StateGrads> holder_for(const EntryState& names, 
   return holder;
 }
 
-// The tensors of a tuple or list, borrowed; false where one is not a plain tensor.
-bool plain_tensors(PyObject* sequence, BorrowedSources& out) {
-  if (!PyTuple_Check(sequence) && !PyList_Check(sequence)) return false;
-  const Py_ssize_t count = PySequence_Fast_GET_SIZE(sequence);
-  PyObject** items = PySequence_Fast_ITEMS(sequence);
-  for (Py_ssize_t i = 0; i < count; ++i) {
-    if (!THPVariable_CheckExact(items[i])) return false;
-    out.push(THPVariable_Unpack(items[i]));
-  }
-  return true;
-}
+// What bundle and unbundle make of their arguments (state, carrier, tensors), the tensors borrowed into `tensors`.
+enum class EdgeCall { kFailed, kNotPlain, kNotRecorded, kRecorded };
 
-bool recorded(const at::Tensor& carrier, const std::vector<at::Tensor>& tensors) {
-  if (!at::GradMode::is_enabled()) return false;
-  if (carrier.requires_grad()) return true;
-  return std::any_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) { return t.requires_grad(); });
+EdgeCall edge_call(const char* usage, PyObject* const* args, Py_ssize_t nargs, BorrowedSources& tensors) {
+  if (nargs != 3) {
+    PyErr_SetString(PyExc_TypeError, usage);
+    return EdgeCall::kFailed;
+  }
+  if (!THPVariable_CheckExact(args[1]) || !append_plain(args[2], tensors, false)) return EdgeCall::kNotPlain;
+  if (!at::GradMode::is_enabled()) return EdgeCall::kNotRecorded;
+  const auto& listed = tensors.tensors();
+  const bool wanted = THPVariable_Unpack(args[1]).requires_grad() ||
+                      std::any_of(listed.begin(), listed.end(), [](const at::Tensor& t) { return t.requires_grad(); });
+  return wanted ? EdgeCall::kRecorded : EdgeCall::kNotRecorded;
 }
 
 PyObject* python_bundle(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  if (nargs != 3) {
-    PyErr_SetString(PyExc_TypeError, "bundle(state, carrier, tensors)");
-    return nullptr;
-  }
   BorrowedSources tensors;
-  if (!THPVariable_CheckExact(args[1]) || !plain_tensors(args[2], tensors)) Py_RETURN_NONE;
-  const at::Tensor& carrier = THPVariable_Unpack(args[1]);
-  if (!recorded(carrier, tensors.tensors())) {
-    Py_INCREF(args[1]);
-    return args[1];
+  switch (edge_call("bundle(state, carrier, tensors)", args, nargs, tensors)) {
+    case EdgeCall::kFailed: return nullptr;
+    case EdgeCall::kNotPlain: Py_RETURN_NONE;
+    case EdgeCall::kNotRecorded: Py_INCREF(args[1]); return args[1];
+    case EdgeCall::kRecorded: break;
   }
+  const at::Tensor& carrier = THPVariable_Unpack(args[1]);
   const auto holder = holder_for(*entry_state(self), args[0]);
   return THPVariable_Wrap(attnres_cpu::BundleFunction::apply(holder, carrier, at::TensorList(tensors.tensors())));
   END_HANDLE_TH_ERRORS
@@ -1469,14 +1465,14 @@ PyObject* python_bundle(PyObject* self, PyObject* const* args, Py_ssize_t nargs)
 
 PyObject* python_unbundle(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  if (nargs != 3) {
-    PyErr_SetString(PyExc_TypeError, "unbundle(state, carrier, tensors)");
-    return nullptr;
-  }
   BorrowedSources tensors;
-  if (!THPVariable_CheckExact(args[1]) || !plain_tensors(args[2], tensors)) Py_RETURN_NONE;
+  switch (edge_call("unbundle(state, carrier, tensors)", args, nargs, tensors)) {
+    case EdgeCall::kFailed: return nullptr;
+    case EdgeCall::kNotPlain: Py_RETURN_NONE;
+    case EdgeCall::kNotRecorded: return PyTuple_Pack(2, args[1], args[2]);
+    case EdgeCall::kRecorded: break;
+  }
   const at::Tensor& carrier = THPVariable_Unpack(args[1]);
-  if (!recorded(carrier, tensors.tensors())) return PyTuple_Pack(2, args[1], args[2]);
   const auto holder = holder_for(*entry_state(self), args[0]);
   const attnres_cpu::StateTensors state{std::vector<at::Tensor>(tensors.tensors().begin(), tensors.tensors().end())};
   const torch::autograd::variable_list views = attnres_cpu::UnbundleFunction::apply(holder, carrier, state);
@@ -1522,8 +1518,10 @@ PyObject* python_take_grads(PyObject* self, PyObject* const* args, Py_ssize_t na
     PyErr_SetString(PyExc_TypeError, "take_grads(holder, count: int)");
     return nullptr;
   }
+  const size_t count = PyLong_AsSize_t(args[1]);
+  if (PyErr_Occurred()) return nullptr;  // a negative count
   const auto holder = unpack_holder(args[0]);
-  const std::vector<at::Tensor> taken = holder->take(PyLong_AsSize_t(args[1]));
+  const std::vector<at::Tensor> taken = holder->take(count);
   PyObject* out = PyList_New(static_cast<Py_ssize_t>(taken.size()));
   if (out == nullptr) return nullptr;
   for (size_t k = 0; k < taken.size(); ++k) {
