@@ -153,6 +153,33 @@ def test_with_gradients_one_node_makes_the_carrier_from_the_carrier_and_the_stat
     assert seen["read"] is carrier
 
 
+def test_a_graph_kept_for_a_second_backward_and_second_order_gradients_match_the_model_route(stream_edges):
+    """The gradients the nodes between blocks keep for a state are taken once per backward: a graph
+    kept (``retain_graph=True``) gives the same gradients at its second backward; gradients of gradients
+    (``create_graph=True``, a gradient penalty) through them equal the model route's (1e-5: the same sums)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    layer, whole = both_routes(tiny(), block_size=2)
+    layer.train(), whole.train()
+    ids = example_ids(layer.config)
+    layer.zero_grad()
+    loss = layer(ids).float().square().mean()
+    loss.backward(retain_graph=True)
+    first = {name: p.grad.clone() for name, p in layer.named_parameters()}
+    loss.backward()
+    for name, p in layer.named_parameters():
+        torch.testing.assert_close(p.grad, 2 * first[name], rtol=1e-5, atol=TIGHT, msg=name)
+
+    def second_order(model):
+        params = list(model.parameters())
+        with sdpa_kernel(SDPBackend.MATH):       # the flash kernel's backward has no derivative
+            grads = torch.autograd.grad(model(ids).float().square().mean(), params, create_graph=True)
+            return torch.autograd.grad(sum(g.square().sum() for g in grads), params)
+
+    for got, want in zip(second_order(layer), second_order(whole)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=TIGHT)
+
+
 def test_a_carrier_recorded_with_gradients_saves_with_torch_save(stream_edges, tmp_path):
     """Hidden states kept from a training forward save and load: the state they carry goes along, without
     the autograd graph's gradient holder."""
