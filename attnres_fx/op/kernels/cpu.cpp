@@ -989,14 +989,12 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> aggregate_backward_saved_meta(
   return aggregate_backward_meta(grad, sources, proj_weight, norm_weight, eps, preserve_scale);
 }
 
-
-
 // ------------------------------------------------------------------------------------- stream edges
 // The two autograd nodes of a layer-routed stream, _Bundle and _Unbundle of attnres_fx/routing/state.py
 // (which documents them; the Python classes remain for what these entries do not take: tensor subclasses,
 // TorchDynamo's traces), here as C++ Functions: the same forward, the same outputs (torch::autograd's
 // _wrap_outputs treats them as Python's does), backwards that run without the GIL. As Python Functions
-// they cost some 130 us a block of a training step (d=128, 24 layers), forward and backward, their
+// they cost some 140 us a block of a training step (d=128, 24 layers), forward and backward, their
 // Python running with cold caches between the blocks' kernels.
 
 // The gradients the blocks that read a stream state's tensors sent back, summed as they come (the first
