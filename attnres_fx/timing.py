@@ -51,6 +51,16 @@ def single_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+def pooled(times: dict[str, list[float]], copies: dict[str, list[str]]) -> dict[str, list[float]]:
+    """Per candidate, the times of its copies averaged round by round (``copies``: a candidate's name -> the
+    names its copies were timed under in ``times``, as many rounds each). Copies of one model, identical
+    but for where their weights lie in memory, take different times (caches are indexed by physical
+    address): a decoding step up to some 6% apart from one copy to the next. Timing several copies of
+    each candidate measures the candidate rather than one placement of it."""
+    return {name: [statistics.fmean(rounds) for rounds in zip(*(times[member] for member in members), strict=True)]
+            for name, members in copies.items()}
+
+
 def paired_ratios(times: dict[str, list[float]], reference: str) -> dict[str, float]:
     """Per entry, the median over rounds of its time divided by ``reference``'s in the same round: on a
     shared machine the load drifts between rounds more than between neighbouring calls."""

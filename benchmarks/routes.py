@@ -42,7 +42,7 @@ import torch.nn.functional as F
 import attnres_fx
 from attnres_fx.models import TinyConfig, TinyTransformer, example_ids
 from attnres_fx.testing import randomise_pseudo_queries
-from attnres_fx.timing import interleaved, paired_ratios, single_thread
+from attnres_fx.timing import interleaved, paired_ratios, pooled, single_thread
 
 LLAMA = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
              num_key_value_heads=4, vocab_size=4096)
@@ -109,6 +109,8 @@ HANDWRITTEN = {"mid": dict(dim=256, layers=8, heads=8, vocab=512),
                "deep": dict(dim=128, layers=24, heads=4, vocab=512)}
 HANDWRITTEN_QUICK = {"mid": dict(dim=32, layers=2, heads=2, vocab=128),
                      "deep": dict(dim=32, layers=4, heads=2, vocab=128)}
+# How many copies of each side the hand-written rows time (see handwritten_section).
+PLACEMENTS = 3
 
 
 def handwritten_section(quick: bool, runs: int, warmup: int, summarise, progress) -> dict:
@@ -116,29 +118,35 @@ def handwritten_section(quick: bool, runs: int, warmup: int, summarise, progress
     beside transformers' Llama: eager forward, training step (at both shapes), decoding with a new
     ``start_pos`` at every step, and what the conversion adds per block, in microseconds (median over
     median, divided by the layers). All on one thread, timed in its CPU time: other work on a shared
-    machine does not inflate it (wall time on two threads did, tenfold)."""
+    machine does not inflate it (wall time on two threads did, tenfold). Each side is timed as
+    :data:`PLACEMENTS` copies of its model, their times averaged per round (:func:`attnres_fx.timing.pooled`):
+    identical copies of the original decode up to some 6% apart, by where their weights lie."""
     from attnres_fx.testing.handwritten import HandwrittenConfig, Transformer
 
     batch, length, new_tokens = (2, 16, 4) if quick else (2, 128, 32)
-    result: dict = {"batch": f"{batch} x {length}"}
+    result: dict = {"batch": f"{batch} x {length}", "copies": PLACEMENTS}
     for name, fields in (HANDWRITTEN_QUICK if quick else HANDWRITTEN).items():
         config = HandwrittenConfig(**fields, max_batch=batch, max_seq=length + new_tokens)
         torch.manual_seed(0)
         base = Transformer(config).eval()
         ids = torch.randint(1, config.vocab, (batch, length), generator=torch.Generator().manual_seed(0))
-        models = {"original": base,
-                  "converted": randomise_pseudo_queries(attnres_fx.attnresify(copy.deepcopy(base), (ids,)))}
+        models = {}
+        for k in range(PLACEMENTS):
+            models[f"original#{k}"] = copy.deepcopy(base)
+            models[f"converted#{k}"] = randomise_pseudo_queries(attnres_fx.attnresify(copy.deepcopy(base), (ids,)))
+        copies = {v: [f"{v}#{k}" for k in range(PLACEMENTS)] for v in ("original", "converted")}
         entry: dict = {"model": f"hand-written Llama {fields}"}
         if name == "mid":
             progress("hand-written Llama forward, eager")
             with torch.no_grad(), single_thread():
-                entry["forward"] = summarise(interleaved({v: functools.partial(m, ids) for v, m in models.items()},
-                                                         runs, warmup, clock=time.thread_time), "original")
+                times = interleaved({v: functools.partial(m, ids) for v, m in models.items()}, runs, warmup,
+                                    clock=time.thread_time)
+            entry["forward"] = summarise(pooled(times, copies), "original")
             progress("hand-written Llama decoding, eager")
             with single_thread():
                 times = interleaved({v: functools.partial(_decode_by_hand, m, ids[:1], new_tokens)
                                      for v, m in models.items()}, runs, warmup, clock=time.thread_time)
-            entry["decode"] = summarise(times, "original", per_call=new_tokens)
+            entry["decode"] = summarise(pooled(times, copies), "original", per_call=new_tokens)
             entry["decode_us_per_block"] = {"value": 1e3 * (entry["decode"]["converted"]["median_ms"] -
                                                             entry["decode"]["original"]["median_ms"])
                                             / new_tokens / config.layers}
@@ -147,7 +155,8 @@ def handwritten_section(quick: bool, runs: int, warmup: int, summarise, progress
         progress(f"hand-written Llama training step ({name}), eager")
         steps = {v: _train_step_by_hand(copy.deepcopy(m).train(), ids) for v, m in models.items()}
         with single_thread():
-            entry["train"] = summarise(interleaved(steps, runs, warmup, clock=time.thread_time), "original")
+            entry["train"] = summarise(pooled(interleaved(steps, runs, warmup, clock=time.thread_time), copies),
+                                       "original")
         result[name] = entry
     return result
 

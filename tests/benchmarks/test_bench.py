@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from attnres_fx.timing import interleaved, median_ms
+from attnres_fx.timing import interleaved, median_ms, pooled
 from conftest import cold_compile, load_script
 from genai_support import needs_genai
 
@@ -146,6 +146,27 @@ def test_interleaved_alternates_order_and_summarise_takes_ratios():
     assert summary["b"]["median_ms"] == 4000.0
     rates = bench.summarise({"a": [1.0, 2.0], "b": [2.0, 4.0]}, "a", per_call=10)
     assert rates["b"]["rate"] == pytest.approx(10 / 3) and rates["b"]["ratio"] == pytest.approx(0.5)
+
+
+def test_pooled_averages_each_candidates_copies_round_by_round():
+    times = {"a#0": [1.0, 4.0], "a#1": [3.0, 2.0], "b#0": [5.0, 5.0]}
+    assert pooled(times, {"a": ["a#0", "a#1"], "b": ["b#0"]}) == {"a": [2.0, 3.0], "b": [5.0, 5.0]}
+    with pytest.raises(ValueError):
+        pooled({"a#0": [1.0], "a#1": [1.0, 2.0]}, {"a": ["a#0", "a#1"]})      # rounds missing: not an average
+
+
+@pytest.mark.slow
+def test_quick_handwritten_section(tmp_path):
+    """The hand-written Llama's rows, each side timed as several copies of its model."""
+    results, report = _run(tmp_path, "--sections", "handwritten")
+    hand = results["handwritten"]
+    assert hand["copies"] > 1
+    for row in (hand["mid"]["forward"], hand["mid"]["train"], hand["deep"]["train"], hand["mid"]["decode"]):
+        assert set(row) == {"original", "converted"} and row["original"]["ratio"] == 1.0
+        assert row["converted"]["runs"] == row["original"]["runs"] > 0 and row["converted"]["min_ms"] > 0
+    assert hand["mid"]["decode"]["converted"]["rate"] > 0
+    assert "## A Llama written by hand" in report and f"each side {hand['copies']} copies" in report
+    assert "Hand-written Llama decode tokens/s, eager, one thread" in results["targets"]
 
 
 def test_rejects_unknown_sections(tmp_path):
