@@ -29,7 +29,7 @@ from attnres_fx.passes.two_phase import phase1_at, phase2_at
 from attnres_fx.passes.signature import BLOCK, CARRIER, PARTIAL, SIGNATURE, SPARE
 from attnres_fx.routing import graphs
 from attnres_fx.op.kernels import cpu
-from attnres_fx.routing.state import state_of
+from attnres_fx.routing.state import ATTRIBUTE, state_of
 from attnres_fx.testing import randomise_pseudo_queries
 from toy_models import DecoderLayer, EncoderDecoder, make_inputs
 from conftest import cold_compile
@@ -189,6 +189,12 @@ def test_a_carrier_recorded_with_gradients_saves_with_torch_save(stream_edges, t
     torch.save(carrier, tmp_path / "carrier.pt")
     loaded = torch.load(tmp_path / "carrier.pt", weights_only=False)
     torch.testing.assert_close(loaded, carrier, rtol=0, atol=0)
+    state, kept = getattr(carrier, ATTRIBUTE), getattr(loaded, ATTRIBUTE)
+    assert state.position > 0 and state.blocks
+    assert (kept.stream, kept.position, len(kept.blocks)) == (state.stream, state.position, len(state.blocks))
+    for saved, block in zip(kept.tensors, state.tensors, strict=True):
+        torch.testing.assert_close(saved, block, rtol=0, atol=0)
+    assert kept.holder is None
 
 
 def _adds(graph_module):
