@@ -55,7 +55,11 @@ def builder_takes(model: nn.Module, precision: str, execution_provider: str, con
         return f"onnxruntime-genai's model builder path is checked on {', '.join(sorted(ARCHITECTURES))}, not {name}"
     if execution_provider not in PRECISIONS.get(precision, ()):
         return f"the model builder writes {precision} for the {', '.join(sorted(PRECISIONS[precision]))} provider"
-    window = getattr(unwrapped(model).config.get_text_config(), "sliding_window", None)
+    text = unwrapped(model).config.get_text_config()
+    if getattr(text, "intermediate_size", None) == text.vocab_size:
+        return (f"{name}'s intermediate_size equals its vocab_size ({text.vocab_size}): onnxruntime-genai 0.18's "
+                "builder takes the first linear layer with vocab_size outputs for the head, an MLP's here")
+    window = getattr(text, "sliding_window", None)
     if window is not None and window < context_length:
         return (f"{name}'s sliding window ({window}) is shorter than the context ({context_length}): the builder's "
                 "windowed cache fails once the window slides in onnxruntime-genai 0.18")

@@ -26,6 +26,7 @@ from onnx import TensorProto, helper
 import attnres_fx
 from attnres_fx import StreamMismatchError, export
 from attnres_fx.export import builder_stream, genai_builder
+from attnres_fx.export.genai import choose_graph
 from attnres_fx.passes.plan import Plan, Site, StreamPlan
 from attnres_fx.testing import randomise_pseudo_queries
 from attnres_fx.testing.serving import VOCAB, greedy_reference, serving_model, tiny_tokenizer
@@ -606,6 +607,12 @@ def test_the_builder_path_is_chosen_where_it_applies():
     assert "fp16 for the cuda provider" in genai_builder.builder_takes(llama, "fp16", "cpu", 128)
     assert "sliding window (8) is shorter" in genai_builder.builder_takes(serving_model("mistral"), "fp32", "cpu", 128)
     assert "not Gemma3ForCausalLM" in genai_builder.builder_takes(serving_model("gemma3"), "fp32", "cpu", 128)
+    # The builder would put its head on the first MLP: auto writes the torch.onnx graph, int4 is refused by name.
+    square = serving_model("llama", intermediate_size=VOCAB)
+    assert "intermediate_size equals its vocab_size" in genai_builder.builder_takes(square, "fp32", "cpu", 128)
+    assert choose_graph(square, "auto", "fp32", "cpu", 128) == "torch.onnx"
+    with pytest.raises(ValueError, match="intermediate_size equals its vocab_size"):
+        choose_graph(square, "auto", "int4", "cpu", 128)
 
 
 @pytest.mark.slow
