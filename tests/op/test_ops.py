@@ -469,6 +469,7 @@ def test_without_a_compiler_one_warning_and_the_same_result(tmp_path):
         from attnres_fx import BlockAttnRes
         from attnres_fx.op import aggregation
         from attnres_fx.op.kernels import cpu
+        torch.manual_seed(0)
         module = BlockAttnRes(16)
         torch.nn.init.normal_(module.proj.weight)
         sources = [torch.randn(2, 40, 16) for _ in range(3)]
