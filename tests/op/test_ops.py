@@ -353,6 +353,41 @@ def test_a_call_is_seen_by_torch_function_and_dispatch_modes(caller):
     assert dispatch_mode.seen == ["attnres_cpu.aggregate.default"]
 
 
+@needs_cpu_kernel
+@pytest.mark.parametrize("caller", ["run_site", "module"])
+def test_a_call_without_gradients_is_seen_by_the_profiler(caller):
+    """Without gradients, a call the dispatcher would send straight to the CPU kernel goes there itself, but
+    not while the profiler records operators: it still lists the operator."""
+    from attnres_fx import BlockAttnRes
+    from attnres_fx.op.module import run_site
+
+    module = BlockAttnRes(8)
+    sources = [s.detach() for s in _sources((1, 1, 8), 3)]
+    call = (lambda: run_site(module, sources[:2], sources[2])) if caller == "run_site" else (lambda: module(*sources))
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        call()
+    assert "attnres_cpu::aggregate" in [event.name for event in profile.events()]
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_a_call_without_gradients_gives_the_operators_result(mode):
+    """The kernel called without the dispatcher gives what the dispatcher's call gives, bit for bit, and under
+    torch.inference_mode() an inference tensor, as an operator's result there is."""
+    from attnres_fx import BlockAttnRes
+    from attnres_fx.op.module import run_site
+
+    module = BlockAttnRes(40)
+    nn.init.normal_(module.proj.weight)
+    sources = [s.detach() for s in _sources((2, 1, 40), 5)]
+    with torch.no_grad() if mode == "no_grad" else torch.inference_mode():
+        got = run_site(module, sources[:4], sources[4])
+        with _DispatchMode():       # a dispatch mode: the dispatcher's path
+            want = run_site(module, sources[:4], sources[4])
+    assert torch.equal(got, want)
+    assert got.is_inference() == (mode == "inference_mode") == want.is_inference()
+
+
 def _declines(case, module, sources):
     """Set up ``case`` on ``module`` / ``sources`` (undone on exit): a call the C site entry must leave to
     run_site's Python path."""

@@ -16,6 +16,7 @@
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/SmallVector.h>
@@ -1252,10 +1253,34 @@ class BorrowedSources {
   std::vector<at::Tensor> tensors_;
 };
 
+// Whether a call the dispatcher would send straight to the CPU kernel may go there itself: no gradient
+// recorded, no dispatch key included for this thread (a TorchDispatchMode, functorch's transforms), no
+// RecordFunction callback (the profiler records the dispatcher's calls), and tensors with a dense CPU
+// tensor's dispatch keys only (no subclass, wrapper, conjugate or negative bit). A decoding step's
+// aggregation then skips two passes through the dispatcher and the autograd kernel: their code, some
+// 150 lines, is out of cache at every block of a decoding step, after its weights streamed through.
+bool dispatches_to_kernel(const std::vector<at::Tensor>& sources, const at::Tensor& proj_weight,
+                          const at::Tensor& norm_weight) {
+  static const c10::DispatchKeySet dense_cpu =
+      c10::DispatchKeySet(c10::DispatchKey::CPU) |
+      c10::getAutogradRelatedKeySetFromBackend(c10::BackendComponent::CPUBit) |
+      c10::getAutocastRelatedKeySetFromBackend(c10::BackendComponent::CPUBit);
+  if (at::GradMode::is_enabled() ||
+      !(c10::impl::tls_local_dispatch_key_set().included_ - c10::default_included_set).empty() ||
+      at::getStepCallbacksUnlessEmpty(at::RecordScope::FUNCTION).has_value()) {
+    return false;
+  }
+  const auto plain = [](const at::Tensor& t) { return dense_cpu.isSupersetOf(t.key_set()); };
+  return plain(proj_weight) && plain(norm_weight) && std::all_of(sources.begin(), sources.end(), plain);
+}
+
 at::Tensor run_operator(const BorrowedSources& borrowed, const at::Tensor& proj_weight,
                         const at::Tensor& norm_weight, double eps, bool preserve_scale) {
   const std::vector<at::Tensor>& sources = borrowed.tensors();
   if (!sources.empty() && sources[0].numel() * static_cast<int64_t>(sources.size()) < kReleaseGilElements) {
+    if (dispatches_to_kernel(sources, proj_weight, norm_weight)) {
+      return attnres_cpu::aggregate(sources, proj_weight, norm_weight, eps, preserve_scale);
+    }
     return attnres_cpu::aggregate_op().call(sources, proj_weight, norm_weight, eps, preserve_scale);
   }
   // Owned while another thread may run (and change the lists that held them); let go with the GIL held.
