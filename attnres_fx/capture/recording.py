@@ -48,6 +48,11 @@ _OPERATORS.update({name: (getattr(operator, op), True) for name, op in (
     ("__rpow__", "pow"), ("__rmatmul__", "matmul"))})
 
 
+# Python's number types where torch takes a dtype (``torch.zeros(n, dtype=int)``, as transformers' chunked
+# attention masks are made): the dtypes torch reads them as. A graph's code cannot spell the types.
+_PYTHON_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64, complex: torch.complex128}
+
+
 # ``graph_module.meta[MODULE_CALLS]``: each module's first call in the recording, ``{path: (args, kwargs)}``.
 MODULE_CALLS = "attnres_module_calls"
 
@@ -215,6 +220,8 @@ class _Recorder(TorchFunctionMode):
                 else tuple(self.argument(item) for item in value)
         if isinstance(value, dict):
             return {key: self.argument(item) for key, item in value.items()}
+        if isinstance(value, type):
+            return _PYTHON_DTYPES.get(value, value)
         return value
 
     def _node_of(self, tensor: torch.Tensor) -> fx.Node:

@@ -65,6 +65,29 @@ def test_ops_that_hand_their_input_back_are_not_recorded():
     assert [site.stream_in.op for site in stream.sites] == ["placeholder", "call_method"]   # the input, then x + ...
 
 
+class PythonDtypes(nn.Module):
+    """Tensors made with Python's number types as dtypes, as transformers' chunked attention masks are."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.lin2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        offsets = torch.zeros(x.shape[0], dtype=int) + torch.ones(x.shape[0], dtype=bool)
+        scale = torch.full((1,), 0.5, dtype=float).to(x.dtype)
+        x = x + self.lin(x) * scale
+        return x + self.lin2(x) + offsets[:, None].to(x.dtype)
+
+
+def test_python_number_types_as_dtypes_are_recorded_as_the_dtypes_torch_reads_them_as():
+    model, x = PythonDtypes(), torch.randn(2, 8)
+    graph = record_graph(model, (x,), {})
+    dtypes = {n.kwargs["dtype"] for n in graph.graph.nodes if "dtype" in n.kwargs}
+    assert dtypes == {torch.int64, torch.bool, torch.float64}
+    torch.testing.assert_close(graph(x), model(x), rtol=0, atol=0)
+    assert len(detect_residual_streams(graph).streams[0].sites) == 2
+
+
 def test_the_recording_leaves_the_model_and_the_random_state_as_they_were():
     model = nn.Sequential(nn.BatchNorm1d(8), nn.Dropout(0.5)).train()
     before = {k: v.clone() for k, v in model.state_dict().items()}
