@@ -3,6 +3,7 @@ in Triton's CPU interpreter, the PyTorch formulation the operator falls back to,
 captures see), forward and gradients, over source counts, widths, decoding and prefill shapes, dtypes;
 opcheck; saved tensors; failures and the fallback warning."""
 
+import math
 import os
 import re
 import subprocess
@@ -65,15 +66,30 @@ def _autograd_call(function):
     return run
 
 
+def _forward_without_gradient(function):
+    """The forward as a call without gradients runs it (a decoding step's: for a few tokens the C++
+    operator's loop for them), the gradients as with them."""
+    def run(sources, proj, norm, preserve_scale, grad):
+        with torch.no_grad():
+            out = function(sources, proj, norm, preserve_scale)
+        return out, _autograd_call(function)(sources, proj, norm, preserve_scale, grad)[1]
+    return run
+
+
+def _cpu_operator(s, p, n, ps):
+    return torch.ops.attnres_cpu.aggregate(s, p.weight, n.weight, EPS, ps)
+
+
 IMPLEMENTATIONS = {
     "operator": _autograd_call(lambda s, p, n, ps: ops.aggregate(s, p.weight, n.weight, eps=EPS, preserve_scale=ps)),
     # The C++ operator with its autograd registered in C++: what eager calls on the CPU run.
-    "cpu operator": _autograd_call(lambda s, p, n, ps: torch.ops.attnres_cpu.aggregate(s, p.weight, n.weight, EPS, ps)),
+    "cpu operator": _autograd_call(_cpu_operator),
+    "cpu operator, no gradient": _forward_without_gradient(_cpu_operator),
     "pytorch": _kernel_call(ops.reference_forward, aggregation.reference_backward),
     "decomposition": _autograd_call(lambda s, p, n, ps: aggregation.fusable(p.weight, n.weight, s, eps=EPS,
                                                                               preserve_scale=ps)),
 }
-KERNEL_IMPLEMENTATIONS = ("operator", "cpu operator")
+KERNEL_IMPLEMENTATIONS = ("operator", "cpu operator", "cpu operator, no gradient")
 # (count, shape): every count 1-9, widths 1, 7, 33, 1000 and 4096, decoding ([B, 1, D]) and prefill.
 CASES = [(1, (2, 3, 1)), (2, (1, 1, 7)), (3, (8, 1, 33)), (4, (2, 5, 1000)), (5, (1, 1, 4096)),
          (6, (2, 64, 33)), (7, (1, 3, 7)), (8, (4, 1, 1000)), (9, (2, 16, 128)), (9, (1, 1, 4096)), (2, (1, 300, 1)),
@@ -174,6 +190,45 @@ def test_saturated_softmax_leaves_no_subnormal_value(name, query_std, magnitude)
     if name in KERNEL_IMPLEMENTATIONS and not cpu.available():
         pytest.skip(f"the C++ kernel: {cpu.unavailable_reason()}")
     check_no_subnormals(SATURATED_IMPLEMENTATIONS[name], query_std, magnitude)
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("query_std, magnitude", SATURATING, ids=SATURATING_IDS)
+def test_saturated_softmax_leaves_no_subnormal_value_at_a_few_tokens(query_std, magnitude):
+    check_no_subnormals(IMPLEMENTATIONS["cpu operator, no gradient"], query_std, magnitude, shape=(8, 1, 512))
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-6), (torch.bfloat16, 2 ** -8)])
+@pytest.mark.parametrize("width", [7, 64, 1000])
+def test_a_few_tokens_give_the_rows_of_a_call_of_many(dtype, tolerance, width):
+    """A call of a few tokens (its own loop) gives what a call of many (tiles, vectorised softmax) gives for
+    the same rows, to round-off: the sums are taken in another order."""
+    proj, norm = _weights(width)
+    sources = [s.detach() for s in _sources((12, 1, width), 6, dtype)]
+    with torch.no_grad():
+        many = _cpu_operator(sources, proj.to(dtype), norm.to(dtype), True)
+        few = torch.cat([_cpu_operator([s[t:t + 1] for s in sources], proj.to(dtype), norm.to(dtype), True)
+                         for t in range(12)])
+    torch.testing.assert_close(few.float(), many.float(), rtol=tolerance, atol=tolerance * many.abs().max().item())
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("tokens", [3, 12], ids=["a few tokens", "many tokens"])
+def test_a_weight_under_the_threshold_is_zero_in_the_forward(tokens):
+    """A source whose logit lies 30 under the other's (weight e^-30, a normal float, but under
+    NEGLIGIBLE_WEIGHT) counts as zero: the output is the other source exactly, however large this one."""
+    width = 64
+    generator = torch.Generator().manual_seed(3)
+    rows = [torch.randn(width, generator=generator) for _ in range(2)]
+    keys = [row * torch.rsqrt(row.square().mean() + EPS) for row in rows]
+    query = 15.0 * (keys[0] - keys[1]) / width
+    gap = (query @ (keys[0] - keys[1])).item()
+    assert math.log(1 / aggregation.NEGLIGIBLE_WEIGHT) < gap < 60
+    sources = [rows[0].expand(tokens, 1, width).contiguous(), 1e9 * rows[1].expand(tokens, 1, width).contiguous()]
+    with torch.no_grad():
+        out = torch.ops.attnres_cpu.aggregate(sources, query[None], torch.ones(width), EPS, False)
+    assert torch.equal(out, sources[0])
 
 
 @needs_cpu_kernel

@@ -257,6 +257,10 @@ inline Vec key_scale(const Vec& square, int64_t D, float eps) {
 // tile's source rows stay in L2 between the two looks at them (kTileBytes).
 constexpr int64_t kTile = 16;
 constexpr int64_t kTileBytes = 1 << 18;
+// Calls of at most this many tokens, sources and row width take aggregate_few_tokens.
+constexpr int64_t kFewTokens = 8;
+constexpr int64_t kFewTokensSources = 16;
+constexpr int64_t kFewTokensWidth = 1024;
 
 inline int64_t tile_tokens(int64_t K, int64_t D, int64_t element_size) {
   return std::clamp<int64_t>(kTileBytes / std::max<int64_t>(1, K * D * element_size), 1, kTile);
@@ -308,6 +312,60 @@ void aggregate_rows(const T* const* __restrict sources, int64_t K, const float* 
     }
     if (saved) save_logits(saved + K * T_total, squares, K, T_total, first, n);
     for (int64_t i = 0; i < n; ++i) weighted_rows(rows + i * K, logits + i, K, D, out + (first + i) * D, kTile);
+  }
+}
+
+// q . v and v . v over one row, with q = p * g folded as it is read (`dot_and_square`'s sums).
+template <typename T>
+inline void folded_dot_and_square(const T* __restrict v, const T* __restrict p, const T* __restrict g, int64_t D,
+                                  float& dot, float& square) {
+  Vec dot0(0.f), dot1(0.f), sq0(0.f), sq1(0.f);
+  int64_t d = 0;
+  for (; d + 2 * kLanes <= D; d += 2 * kLanes) {
+    const Vec x0 = load_fp32(v + d), x1 = load_fp32(v + d + kLanes);
+    dot0 = at::vec::fmadd(x0, load_fp32(p + d) * load_fp32(g + d), dot0);
+    dot1 = at::vec::fmadd(x1, load_fp32(p + d + kLanes) * load_fp32(g + d + kLanes), dot1);
+    sq0 = at::vec::fmadd(x0, x0, sq0);
+    sq1 = at::vec::fmadd(x1, x1, sq1);
+  }
+  for (; d + kLanes <= D; d += kLanes) {
+    const Vec x = load_fp32(v + d);
+    dot0 = at::vec::fmadd(x, load_fp32(p + d) * load_fp32(g + d), dot0);
+    sq0 = at::vec::fmadd(x, x, sq0);
+  }
+  dot = sum_lanes(dot0 + dot1);
+  square = sum_lanes(sq0 + sq1);
+  for (; d < D; ++d) {
+    const float x = static_cast<float>(v[d]);
+    dot += x * (static_cast<float>(p[d]) * static_cast<float>(g[d]));
+    square += x * x;
+  }
+}
+
+// The forward for a few tokens (a decoding step's call), one token at a time: its K rows' logits with the
+// pseudo-query folded as it is read, the softmax over K scalars, the weighted sum. aggregate_rows' tiles,
+// vectorised softmax and folded query in memory pay off over many tokens; for a few, their code and
+// scratch are what the call costs, out of cache at every block of a decoding step.
+template <typename T>
+void aggregate_few_tokens(const T* const* __restrict sources, int64_t K, const T* __restrict proj,
+                          const T* __restrict norm, int64_t D, float eps, float scale, T* __restrict out,
+                          int64_t tokens) {
+  const T* rows[kFewTokensSources];
+  float weights[kFewTokensSources];
+  for (int64_t t = 0; t < tokens; ++t) {
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t k = 0; k < K; ++k) {
+      rows[k] = sources[k] + t * D;
+      float dot, square;
+      folded_dot_and_square(rows[k], proj, norm, D, dot, square);
+      weights[k] = dot * key_scale(square, D, eps);
+      top = std::max(top, weights[k]);
+    }
+    float total = 0.f;
+    for (int64_t k = 0; k < K; ++k) total += weights[k] = exp_or_zero(weights[k] - top);
+    const float inverse = scale / total;
+    for (int64_t k = 0; k < K; ++k) weights[k] *= inverse;
+    weighted_rows(rows, weights, K, D, out + t * D);
   }
 }
 
@@ -611,9 +669,22 @@ std::tuple<at::Tensor, at::Tensor> forward(at::TensorList sources_in, const at::
   const std::vector<at::Tensor> copies = dense ? std::vector<at::Tensor>() : contiguous(sources_in);
   const at::TensorList sources = dense ? sources_in : at::TensorList(copies);
   const int64_t K = static_cast<int64_t>(sources.size()), D = rows.dim;
+  const float scale = preserve_scale ? static_cast<float>(K) : 1.f;
+  const at::ScalarType type = sources[0].scalar_type();
+  if (!save && rows.count <= kFewTokens && K <= kFewTokensSources && D <= kFewTokensWidth &&
+      proj_weight.scalar_type() == type && norm_weight.scalar_type() == type && proj_weight.numel() == D &&
+      norm_weight.numel() == D && proj_weight.is_contiguous() && norm_weight.is_contiguous()) {
+    at::Tensor out(at::detail::empty_cpu(sources[0].sizes(), type));
+    ATTNRES_DISPATCH(type, "attnres_aggregate_few_tokens", [&] {
+      const scalar_t* pointers[kFewTokensSources];
+      for (int64_t k = 0; k < K; ++k) pointers[k] = sources[k].const_data_ptr<scalar_t>();
+      aggregate_few_tokens(pointers, K, proj_weight.const_data_ptr<scalar_t>(), norm_weight.const_data_ptr<scalar_t>(),
+                           D, static_cast<float>(eps), scale, out.mutable_data_ptr<scalar_t>(), rows.count);
+    });
+    return {out, at::Tensor()};
+  }
   c10::SmallVector<float, kInlineWidth> query(D);
   fold_query(proj_weight, norm_weight, D, "attnres::aggregate", query.data());
-  const float scale = preserve_scale ? static_cast<float>(K) : 1.f;
   // at::detail::empty_cpu: what at::empty's CPU kernel allocates with (the same in torch 2.11 to 2.14),
   // without the dispatcher's way there; every element of both is written below.
   at::Tensor out(at::detail::empty_cpu(sources[0].sizes(), sources[0].scalar_type()));
