@@ -29,7 +29,9 @@
 #include <limits>
 #include <mutex>
 #include <optional>
+#include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace attnres_cpu {
@@ -72,28 +74,44 @@ inline float sum_lanes(const Vec& v) {
 }
 
 // ------------------------------------------------------------------------------------- row helpers
+// A pseudo-query as a row loop reads it: folded with the key norm's weight into fp32 memory (`Folded`), or
+// the two weights themselves, folded as they are read (`Unfolded`: a call too short to pay for a pass that
+// writes the folded query out). The same product either way: fp32(p) * fp32(g), rounded once.
+struct Folded {
+  const float* q;
+  Vec vec(int64_t d) const { return Vec::loadu(q + d); }
+  float at(int64_t d) const { return q[d]; }
+};
+template <typename W>
+struct Unfolded {
+  const W* proj;
+  const W* norm;
+  Vec vec(int64_t d) const { return load_fp32(proj + d) * load_fp32(norm + d); }
+  float at(int64_t d) const { return static_cast<float>(proj[d]) * static_cast<float>(norm[d]); }
+};
+
 // q . v and v . v over one row.
-template <typename T>
-inline void dot_and_square(const T* __restrict v, const float* __restrict q, int64_t D, float& dot, float& square) {
+template <typename T, typename Query>
+inline void dot_and_square(const T* __restrict v, const Query& q, int64_t D, float& dot, float& square) {
   Vec dot0(0.f), dot1(0.f), sq0(0.f), sq1(0.f);
   int64_t d = 0;
   for (; d + 2 * kLanes <= D; d += 2 * kLanes) {
     Vec x0 = load_fp32(v + d), x1 = load_fp32(v + d + kLanes);
-    dot0 = at::vec::fmadd(x0, Vec::loadu(q + d), dot0);
-    dot1 = at::vec::fmadd(x1, Vec::loadu(q + d + kLanes), dot1);
+    dot0 = at::vec::fmadd(x0, q.vec(d), dot0);
+    dot1 = at::vec::fmadd(x1, q.vec(d + kLanes), dot1);
     sq0 = at::vec::fmadd(x0, x0, sq0);
     sq1 = at::vec::fmadd(x1, x1, sq1);
   }
   for (; d + kLanes <= D; d += kLanes) {
     Vec x = load_fp32(v + d);
-    dot0 = at::vec::fmadd(x, Vec::loadu(q + d), dot0);
+    dot0 = at::vec::fmadd(x, q.vec(d), dot0);
     sq0 = at::vec::fmadd(x, x, sq0);
   }
   dot = sum_lanes(dot0 + dot1);
   square = sum_lanes(sq0 + sq1);
   for (; d < D; ++d) {
     float x = static_cast<float>(v[d]);
-    dot += x * q[d];
+    dot += x * q.at(d);
     square += x * x;
   }
 }
@@ -251,6 +269,15 @@ inline Vec key_scale(const Vec& square, int64_t D, float eps) {
   return Vec(1.f) / (square / Vec(static_cast<float>(D)) + Vec(eps)).sqrt();
 }
 
+// w[k] = exp_or_zero(w[k] - max) over K logits in place: the softmax's numerators over one token's sources.
+// Returns (max, their sum).
+inline std::pair<float, float> exponentiate(float* __restrict w, int64_t K) {
+  float top = -std::numeric_limits<float>::infinity(), total = 0.f;
+  for (int64_t k = 0; k < K; ++k) top = std::max(top, w[k]);
+  for (int64_t k = 0; k < K; ++k) total += w[k] = exp_or_zero(w[k] - top);
+  return {top, total};
+}
+
 // Tokens per tile of the aggregation's row loops: their per-token softmax runs on vectors across the
 // tile's tokens (a chain of scalar divisions, square roots and exponentials per token and source
 // otherwise: some 40 ns a token whatever the width). At most kTile tokens, and few enough that the
@@ -315,33 +342,6 @@ void aggregate_rows(const T* const* __restrict sources, int64_t K, const float* 
   }
 }
 
-// q . v and v . v over one row, with q = p * g folded as it is read (`dot_and_square`'s sums).
-template <typename T>
-inline void folded_dot_and_square(const T* __restrict v, const T* __restrict p, const T* __restrict g, int64_t D,
-                                  float& dot, float& square) {
-  Vec dot0(0.f), dot1(0.f), sq0(0.f), sq1(0.f);
-  int64_t d = 0;
-  for (; d + 2 * kLanes <= D; d += 2 * kLanes) {
-    const Vec x0 = load_fp32(v + d), x1 = load_fp32(v + d + kLanes);
-    dot0 = at::vec::fmadd(x0, load_fp32(p + d) * load_fp32(g + d), dot0);
-    dot1 = at::vec::fmadd(x1, load_fp32(p + d + kLanes) * load_fp32(g + d + kLanes), dot1);
-    sq0 = at::vec::fmadd(x0, x0, sq0);
-    sq1 = at::vec::fmadd(x1, x1, sq1);
-  }
-  for (; d + kLanes <= D; d += kLanes) {
-    const Vec x = load_fp32(v + d);
-    dot0 = at::vec::fmadd(x, load_fp32(p + d) * load_fp32(g + d), dot0);
-    sq0 = at::vec::fmadd(x, x, sq0);
-  }
-  dot = sum_lanes(dot0 + dot1);
-  square = sum_lanes(sq0 + sq1);
-  for (; d < D; ++d) {
-    const float x = static_cast<float>(v[d]);
-    dot += x * (static_cast<float>(p[d]) * static_cast<float>(g[d]));
-    square += x * x;
-  }
-}
-
 // The forward for a few tokens (a decoding step's call), one token at a time: its K rows' logits with the
 // pseudo-query folded as it is read, the softmax over K scalars, the weighted sum. aggregate_rows' tiles,
 // vectorised softmax and folded query in memory pay off over many tokens; for a few, their code and
@@ -352,18 +352,15 @@ void aggregate_few_tokens(const T* const* __restrict sources, int64_t K, const T
                           int64_t tokens) {
   const T* rows[kFewTokensSources];
   float weights[kFewTokensSources];
+  const Unfolded<T> query{proj, norm};
   for (int64_t t = 0; t < tokens; ++t) {
-    float top = -std::numeric_limits<float>::infinity();
     for (int64_t k = 0; k < K; ++k) {
       rows[k] = sources[k] + t * D;
       float dot, square;
-      folded_dot_and_square(rows[k], proj, norm, D, dot, square);
+      dot_and_square(rows[k], query, D, dot, square);
       weights[k] = dot * key_scale(square, D, eps);
-      top = std::max(top, weights[k]);
     }
-    float total = 0.f;
-    for (int64_t k = 0; k < K; ++k) total += weights[k] = exp_or_zero(weights[k] - top);
-    const float inverse = scale / total;
+    const float inverse = scale / exponentiate(weights, K).second;
     for (int64_t k = 0; k < K; ++k) weights[k] *= inverse;
     weighted_rows(rows, weights, K, D, out + t * D);
   }
@@ -546,21 +543,14 @@ void phase1_rows(const T* const* __restrict blocks, int64_t K, const float* __re
     for (int64_t k = 0; k < K; ++k) {
       rows[k] = blocks[k] + t * D;
       float first_dot, square;
-      dot_and_square(rows[k], queries, D, first_dot, square);
+      dot_and_square(rows[k], Folded{queries}, D, first_dot, square);
       const float r = key_scale(square, D, eps);
       logits[k] = first_dot * r;
       for (int64_t s = 1; s < S; ++s) logits[s * K + k] = dot(rows[k], queries + s * D, D) * r;
     }
     for (int64_t s = 0; s < S; ++s) {
       float* w = logits + s * K;
-      float m = -std::numeric_limits<float>::infinity(), l = 0.f;
-      for (int64_t k = 0; k < K; ++k) m = std::max(m, w[k]);
-      for (int64_t k = 0; k < K; ++k) {
-        w[k] = exp_or_zero(w[k] - m);
-        l += w[k];
-      }
-      top[s * T_total + t] = m;
-      sum[s * T_total + t] = l;
+      std::tie(top[s * T_total + t], sum[s * T_total + t]) = exponentiate(w, K);
       weighted_rows(rows, w, K, D, acc + (s * T_total + t) * D);
     }
   }
@@ -574,7 +564,7 @@ void phase2_rows(const float* __restrict acc, const float* __restrict top, const
   for (int64_t t = begin; t < end; ++t) {
     const T* v = partial + t * D;
     float dot, square;
-    dot_and_square(v, q, D, dot, square);
+    dot_and_square(v, Folded{q}, D, dot, square);
     const float z = dot * key_scale(square, D, eps);
     const float m = std::max(top[t], z);
     const float a = exp_or_zero(top[t] - m), c = exp_or_zero(z - m);
