@@ -332,10 +332,36 @@ def _relative_module_stacks(graph: fx.Graph) -> None:
                                             for key, (path, cls) in stack.items()}
 
 
+def children_read(graph: fx.Graph) -> tuple[str, ...]:
+    """The names of the block's children that the code :func:`compiled_forward` makes of ``graph`` reads
+    through :data:`CHILDREN`: the AttnRes modules the block holds, and the children it calls directly
+    (``block.attention``; a path below a child, ``block.attn.q_proj``, stays a read through the block)."""
+    names = []
+    for node in graph.nodes:
+        if node.op in ("get_attr", "call_module") and "." in node.target:
+            holder, _, name = node.target.partition(".")
+            if (holder == CHILDREN or (holder == BLOCK and node.op == "call_module")) and "." not in name:
+                names.append(name)
+    return tuple(dict.fromkeys(names))
+
+
 def compiled_forward(graph: fx.Graph, name: str) -> Callable:
     """``forward(root, *inputs)`` from ``graph``'s code, resolving ``self.<target>`` on whatever ``root``
-    it is given at call time (a :class:`Bound`): the module tree as it is then, not a copy of it."""
-    code = graph.python_code(root_module="self")
+    it is given at call time (a :class:`Bound`): the module tree as it is then, not a copy of it. The
+    children the block calls directly are read through :data:`CHILDREN` (:func:`children_read`): a dict
+    look-up where ``block.<name>`` would reach ``nn.Module.__getattr__`` only after CPython has raised
+    and formatted an AttributeError, about a microsecond per call of a child."""
+    calls = [node for node in graph.find_nodes(op="call_module")
+             if node.target.startswith(BLOCK + ".") and "." not in node.target[len(BLOCK) + 1:]]
+    targets = [node.target for node in calls]
+    try:
+        # The graph is left as it is (its targets are the graph module's paths): renamed for the code only.
+        for node in calls:
+            node.target = CHILDREN + node.target[len(BLOCK):]
+        code = graph.python_code(root_module="self")
+    finally:
+        for node, target in zip(calls, targets):
+            node.target = target
     filename = f"<attnres_fx {name}>"
     linecache.cache[filename] = (len(code.src), None, code.src.splitlines(keepends=True), filename)
     namespace = dict(code.globals)
@@ -344,10 +370,10 @@ def compiled_forward(graph: fx.Graph, name: str) -> Callable:
 
 
 class Bound:
-    """The ``self`` a block graph's code runs with: the block at :data:`BLOCK`, the modules it holds at
-    :data:`CHILDREN`, what else the graph refers to (tensor constants), and a stream's final aggregation at
-    :data:`FINAL`, looked up at every call in ``final`` (its parent module and its name there): the module
-    there then."""
+    """The ``self`` a block graph's code runs with: the block at :data:`BLOCK`, the children its code reads
+    at :data:`CHILDREN` (``children``: their names, :func:`children_read`), what else the graph refers to
+    (tensor constants), and a stream's final aggregation at :data:`FINAL`, looked up at every call in
+    ``final`` (its parent module and its name there): the module there then."""
 
     def __init__(self, block: nn.Module, final: tuple[nn.Module, str] | None = None, children: tuple[str, ...] = (),
                  **others: Any):

@@ -33,6 +33,7 @@ from ..capture.block_tracer import (
     CONSTANT_TYPES,
     CallShape,
     TracedBlock,
+    children_read,
     compiled_forward,
     trace_block,
 )
@@ -362,7 +363,7 @@ def block_variant(router: LayerRouter, traced: TracedBlock, shape: CallShape, la
     planned = router.planned
     forward, gm = rewritten_block(router, traced, shape, layout, baked)
     attributes = [node.target for node in gm.graph.find_nodes(op="get_attr")]
-    children = tuple(target[len(CHILDREN) + 1:] for target in attributes if target.startswith(CHILDREN + "."))
+    children = children_read(gm.graph)
     others = {target: getattr(gm, target) for target in attributes
               if not target.startswith((BLOCK + ".", CHILDREN + ".")) and target != FINAL}
     final = place_of(router.root, planned.final.name) if FINAL in gm._modules else None
