@@ -332,16 +332,27 @@ def _relative_module_stacks(graph: fx.Graph) -> None:
                                             for key, (path, cls) in stack.items()}
 
 
+def _child_called(node: fx.Node) -> str | None:
+    """The name of the block's child that ``node`` calls directly (target ``block.attention``), else
+    ``None`` (a path below a child, ``block.attn.q_proj``, is a read through the block)."""
+    if node.op != "call_module":
+        return None
+    holder, _, name = node.target.partition(".")
+    return name if holder == BLOCK and name and "." not in name else None
+
+
 def children_read(graph: fx.Graph) -> tuple[str, ...]:
     """The names of the block's children that the code :func:`compiled_forward` makes of ``graph`` reads
-    through :data:`CHILDREN`: the AttnRes modules the block holds, and the children it calls directly
-    (``block.attention``; a path below a child, ``block.attn.q_proj``, stays a read through the block)."""
+    through :data:`CHILDREN`: the AttnRes modules the block holds, and the children it calls directly."""
     names = []
     for node in graph.nodes:
-        if node.op in ("get_attr", "call_module") and "." in node.target:
+        if node.op == "get_attr":
             holder, _, name = node.target.partition(".")
-            if (holder == CHILDREN or (holder == BLOCK and node.op == "call_module")) and "." not in name:
-                names.append(name)
+            name = name if holder == CHILDREN and "." not in name else None
+        else:
+            name = _child_called(node)
+        if name:
+            names.append(name)
     return tuple(dict.fromkeys(names))
 
 
@@ -351,16 +362,14 @@ def compiled_forward(graph: fx.Graph, name: str) -> Callable:
     children the block calls directly are read through :data:`CHILDREN` (:func:`children_read`): a dict
     look-up where ``block.<name>`` would reach ``nn.Module.__getattr__`` only after CPython has raised
     and formatted an AttributeError, about a microsecond per call of a child."""
-    calls = [node for node in graph.find_nodes(op="call_module")
-             if node.target.startswith(BLOCK + ".") and "." not in node.target[len(BLOCK) + 1:]]
-    targets = [node.target for node in calls]
+    calls = {node: node.target for node in graph.find_nodes(op="call_module") if _child_called(node)}
     try:
         # The graph is left as it is (its targets are the graph module's paths): renamed for the code only.
         for node in calls:
-            node.target = CHILDREN + node.target[len(BLOCK):]
+            node.target = f"{CHILDREN}.{_child_called(node)}"
         code = graph.python_code(root_module="self")
     finally:
-        for node, target in zip(calls, targets):
+        for node, target in calls.items():
             node.target = target
     filename = f"<attnres_fx {name}>"
     linecache.cache[filename] = (len(code.src), None, code.src.splitlines(keepends=True), filename)

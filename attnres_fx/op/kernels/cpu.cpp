@@ -252,17 +252,6 @@ inline void weighted_rows(const T* const* __restrict rows, const float* __restri
     store_fp32(out + d + 2 * kLanes, acc2);
     store_fp32(out + d + 3 * kLanes, acc3);
   }
-  for (; d + 2 * kLanes <= D; d += 2 * kLanes) {
-    Vec w0(w[0]);
-    Vec acc0 = load_fp32(rows[0] + d) * w0, acc1 = load_fp32(rows[0] + d + kLanes) * w0;
-    for (int64_t k = 1; k < K; ++k) {
-      Vec wk(w[k * w_stride]);
-      acc0 = at::vec::fmadd(load_fp32(rows[k] + d), wk, acc0);
-      acc1 = at::vec::fmadd(load_fp32(rows[k] + d + kLanes), wk, acc1);
-    }
-    store_fp32(out + d, acc0);
-    store_fp32(out + d + kLanes, acc1);
-  }
   for (; d + kLanes <= D; d += kLanes) {
     Vec acc = load_fp32(rows[0] + d) * Vec(w[0]);
     for (int64_t k = 1; k < K; ++k) acc = at::vec::fmadd(load_fp32(rows[k] + d), Vec(w[k * w_stride]), acc);
