@@ -21,10 +21,12 @@
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/SmallVector.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/extension.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <mutex>
@@ -390,14 +392,18 @@ void aggregate_few_tokens(const T* const* __restrict sources, int64_t K, const T
 // inside the loop, they were reloaded after every store (the compiler cannot rule out that a gradient
 // row aliases them), which made this loop, not memory, the backward's bottleneck. Groups of at most
 // four rows keep the row pointers in registers too. Two tokens at once (where a token has one or two
-// sources) load and store dq once for both: at 2 sources dq was a third of the loop's stores.
-template <typename T, int G, int P = 1>
+// sources) load and store dq once for both: at 2 sources dq was a third of the loop's stores. With `Add`,
+// the row adds[p * G + k] (a gradient summed so far, possibly outs[p * G + k] itself) is added to each
+// dL/dv_k as it is stored: the sum autograd would otherwise make in a pass of its own (Note [gradient
+// deposits]), in the same order (what came before, plus this dL/dv_k).
+template <typename T, int G, int P = 1, bool Add = false>
 inline void source_grads(const T* const* __restrict rows, int64_t row_stride, T* const* __restrict outs,
-                         const float* __restrict q, const float* const* __restrict g,
+                         const T* const* adds, const float* __restrict q, const float* const* __restrict g,
                          const float* __restrict weight, const float* __restrict grad_dot,
                          const float* __restrict coefficient, int64_t D, float* __restrict dq) {
   const T* r[P][G];
   T* o[P][G];
+  const T* a[P][G];
   const float* gp[P];
   Vec w[P][G], gd[P][G], c[P][G];
   float ws[P][G], gds[P][G], cs[P][G];
@@ -406,6 +412,7 @@ inline void source_grads(const T* const* __restrict rows, int64_t row_stride, T*
     for (int k = 0; k < G; ++k) {
       r[p][k] = rows[p * row_stride + k];
       o[p][k] = outs[p * G + k];
+      a[p][k] = Add ? adds[p * G + k] : nullptr;
       ws[p][k] = weight[k * kTile + p];
       gds[p][k] = grad_dot[k * kTile + p];
       cs[p][k] = coefficient[k * kTile + p];
@@ -422,7 +429,12 @@ inline void source_grads(const T* const* __restrict rows, int64_t row_stride, T*
       const Vec gv = Vec::loadu(gp[p] + d);
       for (int k = 0; k < G; ++k) {
         const Vec x = load_fp32(r[p][k] + d);
-        store_fp32(o[p][k] + d, at::vec::fmadd(x, c[p][k], at::vec::fmadd(qv, gd[p][k], gv * w[p][k])));
+        const Vec grad = at::vec::fmadd(x, c[p][k], at::vec::fmadd(qv, gd[p][k], gv * w[p][k]));
+        if constexpr (Add) {
+          store_fp32(o[p][k] + d, load_fp32(a[p][k] + d) + grad);
+        } else {
+          store_fp32(o[p][k] + d, grad);
+        }
         dqv = at::vec::fmadd(x, gd[p][k], dqv);
       }
     }
@@ -432,7 +444,8 @@ inline void source_grads(const T* const* __restrict rows, int64_t row_stride, T*
     for (int p = 0; p < P; ++p) {
       for (int k = 0; k < G; ++k) {
         const float x = static_cast<float>(r[p][k][d]);
-        o[p][k][d] = static_cast<T>(ws[p][k] * gp[p][d] + gds[p][k] * q[d] + cs[p][k] * x);
+        const float grad = ws[p][k] * gp[p][d] + gds[p][k] * q[d] + cs[p][k] * x;
+        o[p][k][d] = static_cast<T>(Add ? static_cast<float>(a[p][k][d]) + grad : grad);
         dq[d] += gds[p][k] * x;
       }
     }
@@ -444,12 +457,17 @@ inline void source_grads(const T* const* __restrict rows, int64_t row_stride, T*
 // across the tile's tokens; the second look (from cache) writes every dL/dv and adds the token's dL/dq,
 // one vector of the row at a time for all K sources (q, g and dq loaded once, dq stored once, per
 // vector). stats: 6 * K * kTile floats; g_rows: kTile * D floats (the gradient rows of a tile in fp32,
-// for bf16 / fp16).
+// for bf16 / fp16). `adds`, where given: per source the gradient its dL/dv is added to (source_grads'
+// `Add`), or null for none, whose rows read `zero_row` (D zeros) instead.
 template <typename T>
 void backward_rows(const T* __restrict grad, const T* const* __restrict sources, T* const* __restrict grads,
                    int64_t K, const float* __restrict q, int64_t D, float eps, float scale, float* __restrict g_rows,
                    const T** __restrict rows, float* __restrict stats, float* __restrict dq, int64_t begin,
-                   int64_t end, const float* __restrict saved = nullptr, int64_t T_total = 0) {
+                   int64_t end, const float* __restrict saved = nullptr, int64_t T_total = 0,
+                   const T* const* adds = nullptr, const T* zero_row = nullptr) {
+  const auto add_row = [&](int64_t k, int64_t token) {
+    return adds[k] != nullptr ? adds[k] + token * D : zero_row;
+  };
   float* dot = stats;                        // [K][kTile] each
   float* scales = stats + K * kTile;         // v . v, then the key scale
   float* along = stats + 2 * K * kTile;      // g . v
@@ -519,31 +537,52 @@ void backward_rows(const T* __restrict grad, const T* const* __restrict sources,
       return std::is_same_v<T, float> ? reinterpret_cast<const float*>(grad + (first + i) * D) : g_rows + i * D;
     };
     const int64_t pairs = K <= 2 ? n / 2 * 2 : 0;  // tokens taken two at a time
+    // source_grads for G rows (of P tokens), with or without the gradients they are added to.
+    const auto second_look = [&](auto group, auto tokens, const T* const* token_rows, T* const* outs,
+                                 const T* const* add_rows, const float* const* gs, int64_t j) {
+      constexpr int G = decltype(group)::value, P = decltype(tokens)::value;
+      if (adds != nullptr) {
+        source_grads<T, G, P, true>(token_rows, K, outs, add_rows, q, gs, weight + j, grad_dot + j, coefficient + j,
+                                    D, dq);
+      } else {
+        source_grads<T, G, P>(token_rows, K, outs, nullptr, q, gs, weight + j, grad_dot + j, coefficient + j, D, dq);
+      }
+    };
+    using One = std::integral_constant<int, 1>;
+    using Two = std::integral_constant<int, 2>;
     for (int64_t i = 0; i < pairs; i += 2) {
       T* outs[4];
+      const T* add_rows[4];
       for (int64_t p = 0; p < 2; ++p) {
-        for (int64_t k = 0; k < K; ++k) outs[p * K + k] = grads[k] + (first + i + p) * D;
+        for (int64_t k = 0; k < K; ++k) {
+          outs[p * K + k] = grads[k] + (first + i + p) * D;
+          if (adds != nullptr) add_rows[p * K + k] = add_row(k, first + i + p);
+        }
       }
       const float* gs[2] = {g_row(i), g_row(i + 1)};
       if (K == 2) {
-        source_grads<T, 2, 2>(rows + i * K, K, outs, q, gs, weight + i, grad_dot + i, coefficient + i, D, dq);
+        second_look(Two(), Two(), rows + i * K, outs, add_rows, gs, i);
       } else {
-        source_grads<T, 1, 2>(rows + i * K, K, outs, q, gs, weight + i, grad_dot + i, coefficient + i, D, dq);
+        second_look(One(), Two(), rows + i * K, outs, add_rows, gs, i);
       }
     }
     for (int64_t i = pairs; i < n; ++i) {
       const float* g = g_row(i);
       for (int64_t k = 0; k < K; k += 4) {
         T* outs[4];
+        const T* add_rows[4];
         const int64_t G = std::min<int64_t>(4, K - k);
-        for (int64_t j = 0; j < G; ++j) outs[j] = grads[k + j] + (first + i) * D;
+        for (int64_t j = 0; j < G; ++j) {
+          outs[j] = grads[k + j] + (first + i) * D;
+          if (adds != nullptr) add_rows[j] = add_row(k + j, first + i);
+        }
         const T* const* token_rows = rows + i * K + k;
         const int64_t j = k * kTile + i;
         switch (G) {
-          case 4: source_grads<T, 4>(token_rows, K, outs, q, &g, weight + j, grad_dot + j, coefficient + j, D, dq); break;
-          case 3: source_grads<T, 3>(token_rows, K, outs, q, &g, weight + j, grad_dot + j, coefficient + j, D, dq); break;
-          case 2: source_grads<T, 2>(token_rows, K, outs, q, &g, weight + j, grad_dot + j, coefficient + j, D, dq); break;
-          default: source_grads<T, 1>(token_rows, K, outs, q, &g, weight + j, grad_dot + j, coefficient + j, D, dq); break;
+          case 4: second_look(std::integral_constant<int, 4>(), One(), token_rows, outs, add_rows, &g, j); break;
+          case 3: second_look(std::integral_constant<int, 3>(), One(), token_rows, outs, add_rows, &g, j); break;
+          case 2: second_look(Two(), One(), token_rows, outs, add_rows, &g, j); break;
+          default: second_look(One(), One(), token_rows, outs, add_rows, &g, j); break;
         }
       }
     }
@@ -725,14 +764,25 @@ std::tuple<at::Tensor, at::Tensor> aggregate_saving_logits(at::TensorList source
   return forward(sources, proj_weight, norm_weight, eps, preserve_scale, true);
 }
 
+// Work counts for tests (deposit_counts, Note [gradient deposits]): gradients deposited, and sums a
+// site's kernel wrote over in place.
+std::atomic<int64_t> deposits_made{0};
+std::atomic<int64_t> sums_written_over{0};
+
 // The backward; given `saved` (the forward's save_logits), without recomputing the logits. As in the
 // forward, a training step's backward at a few tokens pays for every allocation and helper: the results
 // are allocated below the dispatcher, the query and the scratch live on the stack, and inputs already
 // contiguous and of the sources' dtype (every call autograd makes) are not copied.
+//
+// `into`, where given (a deposit's sums, Note [gradient deposits]): per source a gradient (or an undefined
+// tensor) that the source's dL/dv is added to; the result is that sum, written over `into[k]` itself
+// where nothing else can see it (the vector holds its only reference and it shares no storage), into a new
+// tensor otherwise.
 std::tuple<std::vector<at::Tensor>, at::Tensor> backward(const at::Tensor& grad_in, at::TensorList sources_in,
                                                          const at::Tensor& saved_in, const at::Tensor& proj_weight,
                                                          const at::Tensor& norm_weight, double eps,
-                                                         bool preserve_scale) {
+                                                         bool preserve_scale,
+                                                         std::vector<at::Tensor>* into = nullptr) {
   const Rows rows = check_sources(sources_in, "attnres::aggregate_backward");
   TORCH_CHECK(!saved_in.defined() || (saved_in.scalar_type() == at::kFloat &&
                                       saved_in.sizes() == at::IntArrayRef({2, static_cast<int64_t>(sources_in.size()),
@@ -753,9 +803,30 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> backward(const at::Tensor& grad_
   c10::SmallVector<float, kInlineWidth> query(D);
   fold_query(proj_weight, norm_weight, D, "attnres::aggregate_backward", query.data());
   const float scale = preserve_scale ? static_cast<float>(K) : 1.f;
-  std::vector<at::Tensor> grads;
+  std::vector<at::Tensor> grads, addends;
   grads.reserve(K);
-  for (int64_t k = 0; k < K; ++k) grads.emplace_back(at::detail::empty_cpu(sources[0].sizes(), dtype));
+  bool adding = false;
+  if (into != nullptr) {
+    TORCH_CHECK(static_cast<int64_t>(into->size()) == K, "attnres::aggregate_backward: one sum per source");
+    addends.resize(K);
+    for (int64_t k = 0; k < K; ++k) {
+      at::Tensor& sum = (*into)[k];
+      if (!sum.defined()) continue;
+      TORCH_CHECK(sum.sizes() == sources[0].sizes(), "attnres::aggregate_backward: a gradient sum must have the "
+                  "sources' shape ", sources[0].sizes(), ", got ", sum.sizes());
+      addends[k] = sum.scalar_type() == dtype && sum.is_contiguous() ? sum : sum.to(dtype).contiguous();
+      adding = true;
+    }
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    // Referenced by `into` and `addends` alone: no one else sees it written over.
+    const at::Tensor* sum = into != nullptr ? &(*into)[k] : nullptr;
+    const bool overwrite = sum != nullptr && sum->defined() && addends[k].is_same(*sum) && sum->use_count() == 2 &&
+                           sum->storage().use_count() == 1 && !sum->is_inference() && !sum->requires_grad() &&
+                           sum->key_set().has(c10::DispatchKey::CPU) && !sum->is_view();
+    grads.emplace_back(overwrite ? *sum : at::Tensor(at::detail::empty_cpu(sources[0].sizes(), dtype)));
+    if (overwrite) ++sums_written_over;
+  }
   at::Tensor grad_query(at::detail::empty_cpu({D}, at::kFloat));
   // One partial dL/dq per chunk of tokens, summed at the end: deterministic, no atomics. A single chunk
   // (one thread, or few tokens) sums straight into the result.
@@ -765,12 +836,14 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> backward(const at::Tensor& grad_
   float* const dq = chunks > 1 ? partial_dq.data() : out;
   if (chunks == 1) std::fill(out, out + D, 0.f);
   ATTNRES_DISPATCH(dtype, "attnres_aggregate_backward", [&] {
-    c10::SmallVector<const scalar_t*, kInlineSources> src;
+    c10::SmallVector<const scalar_t*, kInlineSources> src, add;
     c10::SmallVector<scalar_t*, kInlineSources> dst;
     for (int64_t k = 0; k < K; ++k) {
       src.push_back(sources[k].const_data_ptr<scalar_t>());
       dst.push_back(grads[k].mutable_data_ptr<scalar_t>());
+      if (adding) add.push_back(addends[k].defined() ? addends[k].const_data_ptr<scalar_t>() : nullptr);
     }
+    const std::vector<scalar_t> zero_row(adding ? D : 0, scalar_t(0));
     const scalar_t* const* s = src.data();
     scalar_t* const* gs = dst.data();
     const scalar_t* g = grad.const_data_ptr<scalar_t>();
@@ -782,7 +855,8 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> backward(const at::Tensor& grad_
       c10::SmallVector<const scalar_t*, kInlineSources * kTile> rows_of_tile(kTile * K);
       for (int64_t c = first; c < last; ++c) {
         backward_rows(g, s, gs, K, q, D, static_cast<float>(eps), scale, g_rows.data(), rows_of_tile.data(),
-                      stats.data(), dq + c * D, c * T / chunks, (c + 1) * T / chunks, kept, T);
+                      stats.data(), dq + c * D, c * T / chunks, (c + 1) * T / chunks, kept, T,
+                      adding ? add.data() : nullptr, zero_row.data());
       }
     });
   });
@@ -944,80 +1018,6 @@ const c10::TypedOperatorHandle<decltype(weight_grads)>& weight_grads_op() {
   return op;
 }
 
-// The operator's gradient, registered here (Autograd key) rather than in Python: a training step calls
-// the aggregation at every site, and a Python autograd Function costs tens of microseconds per call and
-// per backward, a third of what the aggregation added to a narrow model's step. The maths is
-// aggregate_backward's (Note [backward] of attnres_fx/op/aggregation.py). Saved, through save_for_backward
-// (so saved_tensors_hooks, activation offloading and checkpointing see them): the inputs, and the logits'
-// parts, q . v and the key scale of each token and source (2 / D of the sources' size), with which the
-// backward's first look at each source row sums g . v alone instead of three sums: a third of the
-// backward's arithmetic.
-class AggregateFunction : public torch::autograd::Function<AggregateFunction> {
- public:
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, at::TensorList sources,
-                            const at::Tensor& proj_weight, const at::Tensor& norm_weight, double eps,
-                            bool preserve_scale) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [out, logits] = saving_op().call(sources, proj_weight, norm_weight, eps, preserve_scale);
-    std::vector<at::Tensor> saved(sources.begin(), sources.end());
-    saved.push_back(logits);
-    saved.push_back(proj_weight);
-    saved.push_back(norm_weight);
-    ctx->save_for_backward(saved);
-    ctx->saved_data["eps"] = eps;
-    ctx->saved_data["preserve_scale"] = preserve_scale;
-    return out;
-  }
-
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grad_outputs) {
-    auto saved = ctx->get_saved_variables();
-    const at::Tensor norm_weight = saved.back();
-    saved.pop_back();
-    const at::Tensor proj_weight = saved.back();
-    saved.pop_back();
-    const at::Tensor logits = saved.back();
-    saved.pop_back();
-    const size_t K = saved.size();
-    // Below autograd where no graph of the backward is recorded (create_graph=False, the usual case): the
-    // operators have no Autograd kernel, and the fallback that would otherwise run for each of them boxes
-    // every argument to check that none requires a gradient. With a graph recorded, that fallback marks
-    // the results as not differentiable twice.
-    std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
-    if (!at::GradMode::is_enabled()) below_autograd.emplace();
-    auto [grads, grad_query] = backward_op().call(grad_outputs[0], saved, logits, proj_weight, norm_weight,
-                                                  ctx->saved_data["eps"].toDouble(),
-                                                  ctx->saved_data["preserve_scale"].toBool());
-    torch::autograd::variable_list out(grads.begin(), grads.end());
-    const bool wants_proj = ctx->needs_input_grad(K), wants_norm = ctx->needs_input_grad(K + 1);
-    if (wants_proj || wants_norm) {
-      auto [grad_proj, grad_norm] = weight_grads_op().call(grad_query, proj_weight, norm_weight);
-      out.push_back(wants_proj ? grad_proj : at::Tensor());
-      out.push_back(wants_norm ? grad_norm : at::Tensor());
-    } else {
-      out.emplace_back();
-      out.emplace_back();
-    }
-    out.emplace_back();  // eps
-    out.emplace_back();  // preserve_scale
-    return out;
-  }
-};
-
-at::Tensor aggregate_autograd(at::TensorList sources, const at::Tensor& proj_weight, const at::Tensor& norm_weight,
-                              double eps, bool preserve_scale) {
-  bool wants_grad = false;
-  if (at::GradMode::is_enabled()) {
-    wants_grad = proj_weight.requires_grad() || norm_weight.requires_grad();
-    for (const auto& s : sources) wants_grad = wants_grad || s.requires_grad();
-  }
-  if (!wants_grad) {  // no graph to record: the kernel alone (a decoding step's budget is microseconds)
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return aggregate_op().call(sources, proj_weight, norm_weight, eps, preserve_scale);
-  }
-  return AggregateFunction::apply(sources, proj_weight, norm_weight, eps, preserve_scale);
-}
-
 // Shapes only, for fake tensors (torch.library.opcheck, FakeTensorMode), symbolic sizes included: the
 // checks of check_sources on sym_sizes.
 void check_meta_sources(const at::TensorList sources, const at::Tensor& proj_weight, const at::Tensor& norm_weight,
@@ -1069,6 +1069,27 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> aggregate_backward_saved_meta(
   return aggregate_backward_meta(grad, sources, proj_weight, norm_weight, eps, preserve_scale);
 }
 
+// Whether a call the dispatcher would send straight to the CPU kernel may go there itself: no gradient
+// recorded, no dispatch key included for this thread (a TorchDispatchMode, functorch's transforms), no
+// RecordFunction callback (the profiler records the dispatcher's calls), and tensors with a dense CPU
+// tensor's dispatch keys only (no subclass, wrapper, conjugate or negative bit). A decoding step's
+// aggregation then skips two passes through the dispatcher and the autograd kernel: their code, some
+// 150 lines, is out of cache at every block of a decoding step, after its weights streamed through.
+bool dispatches_to_kernel(const std::vector<at::Tensor>& sources, const at::Tensor& proj_weight,
+                          const at::Tensor& norm_weight) {
+  static const c10::DispatchKeySet dense_cpu =
+      c10::DispatchKeySet(c10::DispatchKey::CPU) |
+      c10::getAutogradRelatedKeySetFromBackend(c10::BackendComponent::CPUBit) |
+      c10::getAutocastRelatedKeySetFromBackend(c10::BackendComponent::CPUBit);
+  if (at::GradMode::is_enabled() ||
+      !(c10::impl::tls_local_dispatch_key_set().included_ - c10::default_included_set).empty() ||
+      at::getStepCallbacksUnlessEmpty(at::RecordScope::FUNCTION).has_value()) {
+    return false;
+  }
+  const auto plain = [](const at::Tensor& t) { return dense_cpu.isSupersetOf(t.key_set()); };
+  return plain(proj_weight) && plain(norm_weight) && std::all_of(sources.begin(), sources.end(), plain);
+}
+
 // ------------------------------------------------------------------------------------- stream edges
 // The two autograd nodes of a layer-routed stream, _Bundle and _Unbundle of attnres_fx/routing/state.py
 // (which documents them; the Python classes remain for what these entries do not take: tensor subclasses,
@@ -1077,28 +1098,82 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> aggregate_backward_saved_meta(
 // they cost some 140 us a block of a training step (d=128, 24 layers), forward and backward, their
 // Python running with cold caches between the blocks' kernels.
 
+// Note [gradient deposits]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// A block reads the completed block sums through its unbundle node's outputs, at each of its sites and in
+// its bundle node (which hands them on to the next block), so each such output receives a gradient from
+// every site of the block and one from the bundle node, and autograd sums them before the unbundle node
+// runs: a pass over the stream per term (two reads, one write) and a new tensor per term, the largest
+// share of what a training step's backward adds after the kernels. Instead those nodes *deposit* their
+// gradient for such an output into the sum the unbundle node would make (its holder, at that output's
+// slot): the bundle node, first to run in the block's backward, its gradient as it is; each site's
+// backward kernel adds its dL/dv to the sum as it writes it (one read, one write: source_grads' `Add`),
+// over the sum itself where nothing else holds it. That is the order autograd would sum them in. The
+// node returns no gradient for that output; the unbundle node, which autograd runs only after every node
+// that reads its outputs, takes the deposits in with whatever else came through autograd. Deposits are
+// made only where that holds, and the nodes return their gradients as before otherwise:
+//   - in a backward that runs every node it reaches (no `inputs`: Tensor.backward, what training calls);
+//     torch.autograd.grad runs only the nodes on its inputs' paths, a site's perhaps but not the unbundle
+//     node that would take its deposit;
+//   - where no graph of the backward is recorded (create_graph=False): the sums are not differentiable;
+//   - for a site, where its kernel is what the dispatcher would call (dispatches_to_kernel: no dispatch
+//     mode or profiler sees the call otherwise).
+// A backward that stopped half-way (an exception) may leave deposits behind: the holder notes the backward
+// (graph task) they belong to, and another one drops them. What a backward runs and which it is come from
+// torch/csrc/autograd/graph_task.h (get_current_graph_task_exec_info, get_current_graph_task_id: the same
+// in torch 2.11 to 2.14).
+
 // The gradients the blocks that read a stream state's tensors sent back, summed as they come (the first
 // kept as they are), until the node of the block that made the state takes them; and the zeros an
 // unbundle node sent for a carrier nothing read, which that bundle node then drops. Shared by the state
-// (a capsule, attnres_fx/routing/state.py's StreamState.holder) and both nodes.
+// (a capsule, attnres_fx/routing/state.py's StreamState.holder) and both nodes. `deposits`: what the
+// nodes reading an unbundle node's outputs deposited (Note [gradient deposits]) in backward
+// `deposits_of`, until that node takes them in with its other gradients (`add`).
 struct StateGrads : torch::CustomClassHolder {
   std::mutex lock;
   std::vector<at::Tensor> grads;
   at::Tensor unread;
+  std::vector<at::Tensor> deposits;
+  int deposits_of = -1;  // none (the graph task id outside a backward)
 
-  // grads[k] += incoming[first + k] where defined.
+  // grads[k] += incoming[first + k] where defined, with this backward's deposits.
   void add(const std::vector<at::Tensor>& incoming, size_t first) {
     const std::lock_guard<std::mutex> guard(lock);
+    std::vector<at::Tensor> sums(incoming.begin() + static_cast<std::ptrdiff_t>(first), incoming.end());
+    if (!deposits.empty()) {
+      if (deposits_of == torch::autograd::get_current_graph_task_id()) {
+        if (sums.size() < deposits.size()) sums.resize(deposits.size());
+        for (size_t k = 0; k < deposits.size(); ++k) {
+          if (!deposits[k].defined()) continue;
+          sums[k] = sums[k].defined() ? deposits[k] + sums[k] : std::move(deposits[k]);
+        }
+      }
+      deposits.clear();
+    }
     if (grads.empty()) {
-      grads.assign(incoming.begin() + static_cast<std::ptrdiff_t>(first), incoming.end());
+      grads = std::move(sums);
       return;
     }
-    for (size_t k = 0; k < grads.size() && first + k < incoming.size(); ++k) {
-      const at::Tensor& grad = incoming[first + k];
-      if (!grad.defined()) continue;
-      grads[k] = grads[k].defined() ? grads[k] + grad : grad;
+    if (grads.size() < sums.size()) grads.resize(sums.size());
+    for (size_t k = 0; k < sums.size(); ++k) {
+      if (!sums[k].defined()) continue;
+      grads[k] = grads[k].defined() ? grads[k] + sums[k] : std::move(sums[k]);
     }
   }
+
+  // The deposit at `slot` so far in this backward, moved out (undefined where none), for the caller to add
+  // to and give back (`deposit`); deposits another backward left are dropped. Lock held.
+  at::Tensor withdraw(size_t slot) {
+    const int task = torch::autograd::get_current_graph_task_id();
+    if (deposits_of != task) {
+      deposits.clear();
+      deposits_of = task;
+    }
+    if (deposits.size() <= slot) deposits.resize(slot + 1);
+    return std::move(deposits[slot]);
+  }
+
+  void deposit(size_t slot, at::Tensor sum) { deposits[slot] = std::move(sum); }
 
   std::vector<at::Tensor> take(size_t count) {
     const std::lock_guard<std::mutex> guard(lock);
@@ -1112,40 +1187,6 @@ struct StateGrads : torch::CustomClassHolder {
 c10::intrusive_ptr<StateGrads> holder_of(torch::autograd::AutogradContext* ctx) {
   return c10::static_intrusive_pointer_cast<StateGrads>(ctx->saved_data["grads"].toCapsule());
 }
-
-// The carrier a block returns, its state's tensors inputs too (a new tensor sharing the carrier's storage,
-// no view of it). Backward: the carrier's gradient (none where it is the unread zeros), and what the
-// following blocks sent back for the tensors.
-class BundleFunction : public torch::autograd::Function<BundleFunction> {
- public:
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const c10::intrusive_ptr<StateGrads>& holder,
-                            const at::Tensor& carrier, at::TensorList tensors) {
-    ctx->saved_data["grads"] = c10::IValue::make_capsule(holder);
-    ctx->saved_data["count"] = static_cast<int64_t>(tensors.size());
-    ctx->set_materialize_grads(false);
-    return carrier.detach();
-  }
-
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grad_outputs) {
-    const auto holder = holder_of(ctx);
-    at::Tensor grad = grad_outputs[0];
-    {
-      const std::lock_guard<std::mutex> guard(holder->lock);
-      if (grad.defined() && holder->unread.defined() && grad.is_same(holder->unread)) {
-        grad = at::Tensor();  // nothing read the carrier: no pass over these zeros in the block's adds
-        holder->unread = at::Tensor();
-      }
-    }
-    std::vector<at::Tensor> taken = holder->take(static_cast<size_t>(ctx->saved_data["count"].toInt()));
-    torch::autograd::variable_list out;
-    out.reserve(taken.size() + 2);
-    out.emplace_back();  // the holder
-    out.push_back(std::move(grad));
-    for (at::Tensor& t : taken) out.push_back(std::move(t));
-    return out;
-  }
-};
 
 // A stream state's tensors, handed to UnbundleFunction outside its inputs: their gradients go to the
 // holder, not along autograd edges of this node.
@@ -1189,6 +1230,202 @@ class UnbundleFunction : public torch::autograd::Function<UnbundleFunction> {
     return {at::Tensor(), grad_carrier, at::Tensor()};
   }
 };
+
+// Where a node deposits its gradient for each of its inputs (Note [gradient deposits]): the holder of the
+// unbundle node whose output the input is, and that output's slot among the state's tensors; no holder
+// for an input that is no such output.
+struct Deposits : torch::CustomClassHolder {
+  std::vector<c10::intrusive_ptr<StateGrads>> holders;
+  std::vector<size_t> slots;
+};
+
+// The deposits for `inputs`, or null where none is an unbundle node's output of a state tensor. An output
+// given twice deposits once (its first place), so that its sum is withdrawn once at a time.
+c10::intrusive_ptr<Deposits> deposits_for(at::TensorList inputs) {
+  c10::intrusive_ptr<Deposits> found;
+  for (size_t k = 0; k < inputs.size(); ++k) {
+    const auto& fn = inputs[k].grad_fn();
+    auto* node = dynamic_cast<torch::autograd::CppNode<UnbundleFunction>*>(fn.get());
+    if (node == nullptr || inputs[k].output_nr() == 0) continue;  // output 0: the carrier
+    auto holder = c10::static_intrusive_pointer_cast<StateGrads>(node->ctx_.saved_data["grads"].toCapsule());
+    const size_t slot = inputs[k].output_nr() - 1;
+    if (!found) {
+      found = c10::make_intrusive<Deposits>();
+      found->holders.resize(inputs.size());
+      found->slots.resize(inputs.size());
+    }
+    bool twice = false;
+    for (size_t j = 0; j < k; ++j) twice = twice || (found->holders[j] == holder && found->slots[j] == slot);
+    if (twice) continue;
+    found->holders[k] = std::move(holder);
+    found->slots[k] = slot;
+  }
+  return found;
+}
+
+void keep_deposits(torch::autograd::AutogradContext* ctx, at::TensorList inputs) {
+  if (auto deposits = deposits_for(inputs)) ctx->saved_data["deposits"] = c10::IValue::make_capsule(deposits);
+}
+
+// The node's deposits where this backward may make them (Note [gradient deposits]), else null.
+c10::intrusive_ptr<Deposits> deposits_now(torch::autograd::AutogradContext* ctx) {
+  const auto kept = ctx->saved_data.find("deposits");
+  if (kept == ctx->saved_data.end() || at::GradMode::is_enabled()) return {};
+  const auto* runs = torch::autograd::get_current_graph_task_exec_info();
+  if (runs == nullptr || !runs->empty()) return {};  // a backward that runs only some of the nodes
+  return c10::static_intrusive_pointer_cast<Deposits>(kept->second.toCapsule());
+}
+
+// The carrier a block returns, its state's tensors inputs too (a new tensor sharing the carrier's storage,
+// no view of it). Backward: the carrier's gradient (none where it is the unread zeros), and what the
+// following blocks sent back for the tensors, deposited where a tensor is the block's view of a state
+// tensor (Note [gradient deposits]).
+class BundleFunction : public torch::autograd::Function<BundleFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const c10::intrusive_ptr<StateGrads>& holder,
+                            const at::Tensor& carrier, at::TensorList tensors) {
+    ctx->saved_data["grads"] = c10::IValue::make_capsule(holder);
+    ctx->saved_data["count"] = static_cast<int64_t>(tensors.size());
+    ctx->set_materialize_grads(false);
+    keep_deposits(ctx, tensors);
+    return carrier.detach();
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    const auto holder = holder_of(ctx);
+    at::Tensor grad = grad_outputs[0];
+    {
+      const std::lock_guard<std::mutex> guard(holder->lock);
+      if (grad.defined() && holder->unread.defined() && grad.is_same(holder->unread)) {
+        grad = at::Tensor();  // nothing read the carrier: no pass over these zeros in the block's adds
+        holder->unread = at::Tensor();
+      }
+    }
+    std::vector<at::Tensor> taken = holder->take(static_cast<size_t>(ctx->saved_data["count"].toInt()));
+    if (const auto deposits = deposits_now(ctx)) {
+      for (size_t k = 0; k < taken.size(); ++k) {
+        if (!deposits->holders[k] || !taken[k].defined()) continue;
+        StateGrads& to = *deposits->holders[k];
+        const std::lock_guard<std::mutex> guard(to.lock);
+        at::Tensor sum = to.withdraw(deposits->slots[k]);
+        to.deposit(deposits->slots[k], sum.defined() ? sum + taken[k] : std::move(taken[k]));
+        taken[k] = at::Tensor();
+        ++deposits_made;
+      }
+    }
+    torch::autograd::variable_list out;
+    out.reserve(taken.size() + 2);
+    out.emplace_back();  // the holder
+    out.push_back(std::move(grad));
+    for (at::Tensor& t : taken) out.push_back(std::move(t));
+    return out;
+  }
+};
+
+// The operator's gradient, registered here (Autograd key) rather than in Python: a training step calls
+// the aggregation at every site, and a Python autograd Function costs tens of microseconds per call and
+// per backward, a third of what the aggregation added to a narrow model's step. The maths is
+// aggregate_backward's (Note [backward] of attnres_fx/op/aggregation.py). Saved, through save_for_backward
+// (so saved_tensors_hooks, activation offloading and checkpointing see them): the inputs, and the logits'
+// parts, q . v and the key scale of each token and source (2 / D of the sources' size), with which the
+// backward's first look at each source row sums g . v alone instead of three sums: a third of the
+// backward's arithmetic.
+class AggregateFunction : public torch::autograd::Function<AggregateFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, at::TensorList sources,
+                            const at::Tensor& proj_weight, const at::Tensor& norm_weight, double eps,
+                            bool preserve_scale) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [out, logits] = saving_op().call(sources, proj_weight, norm_weight, eps, preserve_scale);
+    std::vector<at::Tensor> saved(sources.begin(), sources.end());
+    saved.push_back(logits);
+    saved.push_back(proj_weight);
+    saved.push_back(norm_weight);
+    ctx->save_for_backward(saved);
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["preserve_scale"] = preserve_scale;
+    keep_deposits(ctx, sources);
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor norm_weight = saved.back();
+    saved.pop_back();
+    const at::Tensor proj_weight = saved.back();
+    saved.pop_back();
+    const at::Tensor logits = saved.back();
+    saved.pop_back();
+    const size_t K = saved.size();
+    // Below autograd where no graph of the backward is recorded (create_graph=False, the usual case): the
+    // operators have no Autograd kernel, and the fallback that would otherwise run for each of them boxes
+    // every argument to check that none requires a gradient. With a graph recorded, that fallback marks
+    // the results as not differentiable twice.
+    std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
+    if (!at::GradMode::is_enabled()) below_autograd.emplace();
+    const double eps = ctx->saved_data["eps"].toDouble();
+    const bool preserve_scale = ctx->saved_data["preserve_scale"].toBool();
+    std::vector<at::Tensor> grads;
+    at::Tensor grad_query;
+    const auto deposits = deposits_now(ctx);
+    std::vector<at::Tensor> seen(saved);
+    seen.push_back(grad_outputs[0]);
+    seen.push_back(logits);
+    if (deposits && dispatches_to_kernel(seen, proj_weight, norm_weight)) {
+      // Each deposited source's dL/dv added to its sum so far by the kernel (Note [gradient deposits]).
+      std::vector<at::Tensor> into(K);
+      for (size_t k = 0; k < K; ++k) {
+        if (!deposits->holders[k]) continue;
+        StateGrads& holder = *deposits->holders[k];
+        const std::lock_guard<std::mutex> guard(holder.lock);
+        into[k] = holder.withdraw(deposits->slots[k]);
+      }
+      std::tie(grads, grad_query) = attnres_cpu::backward(grad_outputs[0], saved, logits, proj_weight, norm_weight,
+                                                          eps, preserve_scale, &into);
+      into.clear();
+      for (size_t k = 0; k < K; ++k) {
+        if (!deposits->holders[k]) continue;
+        StateGrads& holder = *deposits->holders[k];
+        const std::lock_guard<std::mutex> guard(holder.lock);
+        holder.deposit(deposits->slots[k], std::move(grads[k]));
+        grads[k] = at::Tensor();
+        ++deposits_made;
+      }
+    } else {
+      std::tie(grads, grad_query) =
+          backward_op().call(grad_outputs[0], saved, logits, proj_weight, norm_weight, eps, preserve_scale);
+    }
+    torch::autograd::variable_list out(grads.begin(), grads.end());
+    const bool wants_proj = ctx->needs_input_grad(K), wants_norm = ctx->needs_input_grad(K + 1);
+    if (wants_proj || wants_norm) {
+      auto [grad_proj, grad_norm] = weight_grads_op().call(grad_query, proj_weight, norm_weight);
+      out.push_back(wants_proj ? grad_proj : at::Tensor());
+      out.push_back(wants_norm ? grad_norm : at::Tensor());
+    } else {
+      out.emplace_back();
+      out.emplace_back();
+    }
+    out.emplace_back();  // eps
+    out.emplace_back();  // preserve_scale
+    return out;
+  }
+};
+
+at::Tensor aggregate_autograd(at::TensorList sources, const at::Tensor& proj_weight, const at::Tensor& norm_weight,
+                              double eps, bool preserve_scale) {
+  bool wants_grad = false;
+  if (at::GradMode::is_enabled()) {
+    wants_grad = proj_weight.requires_grad() || norm_weight.requires_grad();
+    for (const auto& s : sources) wants_grad = wants_grad || s.requires_grad();
+  }
+  if (!wants_grad) {  // no graph to record: the kernel alone (a decoding step's budget is microseconds)
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return aggregate_op().call(sources, proj_weight, norm_weight, eps, preserve_scale);
+  }
+  return AggregateFunction::apply(sources, proj_weight, norm_weight, eps, preserve_scale);
+}
 
 }  // namespace attnres_cpu
 
@@ -1332,32 +1569,11 @@ class BorrowedSources {
   std::vector<at::Tensor> tensors_;
 };
 
-// Whether a call the dispatcher would send straight to the CPU kernel may go there itself: no gradient
-// recorded, no dispatch key included for this thread (a TorchDispatchMode, functorch's transforms), no
-// RecordFunction callback (the profiler records the dispatcher's calls), and tensors with a dense CPU
-// tensor's dispatch keys only (no subclass, wrapper, conjugate or negative bit). A decoding step's
-// aggregation then skips two passes through the dispatcher and the autograd kernel: their code, some
-// 150 lines, is out of cache at every block of a decoding step, after its weights streamed through.
-bool dispatches_to_kernel(const std::vector<at::Tensor>& sources, const at::Tensor& proj_weight,
-                          const at::Tensor& norm_weight) {
-  static const c10::DispatchKeySet dense_cpu =
-      c10::DispatchKeySet(c10::DispatchKey::CPU) |
-      c10::getAutogradRelatedKeySetFromBackend(c10::BackendComponent::CPUBit) |
-      c10::getAutocastRelatedKeySetFromBackend(c10::BackendComponent::CPUBit);
-  if (at::GradMode::is_enabled() ||
-      !(c10::impl::tls_local_dispatch_key_set().included_ - c10::default_included_set).empty() ||
-      at::getStepCallbacksUnlessEmpty(at::RecordScope::FUNCTION).has_value()) {
-    return false;
-  }
-  const auto plain = [](const at::Tensor& t) { return dense_cpu.isSupersetOf(t.key_set()); };
-  return plain(proj_weight) && plain(norm_weight) && std::all_of(sources.begin(), sources.end(), plain);
-}
-
 at::Tensor run_operator(const BorrowedSources& borrowed, const at::Tensor& proj_weight,
                         const at::Tensor& norm_weight, double eps, bool preserve_scale) {
   const std::vector<at::Tensor>& sources = borrowed.tensors();
   if (!sources.empty() && sources[0].numel() * static_cast<int64_t>(sources.size()) < kReleaseGilElements) {
-    if (dispatches_to_kernel(sources, proj_weight, norm_weight)) {
+    if (attnres_cpu::dispatches_to_kernel(sources, proj_weight, norm_weight)) {
       return attnres_cpu::aggregate(sources, proj_weight, norm_weight, eps, preserve_scale);
     }
     return attnres_cpu::aggregate_op().call(sources, proj_weight, norm_weight, eps, preserve_scale);
@@ -1634,6 +1850,12 @@ PyObject* python_take_grads(PyObject* self, PyObject* const* args, Py_ssize_t na
   END_HANDLE_TH_ERRORS
 }
 
+// deposit_counts(): (gradients deposited, sums written over in place) since the library was loaded.
+PyObject* python_deposit_counts(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  return Py_BuildValue("(LL)", static_cast<long long>(attnres_cpu::deposits_made.load()),
+                       static_cast<long long>(attnres_cpu::sums_written_over.load()));
+}
+
 // configure(hook_names, global_hooks): what run_site checks to be empty (attnres_fx/compat names them).
 PyObject* python_configure(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 2 || !PyTuple_Check(args[0]) || !PyTuple_Check(args[1])) {
@@ -1667,6 +1889,8 @@ PyMethodDef entry_methods[] = {
      "Gradients for a state's tensors, added to its holder."},
     {"take_grads", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(python_take_grads)), METH_FASTCALL,
      "The gradients a state's holder kept (count of them, None where none came), emptying it."},
+    {"deposit_counts", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(python_deposit_counts)),
+     METH_FASTCALL, "(gradients deposited, sums written over in place) so far: Note [gradient deposits]."},
     {"configure", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(python_configure)), METH_FASTCALL,
      "The hook attributes and global hook dicts run_site checks."},
     {nullptr, nullptr, 0, nullptr}};

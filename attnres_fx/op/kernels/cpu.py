@@ -57,12 +57,16 @@ class Entries:
     ``take_grads(holder, count)``: the stream's autograd edges as C++ nodes, for
     :mod:`attnres_fx.routing.state` (which says what they do); ``bundle`` and ``unbundle`` return ``None``
     where an argument is not a plain tensor. Not for TorchDynamo's traces (the caller checks).
+
+    ``deposit_counts()``: how many gradients the nodes have deposited, and how many sums a site's backward
+    kernel wrote over in place, since the library was loaded (Note [gradient deposits] in ``cpu.cpp``).
     """
     run_site = None
     bundle = None
     unbundle = None
     add_grads = None
     take_grads = None
+    deposit_counts = None
 
 
 def _run_site_traced(site_class, module, entered, sources):
@@ -80,6 +84,7 @@ def available() -> bool:
             _State.aggregate, Entries.run_site = library.aggregate, library.run_site
             Entries.bundle, Entries.unbundle = library.bundle, library.unbundle
             Entries.add_grads, Entries.take_grads = library.add_grads, library.take_grads
+            Entries.deposit_counts = library.deposit_counts
             _State.loaded = True
         except _Unavailable as err:
             _State.loaded, _State.reason = False, str(err)
