@@ -7,10 +7,12 @@ Numerical: the gradients equal those of the Python stream edges, which make no d
 fp32 (the same terms summed in the same order: what came from the following blocks, then each site's
 dL/dv as the backward reaches it). Structural: deposits are made, and sums written over in place, in a
 training step; none in a backward that runs only some of the nodes. Failures: a backward that stops
-half-way leaves nothing the next one picks up; a gradient someone else holds is not written over.
+half-way leaves nothing the next one picks up; two backwards of one graph at once each sum their own; a
+gradient someone else holds is not written over.
 """
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -102,8 +104,8 @@ def test_a_partial_backward_of_a_kept_graph_leaves_nothing_for_the_full_one():
 def test_a_backward_stopped_half_way_leaves_no_deposit_for_the_next():
     """An exception in the middle of a block's backward (here a hook on its attention's weight, after the
     block's bundle node and its MLP's site deposited, before its unbundle node took the deposits in): the
-    next backward of the same graph drops them (they belong to another graph task) and gets what a
-    backward that never failed gets."""
+    next backward of the same graph does not read them (the holder keeps deposits per graph task) and
+    gets what a backward that never failed gets."""
     model, ids = handwritten()
     full = grads(model, ids)
     failed = []
@@ -126,6 +128,31 @@ def test_a_backward_stopped_half_way_leaves_no_deposit_for_the_next():
     handle.remove()
     for name, p in model.named_parameters():
         assert torch.equal(p.grad, full[name]), name
+
+
+def test_two_backwards_of_one_graph_on_two_threads_each_take_in_their_own_deposits():
+    """Two threads run the backward of one kept graph at the same time: every gradient reaches the
+    parameters once per backward (twice a full backward's, to fp32 round-off of the two sums' order)."""
+    model, ids = handwritten()
+    full = grads(model, ids)
+    model.zero_grad(set_to_none=True)
+    loss = loss_of(model, ids)
+    barrier = threading.Barrier(2)
+    errors = []
+
+    def backward():
+        try:
+            barrier.wait()
+            loss.backward(retain_graph=True)
+        except Exception as err:      # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=backward) for _ in range(2)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert not errors
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, 2 * full[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_a_deposited_gradient_someone_else_holds_is_not_written_over():

@@ -1074,7 +1074,8 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> aggregate_backward_saved_meta(
 // RecordFunction callback (the profiler records the dispatcher's calls), and tensors with a dense CPU
 // tensor's dispatch keys only (no subclass, wrapper, conjugate or negative bit). A decoding step's
 // aggregation then skips two passes through the dispatcher and the autograd kernel: their code, some
-// 150 lines, is out of cache at every block of a decoding step, after its weights streamed through.
+// 150 lines, is out of cache at every block of a decoding step, after its weights streamed through. A
+// site's backward that deposits (Note [gradient deposits]) calls its kernel itself only where this holds.
 bool dispatches_to_kernel(const std::vector<at::Tensor>& sources, const at::Tensor& proj_weight,
                           const at::Tensor& norm_weight) {
   static const c10::DispatchKeySet dense_cpu =
@@ -1118,8 +1119,9 @@ bool dispatches_to_kernel(const std::vector<at::Tensor>& sources, const at::Tens
 //   - where no graph of the backward is recorded (create_graph=False): the sums are not differentiable;
 //   - for a site, where its kernel is what the dispatcher would call (dispatches_to_kernel: no dispatch
 //     mode or profiler sees the call otherwise).
-// A backward that stopped half-way (an exception) may leave deposits behind: the holder notes the backward
-// (graph task) they belong to, and another one drops them. What a backward runs and which it is come from
+// The holder keeps deposits per backward (graph task): one that stopped half-way (an exception) leaves its
+// own behind, which no other backward reads, and two backwards of one graph on two threads each take in
+// their own. What a backward runs and which it is come from
 // torch/csrc/autograd/graph_task.h (get_current_graph_task_exec_info, get_current_graph_task_id: the same
 // in torch 2.11 to 2.14).
 
@@ -1127,28 +1129,28 @@ bool dispatches_to_kernel(const std::vector<at::Tensor>& sources, const at::Tens
 // kept as they are), until the node of the block that made the state takes them; and the zeros an
 // unbundle node sent for a carrier nothing read, which that bundle node then drops. Shared by the state
 // (a capsule, attnres_fx/routing/state.py's StreamState.holder) and both nodes. `deposits`: what the
-// nodes reading an unbundle node's outputs deposited (Note [gradient deposits]) in backward
-// `deposits_of`, until that node takes them in with its other gradients (`add`).
+// nodes reading an unbundle node's outputs deposited (Note [gradient deposits]), per backward (graph task
+// id), until that backward's unbundle node takes them in with its other gradients (`add`).
 struct StateGrads : torch::CustomClassHolder {
   std::mutex lock;
   std::vector<at::Tensor> grads;
   at::Tensor unread;
-  std::vector<at::Tensor> deposits;
-  int deposits_of = -1;  // none (the graph task id outside a backward)
+  std::vector<std::pair<int, std::vector<at::Tensor>>> deposits;
 
   // grads[k] += incoming[first + k] where defined, with this backward's deposits.
   void add(const std::vector<at::Tensor>& incoming, size_t first) {
     const std::lock_guard<std::mutex> guard(lock);
     std::vector<at::Tensor> sums(incoming.begin() + static_cast<std::ptrdiff_t>(first), incoming.end());
-    if (!deposits.empty()) {
-      if (deposits_of == torch::autograd::get_current_graph_task_id()) {
-        if (sums.size() < deposits.size()) sums.resize(deposits.size());
-        for (size_t k = 0; k < deposits.size(); ++k) {
-          if (!deposits[k].defined()) continue;
-          sums[k] = sums[k].defined() ? deposits[k] + sums[k] : std::move(deposits[k]);
-        }
+    const int task = torch::autograd::get_current_graph_task_id();
+    const auto own = std::find_if(deposits.begin(), deposits.end(), [&](const auto& d) { return d.first == task; });
+    if (own != deposits.end()) {
+      std::vector<at::Tensor>& deposited = own->second;
+      if (sums.size() < deposited.size()) sums.resize(deposited.size());
+      for (size_t k = 0; k < deposited.size(); ++k) {
+        if (!deposited[k].defined()) continue;
+        sums[k] = sums[k].defined() ? deposited[k] + sums[k] : std::move(deposited[k]);
       }
-      deposits.clear();
+      deposits.erase(own);
     }
     if (grads.empty()) {
       grads = std::move(sums);
@@ -1161,19 +1163,20 @@ struct StateGrads : torch::CustomClassHolder {
     }
   }
 
-  // The deposit at `slot` so far in this backward, moved out (undefined where none), for the caller to add
-  // to and give back (`deposit`); deposits another backward left are dropped. Lock held.
-  at::Tensor withdraw(size_t slot) {
-    const int task = torch::autograd::get_current_graph_task_id();
-    if (deposits_of != task) {
-      deposits.clear();
-      deposits_of = task;
-    }
-    if (deposits.size() <= slot) deposits.resize(slot + 1);
-    return std::move(deposits[slot]);
-  }
+  // This backward's deposit at `slot` so far, moved out (undefined where none), for the caller to add to
+  // and give back (`deposit`). Lock held, for each of the two.
+  at::Tensor withdraw(size_t slot) { return std::move(this_backwards(slot)[slot]); }
 
-  void deposit(size_t slot, at::Tensor sum) { deposits[slot] = std::move(sum); }
+  void deposit(size_t slot, at::Tensor sum) { this_backwards(slot)[slot] = std::move(sum); }
+
+  // This backward's deposits, with room for `slot`.
+  std::vector<at::Tensor>& this_backwards(size_t slot) {
+    const int task = torch::autograd::get_current_graph_task_id();
+    auto own = std::find_if(deposits.begin(), deposits.end(), [&](const auto& d) { return d.first == task; });
+    if (own == deposits.end()) own = deposits.emplace(deposits.end(), task, std::vector<at::Tensor>());
+    if (own->second.size() <= slot) own->second.resize(slot + 1);
+    return own->second;
+  }
 
   std::vector<at::Tensor> take(size_t count) {
     const std::lock_guard<std::mutex> guard(lock);
@@ -1369,11 +1372,14 @@ class AggregateFunction : public torch::autograd::Function<AggregateFunction> {
     const bool preserve_scale = ctx->saved_data["preserve_scale"].toBool();
     std::vector<at::Tensor> grads;
     at::Tensor grad_query;
-    const auto deposits = deposits_now(ctx);
-    std::vector<at::Tensor> seen(saved);
-    seen.push_back(grad_outputs[0]);
-    seen.push_back(logits);
-    if (deposits && dispatches_to_kernel(seen, proj_weight, norm_weight)) {
+    auto deposits = deposits_now(ctx);
+    if (deposits) {
+      std::vector<at::Tensor> read(saved);
+      read.push_back(grad_outputs[0]);
+      read.push_back(logits);
+      if (!dispatches_to_kernel(read, proj_weight, norm_weight)) deposits.reset();
+    }
+    if (deposits) {
       // Each deposited source's dL/dv added to its sum so far by the kernel (Note [gradient deposits]).
       std::vector<at::Tensor> into(K);
       for (size_t k = 0; k < K; ++k) {
