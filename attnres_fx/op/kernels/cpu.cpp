@@ -1240,6 +1240,18 @@ class UnbundleFunction : public torch::autograd::Function<UnbundleFunction> {
 struct Deposits : torch::CustomClassHolder {
   std::vector<c10::intrusive_ptr<StateGrads>> holders;
   std::vector<size_t> slots;
+
+  // Input k's sum so far in this backward, moved out of its holder (undefined where none).
+  at::Tensor withdraw(size_t k) const {
+    const std::lock_guard<std::mutex> guard(holders[k]->lock);
+    return holders[k]->withdraw(slots[k]);
+  }
+
+  void deposit(size_t k, at::Tensor sum) const {
+    const std::lock_guard<std::mutex> guard(holders[k]->lock);
+    holders[k]->deposit(slots[k], std::move(sum));
+    ++deposits_made;
+  }
 };
 
 // The deposits for `inputs`, or null where none is an unbundle node's output of a state tensor. An output
@@ -1250,7 +1262,7 @@ c10::intrusive_ptr<Deposits> deposits_for(at::TensorList inputs) {
     const auto& fn = inputs[k].grad_fn();
     auto* node = dynamic_cast<torch::autograd::CppNode<UnbundleFunction>*>(fn.get());
     if (node == nullptr || inputs[k].output_nr() == 0) continue;  // output 0: the carrier
-    auto holder = c10::static_intrusive_pointer_cast<StateGrads>(node->ctx_.saved_data["grads"].toCapsule());
+    auto holder = holder_of(&node->ctx_);
     const size_t slot = inputs[k].output_nr() - 1;
     if (!found) {
       found = c10::make_intrusive<Deposits>();
@@ -1309,12 +1321,9 @@ class BundleFunction : public torch::autograd::Function<BundleFunction> {
     if (const auto deposits = deposits_now(ctx)) {
       for (size_t k = 0; k < taken.size(); ++k) {
         if (!deposits->holders[k] || !taken[k].defined()) continue;
-        StateGrads& to = *deposits->holders[k];
-        const std::lock_guard<std::mutex> guard(to.lock);
-        at::Tensor sum = to.withdraw(deposits->slots[k]);
-        to.deposit(deposits->slots[k], sum.defined() ? sum + taken[k] : std::move(taken[k]));
+        const at::Tensor sum = deposits->withdraw(k);
+        deposits->deposit(k, sum.defined() ? sum + taken[k] : std::move(taken[k]));
         taken[k] = at::Tensor();
-        ++deposits_made;
       }
     }
     torch::autograd::variable_list out;
@@ -1383,21 +1392,15 @@ class AggregateFunction : public torch::autograd::Function<AggregateFunction> {
       // Each deposited source's dL/dv added to its sum so far by the kernel (Note [gradient deposits]).
       std::vector<at::Tensor> into(K);
       for (size_t k = 0; k < K; ++k) {
-        if (!deposits->holders[k]) continue;
-        StateGrads& holder = *deposits->holders[k];
-        const std::lock_guard<std::mutex> guard(holder.lock);
-        into[k] = holder.withdraw(deposits->slots[k]);
+        if (deposits->holders[k]) into[k] = deposits->withdraw(k);
       }
       std::tie(grads, grad_query) = attnres_cpu::backward(grad_outputs[0], saved, logits, proj_weight, norm_weight,
                                                           eps, preserve_scale, &into);
-      into.clear();
+      into.clear();  // the sums written over are referenced by `grads` alone again
       for (size_t k = 0; k < K; ++k) {
         if (!deposits->holders[k]) continue;
-        StateGrads& holder = *deposits->holders[k];
-        const std::lock_guard<std::mutex> guard(holder.lock);
-        holder.deposit(deposits->slots[k], std::move(grads[k]));
+        deposits->deposit(k, std::move(grads[k]));
         grads[k] = at::Tensor();
-        ++deposits_made;
       }
     } else {
       std::tie(grads, grad_query) =
