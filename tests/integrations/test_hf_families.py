@@ -12,6 +12,8 @@ installed transformers lacks is skipped, naming them.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pytest
 import torch
 
@@ -24,39 +26,48 @@ EXACT = 1e-5
 LAYERS = 4
 SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4, vocab_size=256)
 
-# name: (config class, model class, config fields beside SIZES, residual positions per layer)
+
+class Family(NamedTuple):
+    config_class: str
+    model_class: str
+    fields: dict                # config fields beside SIZES
+    positions_per_layer: int    # residual positions a layer: 2 where the branches are added in turn, 1 together
+
+
 FAMILIES = {
     # sliding-window and global layers, norms before and after each sublayer, embeddings scaled by sqrt(hidden)
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
-               dict(num_key_value_heads=2, head_dim=16, sliding_window=8), 2),
+    "gemma3": Family("Gemma3TextConfig", "Gemma3ForCausalLM",
+                     dict(num_key_value_heads=2, head_dim=16, sliding_window=8), 2),
     # norms after each sublayer, none before
-    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(num_key_value_heads=2), 2),
+    "olmo2": Family("Olmo2Config", "Olmo2ForCausalLM", dict(num_key_value_heads=2), 2),
     # attention and MLP on one norm, added together
-    "cohere": ("CohereConfig", "CohereForCausalLM", dict(num_key_value_heads=2), 1),
-    "falcon": ("FalconConfig", "FalconForCausalLM", dict(new_decoder_architecture=True, num_kv_heads=2), 1),
+    "cohere": Family("CohereConfig", "CohereForCausalLM", dict(num_key_value_heads=2), 1),
+    "falcon": Family("FalconConfig", "FalconForCausalLM", dict(new_decoder_architecture=True, num_kv_heads=2), 1),
     # branch outputs scaled before the residual add
-    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(num_key_value_heads=2, residual_multiplier=0.5), 2),
+    "granite": Family("GraniteConfig", "GraniteForCausalLM", dict(num_key_value_heads=2, residual_multiplier=0.5), 2),
     # experts routed per token
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
-                dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2), 2),
+    "mixtral": Family("MixtralConfig", "MixtralForCausalLM",
+                      dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2), 2),
     # latent attention; a dense first layer, then experts
-    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
-                    dict(num_key_value_heads=4, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2,
-                         moe_intermediate_size=32, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
-                         qk_nope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1), 2),
+    "deepseek_v3": Family("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                          dict(num_key_value_heads=4, first_k_dense_replace=1, n_routed_experts=4,
+                               num_experts_per_tok=2, moe_intermediate_size=32, kv_lora_rank=16, q_lora_rank=32,
+                               qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1), 2),
     # LayerNorm with biases, learned positions
-    "opt": ("OPTConfig", "OPTForCausalLM", dict(ffn_dim=128, word_embed_proj_dim=64), 2),
+    "opt": Family("OPTConfig", "OPTForCausalLM", dict(ffn_dim=128, word_embed_proj_dim=64), 2),
 }
 
 
 def build(name: str):
-    transformers = pytest.importorskip("transformers")
-    config_class, model_class, fields, _ = FAMILIES[name]
-    missing = [c for c in (config_class, model_class) if not hasattr(transformers, c)]
+    import transformers
+
+    family = FAMILIES[name]
+    missing = [c for c in (family.config_class, family.model_class) if not hasattr(transformers, c)]
     if missing:
         pytest.skip(f"transformers {transformers.__version__} has no {', '.join(missing)}")
     torch.manual_seed(0)
-    return getattr(transformers, model_class)(getattr(transformers, config_class)(**{**SIZES, **fields})).eval()
+    config = getattr(transformers, family.config_class)(**{**SIZES, **family.fields})
+    return getattr(transformers, family.model_class)(config).eval()
 
 
 @needs_hf
@@ -70,7 +81,7 @@ def test_family_converts_exactly_and_decodes_and_trains(name):
     assert attnres_fx.attnresify(model, num_blocks=2, preserve_scale=True) is model
     found = attnres_fx.sites(model)
     assert [site.kind for site in found].count("final") == 1 and len(found) == 2 * LAYERS + 1
-    assert len({site.position for site in found if site.kind != "final"}) == FAMILIES[name][3] * LAYERS
+    assert len({site.position for site in found if site.kind != "final"}) == FAMILIES[name].positions_per_layer * LAYERS
     with torch.no_grad():
         assert relative_error(model(ids).logits, original) < EXACT
 
