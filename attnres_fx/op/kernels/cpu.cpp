@@ -138,37 +138,48 @@ inline float dot(const T* __restrict v, const float* __restrict q, int64_t D) {
 enum Sums { kLogits, kLogitsAndAlong, kAlong };
 
 // The sums of `What` over the rows of G sources at once: q (and g) loaded once per vector for all G rows,
-// and independent accumulator chains (two per source for g . v alone, so that a few sources still keep
-// the FMA units busy), where one row at a time waits on the latency of a single chain per sum. Source i's
-// sums go to dot[i * stride] (and so on). Every loop over the G rows is unrolled by the compiler's early
-// unroller (the pragmas), which lets it keep the accumulator arrays in registers: without them GCC 12
-// stored all eight accumulators to the stack at every step of the row loop, and those stores, not the
-// loads, set the speed of the forward's first look.
+// and two independent accumulator chains per sum, over the row's even and odd vectors, added at the end
+// (the order dot_and_square sums in, for a call of a few tokens). With one chain per sum the first look
+// waited on the FMAs' latency: a forward at 3 to 9 sources took 10-20% longer (at [2, 128, 256] and
+// [2, 128, 512] with the rows in cache, 2-10% with them in memory). Source i's sums go to
+// dot[i * stride] (and so on). Every loop over the G rows is unrolled by the compiler's early unroller
+// (the pragmas), which lets it keep the accumulator arrays in registers: without them GCC 12 stored all
+// eight accumulators to the stack at every step of the row loop, and those stores, not the loads, set the
+// speed of the forward's first look.
 template <typename T, int G, Sums What>
 inline void group_dots(const T* const* __restrict rows, const float* __restrict q, const float* __restrict g,
                        int64_t D, int64_t stride, float* __restrict dot, float* __restrict square,
                        float* __restrict along) {
   constexpr bool kLogit = What != kAlong, kAlong_ = What != kLogits;
-  Vec dots[G], squares[G], alongs[G], alongs2[G];
+  Vec dots[2][G], squares[2][G], alongs[2][G];
   #pragma GCC unroll 4
   for (int i = 0; i < G; ++i) {
-    dots[i] = Vec(0.f);
-    squares[i] = Vec(0.f);
-    alongs[i] = Vec(0.f);
-    alongs2[i] = Vec(0.f);
+    #pragma GCC unroll 2
+    for (int c = 0; c < 2; ++c) {
+      dots[c][i] = Vec(0.f);
+      squares[c][i] = Vec(0.f);
+      alongs[c][i] = Vec(0.f);
+    }
   }
   int64_t d = 0;
-  if constexpr (What == kAlong) {
-    for (; d + 2 * kLanes <= D; d += 2 * kLanes) {
-      const Vec gv = Vec::loadu(g + d), gv2 = Vec::loadu(g + d + kLanes);
+  for (; d + 2 * kLanes <= D; d += 2 * kLanes) {
+    #pragma GCC unroll 2
+    for (int c = 0; c < 2; ++c) {
+      Vec qv(0.f), gv(0.f);
+      if constexpr (kLogit) qv = Vec::loadu(q + d + c * kLanes);
+      if constexpr (kAlong_) gv = Vec::loadu(g + d + c * kLanes);
       #pragma GCC unroll 4
       for (int i = 0; i < G; ++i) {
-        alongs[i] = at::vec::fmadd(load_fp32(rows[i] + d), gv, alongs[i]);
-        alongs2[i] = at::vec::fmadd(load_fp32(rows[i] + d + kLanes), gv2, alongs2[i]);
+        const Vec x = load_fp32(rows[i] + d + c * kLanes);
+        if constexpr (kLogit) {
+          dots[c][i] = at::vec::fmadd(x, qv, dots[c][i]);
+          squares[c][i] = at::vec::fmadd(x, x, squares[c][i]);
+        }
+        if constexpr (kAlong_) alongs[c][i] = at::vec::fmadd(x, gv, alongs[c][i]);
       }
     }
   }
-  for (; d + kLanes <= D; d += kLanes) {
+  if (d + kLanes <= D) {
     Vec qv(0.f), gv(0.f);
     if constexpr (kLogit) qv = Vec::loadu(q + d);
     if constexpr (kAlong_) gv = Vec::loadu(g + d);
@@ -176,18 +187,19 @@ inline void group_dots(const T* const* __restrict rows, const float* __restrict 
     for (int i = 0; i < G; ++i) {
       const Vec x = load_fp32(rows[i] + d);
       if constexpr (kLogit) {
-        dots[i] = at::vec::fmadd(x, qv, dots[i]);
-        squares[i] = at::vec::fmadd(x, x, squares[i]);
+        dots[0][i] = at::vec::fmadd(x, qv, dots[0][i]);
+        squares[0][i] = at::vec::fmadd(x, x, squares[0][i]);
       }
-      if constexpr (kAlong_) alongs[i] = at::vec::fmadd(x, gv, alongs[i]);
+      if constexpr (kAlong_) alongs[0][i] = at::vec::fmadd(x, gv, alongs[0][i]);
     }
+    d += kLanes;
   }
   float dot_[G], square_[G], along_[G];
   #pragma GCC unroll 4
   for (int i = 0; i < G; ++i) {
-    dot_[i] = kLogit ? sum_lanes(dots[i]) : 0.f;
-    square_[i] = kLogit ? sum_lanes(squares[i]) : 0.f;
-    along_[i] = What == kAlong ? sum_lanes(alongs[i] + alongs2[i]) : kAlong_ ? sum_lanes(alongs[i]) : 0.f;
+    dot_[i] = kLogit ? sum_lanes(dots[0][i] + dots[1][i]) : 0.f;
+    square_[i] = kLogit ? sum_lanes(squares[0][i] + squares[1][i]) : 0.f;
+    along_[i] = kAlong_ ? sum_lanes(alongs[0][i] + alongs[1][i]) : 0.f;
   }
   for (; d < D; ++d) {
     #pragma GCC unroll 4
