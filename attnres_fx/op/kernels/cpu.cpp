@@ -137,34 +137,47 @@ inline float dot(const T* __restrict v, const float* __restrict q, int64_t D) {
 // backward that recomputes the logits), or g . v alone (a backward given the forward's logits).
 enum Sums { kLogits, kLogitsAndAlong, kAlong };
 
+// The vector registers of the build's instruction set: 32 with AVX-512, 16 with AVX2.
+constexpr int kVectorRegisters = kLanes >= 16 ? 32 : 16;
+
+// Accumulator chains per sum in group_dots: two where all of them and the vectors a step loads (q, g and
+// a row) fit the registers, else one.
+template <int G, Sums What>
+constexpr int chains_per_sum() {
+  constexpr int sums = What == kLogits ? 2 : What == kLogitsAndAlong ? 3 : 1;
+  return 2 * G * sums + 3 <= kVectorRegisters ? 2 : 1;
+}
+
 // The sums of `What` over the rows of G sources at once: q (and g) loaded once per vector for all G rows,
-// and two independent accumulator chains per sum, over the row's even and odd vectors, added at the end
-// (the order dot_and_square sums in, for a call of a few tokens). With one chain per sum the first look
-// waited on the FMAs' latency: a forward at 3 to 9 sources took 10-20% longer (at [2, 128, 256] and
-// [2, 128, 512] with the rows in cache, 2-10% with them in memory). Source i's sums go to
-// dot[i * stride] (and so on). Every loop over the G rows is unrolled by the compiler's early unroller
-// (the pragmas), which lets it keep the accumulator arrays in registers: without them GCC 12 stored all
-// eight accumulators to the stack at every step of the row loop, and those stores, not the loads, set the
-// speed of the forward's first look.
+// and two independent accumulator chains per sum where the registers hold them (chains_per_sum), over
+// the row's even and odd vectors, added at the end (the order dot_and_square sums in, for a call of a few
+// tokens). With one chain per sum the first look waited on the FMAs' latency: a forward at 3 to 9 sources
+// took 10-20% longer (AVX-512, at [2, 128, 256] and [2, 128, 512] with the rows in cache, 2-10% with them
+// in memory); with more chains than registers, AVX2 builds stored accumulators to the stack at every step.
+// Source i's sums go to dot[i * stride] (and so on). Every loop over the G rows is unrolled by the
+// compiler's early unroller (the pragmas), which lets it keep the accumulator arrays in registers: without
+// them GCC 12 stored all eight accumulators to the stack at every step of the row loop, and those stores,
+// not the loads, set the speed of the forward's first look.
 template <typename T, int G, Sums What>
 inline void group_dots(const T* const* __restrict rows, const float* __restrict q, const float* __restrict g,
                        int64_t D, int64_t stride, float* __restrict dot, float* __restrict square,
                        float* __restrict along) {
   constexpr bool kLogit = What != kAlong, kAlong_ = What != kLogits;
-  Vec dots[2][G], squares[2][G], alongs[2][G];
+  constexpr int C = chains_per_sum<G, What>();
+  Vec dots[C][G], squares[C][G], alongs[C][G];
   #pragma GCC unroll 4
   for (int i = 0; i < G; ++i) {
     #pragma GCC unroll 2
-    for (int c = 0; c < 2; ++c) {
+    for (int c = 0; c < C; ++c) {
       dots[c][i] = Vec(0.f);
       squares[c][i] = Vec(0.f);
       alongs[c][i] = Vec(0.f);
     }
   }
   int64_t d = 0;
-  for (; d + 2 * kLanes <= D; d += 2 * kLanes) {
+  for (; d + C * kLanes <= D; d += C * kLanes) {
     #pragma GCC unroll 2
-    for (int c = 0; c < 2; ++c) {
+    for (int c = 0; c < C; ++c) {
       Vec qv(0.f), gv(0.f);
       if constexpr (kLogit) qv = Vec::loadu(q + d + c * kLanes);
       if constexpr (kAlong_) gv = Vec::loadu(g + d + c * kLanes);
@@ -197,9 +210,14 @@ inline void group_dots(const T* const* __restrict rows, const float* __restrict 
   float dot_[G], square_[G], along_[G];
   #pragma GCC unroll 4
   for (int i = 0; i < G; ++i) {
-    dot_[i] = kLogit ? sum_lanes(dots[0][i] + dots[1][i]) : 0.f;
-    square_[i] = kLogit ? sum_lanes(squares[0][i] + squares[1][i]) : 0.f;
-    along_[i] = kAlong_ ? sum_lanes(alongs[0][i] + alongs[1][i]) : 0.f;
+    if constexpr (C == 2) {
+      dots[0][i] = dots[0][i] + dots[1][i];
+      squares[0][i] = squares[0][i] + squares[1][i];
+      alongs[0][i] = alongs[0][i] + alongs[1][i];
+    }
+    dot_[i] = kLogit ? sum_lanes(dots[0][i]) : 0.f;
+    square_[i] = kLogit ? sum_lanes(squares[0][i]) : 0.f;
+    along_[i] = kAlong_ ? sum_lanes(alongs[0][i]) : 0.f;
   }
   for (; d < D; ++d) {
     #pragma GCC unroll 4
