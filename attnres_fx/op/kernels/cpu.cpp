@@ -192,20 +192,23 @@ inline void group_dots(const T* const* __restrict rows, const float* __restrict 
       }
     }
   }
-  if (d + kLanes <= D) {
-    Vec qv(0.f), gv(0.f);
-    if constexpr (kLogit) qv = Vec::loadu(q + d);
-    if constexpr (kAlong_) gv = Vec::loadu(g + d);
-    #pragma GCC unroll 4
-    for (int i = 0; i < G; ++i) {
-      const Vec x = load_fp32(rows[i] + d);
-      if constexpr (kLogit) {
-        dots[0][i] = at::vec::fmadd(x, qv, dots[0][i]);
-        squares[0][i] = at::vec::fmadd(x, x, squares[0][i]);
+  // With two chains, a row of an odd number of vectors leaves one: it goes to the first chain.
+  if constexpr (C == 2) {
+    if (d + kLanes <= D) {
+      Vec qv(0.f), gv(0.f);
+      if constexpr (kLogit) qv = Vec::loadu(q + d);
+      if constexpr (kAlong_) gv = Vec::loadu(g + d);
+      #pragma GCC unroll 4
+      for (int i = 0; i < G; ++i) {
+        const Vec x = load_fp32(rows[i] + d);
+        if constexpr (kLogit) {
+          dots[0][i] = at::vec::fmadd(x, qv, dots[0][i]);
+          squares[0][i] = at::vec::fmadd(x, x, squares[0][i]);
+        }
+        if constexpr (kAlong_) alongs[0][i] = at::vec::fmadd(x, gv, alongs[0][i]);
       }
-      if constexpr (kAlong_) alongs[0][i] = at::vec::fmadd(x, gv, alongs[0][i]);
+      d += kLanes;
     }
-    d += kLanes;
   }
   float dot_[G], square_[G], along_[G];
   #pragma GCC unroll 4
