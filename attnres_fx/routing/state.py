@@ -290,14 +290,20 @@ def _recorded(carrier: torch.Tensor, tensors) -> bool:
     return False
 
 
+def _made_in_cpp(entry, state, carrier: torch.Tensor, tensors: tuple[torch.Tensor, ...]):
+    """What ``entry`` (``cpu.Entries.bundle`` or ``unbundle``: _Bundle or _Unbundle as a C++ node) returns for
+    this call; ``None`` where it takes none: no C++ library, a TorchDynamo trace, a tensor that is not plain."""
+    if entry is None or torch.compiler.is_compiling():
+        return None
+    return entry(state, carrier, tensors)
+
+
 def bundle(carrier: torch.Tensor, tensors: tuple[torch.Tensor, ...], grads_from: StreamState) -> torch.Tensor:
     """The carrier a block returns with its state's ``tensors`` (itself when no gradient is recorded):
     their gradients will be what the following blocks send back into ``grads_from``."""
-    entry = cpu.Entries.bundle
-    if entry is not None and not torch.compiler.is_compiling():
-        made = entry(grads_from, carrier, tensors)      # _Bundle as a C++ node, for plain tensors
-        if made is not None:
-            return made
+    made = _made_in_cpp(cpu.Entries.bundle, grads_from, carrier, tensors)
+    if made is not None:
+        return made
     if not _recorded(carrier, tensors):
         return carrier
     return _Bundle.apply(grads_from, carrier, *tensors)
@@ -307,11 +313,9 @@ def unbundle(state: StreamState, carrier: torch.Tensor) -> tuple[torch.Tensor, t
     """The carrier and the state's tensors as a block reads them (one autograd node when a gradient is
     recorded, see the module docstring)."""
     tensors = state.tensors
-    entry = cpu.Entries.unbundle
-    if entry is not None and not torch.compiler.is_compiling():
-        made = entry(state, carrier, tensors)           # _Unbundle as a C++ node, for plain tensors
-        if made is not None:
-            return made
+    made = _made_in_cpp(cpu.Entries.unbundle, state, carrier, tensors)
+    if made is not None:
+        return made
     if not _recorded(carrier, tensors):
         return carrier, tensors
     carrier, *tensors = _Unbundle.apply(state, carrier)

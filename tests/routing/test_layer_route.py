@@ -256,12 +256,16 @@ def test_a_carrier_under_autocast_adds_its_branch_outputs_one_at_a_time_as_the_o
         assert torch.equal(seen["out", index], expected), index
 
 
-class MidpointBlock(torch.nn.Module):
-    """A block that also returns its stream value between its two sites."""
+class Rewired(torch.nn.Module):
+    """A block of another class around ``block``'s sublayers (its forward written by the subclass)."""
 
     def __init__(self, block):
         super().__init__()
         self.ln1, self.attn, self.ln2, self.mlp = block.ln1, block.attn, block.ln2, block.mlp
+
+
+class MidpointBlock(Rewired):
+    """A block that also returns its stream value between its two sites."""
 
     def forward(self, x):
         h = x + self.attn(self.ln1(x))
@@ -904,11 +908,7 @@ class BlockOutput(dict):
     """A block result that is a dict subclass, as transformers' ``ModelOutput`` is."""
 
 
-class RecordBlock(torch.nn.Module):
-    def __init__(self, block):
-        super().__init__()
-        self.ln1, self.attn, self.ln2, self.mlp = block.ln1, block.attn, block.ln2, block.mlp
-
+class RecordBlock(Rewired):
     def forward(self, x):
         x = x + self.attn(self.ln1(x))
         return BlockOutput(hidden=x + self.mlp(self.ln2(x)))
