@@ -52,12 +52,14 @@ stats = Stats()
 class RouteStats:
     """The work one converted model's routes did, counted (``Conversion.stats``): block traces made, block
     graphs rewritten, TorchDynamo graphs rewritten (``captures``), cache entries dropped to stay within
-    ``trace_cache_size`` (``evictions``). What tests assert "zero re-traces" with."""
+    ``trace_cache_size`` (``evictions``), aggregations fused with the RMS norm that reads them in the block
+    graphs' eager code (``fused_norms``). What tests assert "zero re-traces" with."""
 
     traces: int = 0
     rewrites: int = 0
     captures: int = 0
     evictions: int = 0
+    fused_norms: int = 0
 
 
 @dataclass

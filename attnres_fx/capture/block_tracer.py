@@ -215,6 +215,18 @@ def trace_block(block: nn.Module, forward: Callable, args: tuple, kwargs: dict, 
                        result_types[0] if result_types else None)
 
 
+def module_graph(module: nn.Module) -> fx.Graph:
+    """The graph of ``module``'s own forward on one tensor, its children as leaves and its own parameters read
+    by ``get_attr`` of their names: traced as a block is (in this thread only, torch.fx's patches undone
+    however it ends). What :mod:`attnres_fx.passes.fuse_norms` matches a norm module on. Raises
+    :class:`~attnres_fx.TraceError`."""
+    graph = trace_block(module, type(module).forward, (torch.empty(0),), {}, frozenset(), None).graph_module.graph
+    prefix = BLOCK + "."
+    for node in graph.find_nodes(op="get_attr"):
+        node.target = node.target[len(prefix):] if node.target.startswith(prefix) else node.target
+    return graph
+
+
 def _inputs(value: Any, name: str, names: list[str], values: list) -> None:
     kind = type(value)
     if kind is tuple or kind is list:
@@ -332,7 +344,7 @@ def _relative_module_stacks(graph: fx.Graph) -> None:
                                             for key, (path, cls) in stack.items()}
 
 
-def _child_called(node: fx.Node) -> str | None:
+def called_child(node: fx.Node) -> str | None:
     """The name of the block's child that ``node`` calls directly (target ``block.attention``), else
     ``None`` (a path below a child, ``block.attn.q_proj``, is a read through the block)."""
     if node.op != "call_module":
@@ -350,7 +362,7 @@ def children_read(graph: fx.Graph) -> tuple[str, ...]:
             holder, _, name = node.target.partition(".")
             name = name if holder == CHILDREN and "." not in name else None
         else:
-            name = _child_called(node)
+            name = called_child(node)
         if name:
             names.append(name)
     return tuple(dict.fromkeys(names))
@@ -362,11 +374,11 @@ def compiled_forward(graph: fx.Graph, name: str) -> Callable:
     children the block calls directly are read through :data:`CHILDREN` (:func:`children_read`): a dict
     look-up where ``block.<name>`` would reach ``nn.Module.__getattr__`` only after CPython has raised
     and formatted an AttributeError, about a microsecond per call of a child."""
-    calls = {node: node.target for node in graph.find_nodes(op="call_module") if _child_called(node)}
+    calls = {node: node.target for node in graph.find_nodes(op="call_module") if called_child(node)}
     try:
         # The graph is left as it is (its targets are the graph module's paths): renamed for the code only.
         for node in calls:
-            node.target = f"{CHILDREN}.{_child_called(node)}"
+            node.target = f"{CHILDREN}.{called_child(node)}"
         code = graph.python_code(root_module="self")
     finally:
         for node, target in calls.items():

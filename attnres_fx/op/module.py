@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -180,3 +182,34 @@ def run_site(module: BlockAttnRes, entered, *sources: torch.Tensor) -> torch.Ten
             except RuntimeError:
                 pass
     return aggregate(proj, norm, listed, eps=module.eps, preserve_scale=module.preserve_scale)
+
+
+@dataclass(frozen=True)
+class FusedNorm:
+    """An RMS norm module as :func:`attnres_fx.passes.fuse_norms.match_rms_norm` matched it: its class and that
+    class's forward then, and the names of its weight parameter and its eps attribute (read at every call)."""
+
+    norm_class: type
+    forward: Callable
+    weight: str
+    eps: str
+
+
+def site_normed(fused: FusedNorm) -> Callable:
+    """``site_normed(module, norm, entered, *sources)``: ``norm(run_site(module, entered, *sources))``, as one
+    operator call (:mod:`attnres_fx.passes.fuse_norms`) where no gradient is recorded and ``norm`` is still the
+    module ``fused`` describes, without hooks, on fp32 CPU tensors (checked in C, :class:`cpu.Entries`)."""
+    norm_class, forward, weight, eps = fused.norm_class, fused.forward, fused.weight, fused.eps
+
+    def site_normed(module: BlockAttnRes, norm: nn.Module, entered, *sources: torch.Tensor) -> torch.Tensor:
+        entry = cpu.Entries.run_site_normed
+        if entry is None and (sources or entered)[0].is_cpu and not torch.compiler.is_dynamo_compiling() \
+                and cpu.loaded():
+            # The process's first aggregation on the CPU loads the kernel: this call fused as every later one.
+            entry = cpu.Entries.run_site_normed
+        if entry is not None:
+            result = entry(BlockAttnRes, module, entered, sources, norm, norm_class, forward, weight, eps)
+            if result is not None:
+                return result
+        return norm(run_site(module, entered, *sources))
+    return site_normed

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import fx, nn
 
-from ..op.module import BlockAttnRes, run_site
+from ..op.module import BlockAttnRes, FusedNorm, run_site
 from ..capture.block_tracer import (
     BLOCK,
     CHILDREN,
@@ -33,8 +33,10 @@ from ..capture.block_tracer import (
     CONSTANT_TYPES,
     CallShape,
     TracedBlock,
+    called_child,
     children_read,
     compiled_forward,
+    module_graph,
     trace_block,
 )
 from ..capture.tracers import copy_graph_module
@@ -42,6 +44,8 @@ from ..config import DEFAULT_TRACE_CACHE_SIZE
 from ..conversion import RouteStats
 from ..errors import TraceError
 from ..passes.detect import detect_residual_streams
+from ..passes.fuse_norms import fusable, fuse_site_norms, match_rms_norm
+from ..passes.matching import FailedMatch
 from ..passes.node_kinds import is_reshape
 from ..passes.pipeline import LayerTarget, rewrite_captured
 from ..passes.rewrite import Emitter, ModuleCalls, ParameterInputs, lift_attnres_weights
@@ -57,6 +61,8 @@ if TYPE_CHECKING:
 
 # In a rewritten block graph's meta: (forward, graph module) of its two-phase form.
 TWO_PHASE_FORWARD = "attnres_two_phase_forward"
+# What a module's own attributes may hold that its traced code bakes in as a constant.
+CONSTANT_VALUE_TYPES = (bool, int, float, str, type(None))
 
 
 class BlockVariant:
@@ -126,6 +132,9 @@ class TraceCache:
         self._entries: OrderedDict[tuple, Any] = OrderedDict()
         self._failed_once: OrderedDict[tuple, None] = OrderedDict()        # bounded as the entries
         self._lock = threading.Lock()
+        # Norm modules' matches (passes/fuse_norms.py), by what their graph depends on (_norm_match): read and
+        # made by rewrites, under the lock. One per kind of norm in the model.
+        self.norms: dict[tuple, FusedNorm | FailedMatch] = {}
 
     def get(self, key: tuple, make: Callable[[], Any]) -> Any:
         with self._lock:
@@ -156,6 +165,7 @@ class TraceCache:
         with self._lock:
             self._entries.clear()
             self._failed_once.clear()
+            self.norms.clear()
 
     def __len__(self) -> int:
         """How many block traces (not rewritten graphs) it holds."""
@@ -386,8 +396,49 @@ def rewritten_block(router: LayerRouter, traced: TracedBlock, shape: CallShape, 
                for site in router.own_sites}
         gm = rewrite_block(traced, router.conversion.plan, target, router.path, own, router.where)
         router.conversion.stats.rewrites += 1
-        return compiled_forward(gm.graph, f"{type(router.module).__name__} graph"), gm
+        return compiled_forward(eager_graph(gm, router.conversion.traces), f"{type(router.module).__name__} graph"), gm
     return router.conversion.traces.get(key, rewrite)
+
+
+def eager_graph(gm: fx.GraphModule, cache: TraceCache) -> fx.Graph:
+    """The graph a rewritten block graph's eager code is made from: a copy with each aggregation read by an RMS
+    norm alone fused with it (:mod:`attnres_fx.passes.fuse_norms`; counted in ``stats.fused_norms``), else
+    ``gm``'s own. ``gm`` stays in the per-site form its two-phase form and TorchDynamo's capture start from.
+    Called by a rewrite, under ``cache``'s lock."""
+    def match(module: nn.Module) -> FusedNorm | FailedMatch:
+        return _norm_match(cache, module)
+    if not fusable(gm, match):
+        return gm.graph
+    with compat.lazy_graph_modules():
+        fused = copy_graph_module(gm, type(gm).__name__)
+        cache.stats.fused_norms += fuse_site_norms(fused, _read_called_module, match)
+    return fused.graph
+
+
+def _norm_match(cache: TraceCache, module: nn.Module) -> FusedNorm | FailedMatch:
+    """:func:`match_rms_norm` of ``module``, kept in ``cache`` by its class, that class's forward and its own
+    constants (which its code may branch on: the graph a trace of it gives depends on nothing else)."""
+    key = (type(module), type(module).forward,
+           tuple((name, value) for name, value in vars(module).items() if type(value) in CONSTANT_VALUE_TYPES))
+    found = cache.norms.get(key)
+    if found is None:
+        try:
+            found = match_rms_norm(module, module_graph(module))
+        except TraceError as err:
+            found = FailedMatch(lambda err=err: f"its forward cannot be traced: {err}")
+        cache.norms[key] = found
+    return found
+
+
+def _read_called_module(graph: fx.Graph, call: fx.Node) -> fx.Node:
+    """A ``get_attr`` of the module ``call`` calls, as the block graph's code reads it: a child the block calls
+    directly through :data:`CHILDREN`, a module below one through the block."""
+    child = called_child(call)
+    target = f"{CHILDREN}.{child}" if child else str(call.target)
+    if child:
+        # On the graph module too, for the graph's checks (the code reads the block it is given).
+        graph.owning_module.add_submodule(target, graph.owning_module.get_submodule(str(call.target)))
+    return graph.get_attr(target)
 
 
 # -- TorchDynamo graphs --------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/SmallVector.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/extension.h>
 #include <torch/library.h>
@@ -333,6 +334,39 @@ inline std::pair<float, float> exponentiate(float* __restrict w, int64_t K) {
   return {top, total};
 }
 
+// The RMS norm a site's only reader applies to its result, done on each result row as it is stored
+// (aggregate_normed): row * rsqrt(mean(row^2) + eps) * weight in fp32, the row read back as stored, as the
+// norm module would read it. `weight` null: none.
+template <typename T>
+struct OutputNorm {
+  const T* weight = nullptr;
+  float eps = 0.f;
+};
+
+template <typename T>
+inline void normalise_row(T* __restrict row, const OutputNorm<T>& norm, int64_t D) {
+  Vec sq0(0.f), sq1(0.f);
+  int64_t d = 0;
+  for (; d + 2 * kLanes <= D; d += 2 * kLanes) {
+    const Vec x0 = load_fp32(row + d), x1 = load_fp32(row + d + kLanes);
+    sq0 = at::vec::fmadd(x0, x0, sq0);
+    sq1 = at::vec::fmadd(x1, x1, sq1);
+  }
+  for (; d + kLanes <= D; d += kLanes) {
+    const Vec x = load_fp32(row + d);
+    sq0 = at::vec::fmadd(x, x, sq0);
+  }
+  float square = sum_lanes(sq0 + sq1);
+  for (; d < D; ++d) square += static_cast<float>(row[d]) * static_cast<float>(row[d]);
+  const float scale = 1.f / std::sqrt(square / static_cast<float>(D) + norm.eps);
+  const Vec scale_v(scale);
+  d = 0;
+  for (; d + kLanes <= D; d += kLanes) store_fp32(row + d, load_fp32(row + d) * scale_v * load_fp32(norm.weight + d));
+  for (; d < D; ++d) {
+    row[d] = static_cast<T>(static_cast<float>(row[d]) * scale * static_cast<float>(norm.weight[d]));
+  }
+}
+
 // Tokens per tile of the aggregation's row loops: their per-token softmax runs on vectors across the
 // tile's tokens (a chain of scalar divisions, square roots and exponentials per token and source
 // otherwise: some 40 ns a token whatever the width). At most kTile tokens, and few enough that the
@@ -363,7 +397,8 @@ inline void save_logits(float* __restrict saved, const float* __restrict tile, i
 template <typename T>
 void aggregate_rows(const T* const* __restrict sources, int64_t K, const float* __restrict q, int64_t D, float eps,
                     float scale, T* __restrict out, const T** __restrict rows, float* __restrict stats,
-                    int64_t begin, int64_t end, float* __restrict saved = nullptr, int64_t T_total = 0) {
+                    int64_t begin, int64_t end, float* __restrict saved = nullptr, int64_t T_total = 0,
+                    const OutputNorm<T>& out_norm = {}) {
   float* logits = stats;              // [K][kTile]: q . v, then the weights
   float* squares = stats + K * kTile;  // [K][kTile]
   const int64_t tile = tile_tokens(K, D, sizeof(T));
@@ -393,7 +428,10 @@ void aggregate_rows(const T* const* __restrict sources, int64_t K, const float* 
       for (int64_t k = 0; k < K; ++k) (Vec::loadu(logits + k * kTile + i) * inverse).store(logits + k * kTile + i);
     }
     if (saved) save_logits(saved + K * T_total, squares, K, T_total, first, n);
-    for (int64_t i = 0; i < n; ++i) weighted_rows(rows + i * K, logits + i, K, D, out + (first + i) * D, kTile);
+    for (int64_t i = 0; i < n; ++i) {
+      weighted_rows(rows + i * K, logits + i, K, D, out + (first + i) * D, kTile);
+      if (out_norm.weight) normalise_row(out + (first + i) * D, out_norm, D);
+    }
   }
 }
 
@@ -404,7 +442,7 @@ void aggregate_rows(const T* const* __restrict sources, int64_t K, const float* 
 template <typename T>
 void aggregate_few_tokens(const T* const* __restrict sources, int64_t K, const T* __restrict proj,
                           const T* __restrict norm, int64_t D, float eps, float scale, T* __restrict out,
-                          int64_t tokens) {
+                          int64_t tokens, const OutputNorm<T>& out_norm = {}) {
   const T* rows[kFewTokensSources];
   float weights[kFewTokensSources];
   const Unfolded<T> query{proj, norm};
@@ -418,6 +456,7 @@ void aggregate_few_tokens(const T* const* __restrict sources, int64_t K, const T
     const float inverse = scale / exponentiate(weights, K).second;
     for (int64_t k = 0; k < K; ++k) weights[k] *= inverse;
     weighted_rows(rows, weights, K, D, out + t * D);
+    if (out_norm.weight) normalise_row(out + t * D, out_norm, D);
   }
 }
 
@@ -743,9 +782,16 @@ constexpr int64_t kInlineSources = 16;
 // allocations, made below the dispatcher; the query and the scratch live on the stack; contiguous sources
 // (every call the stream makes) are not copied. (at::parallel_for runs a chunk of work or less on this
 // thread at no measurable cost.)
+// With `out_norm_weight` (defined), each result row RMS-normalised as it is stored (normalise_row).
 std::tuple<at::Tensor, at::Tensor> forward(at::TensorList sources_in, const at::Tensor& proj_weight,
-                                           const at::Tensor& norm_weight, double eps, bool preserve_scale, bool save) {
+                                           const at::Tensor& norm_weight, double eps, bool preserve_scale, bool save,
+                                           const at::Tensor& out_norm_weight = at::Tensor(), double out_norm_eps = 0.0) {
   const Rows rows = check_sources(sources_in, "attnres::aggregate");
+  const bool normed = out_norm_weight.defined();
+  TORCH_CHECK(!normed || (out_norm_weight.numel() == rows.dim && out_norm_weight.is_contiguous() &&
+                          out_norm_weight.scalar_type() == sources_in[0].scalar_type()),
+              "attnres::aggregate_normed: out_norm_weight must be a contiguous [D] tensor of the sources' dtype, "
+              "got ", out_norm_weight.sizes());
   const bool dense =
       std::all_of(sources_in.begin(), sources_in.end(), [](const at::Tensor& s) { return s.is_contiguous(); });
   const std::vector<at::Tensor> copies = dense ? std::vector<at::Tensor>() : contiguous(sources_in);
@@ -760,8 +806,10 @@ std::tuple<at::Tensor, at::Tensor> forward(at::TensorList sources_in, const at::
     ATTNRES_DISPATCH(type, "attnres_aggregate_few_tokens", [&] {
       const scalar_t* pointers[kFewTokensSources];
       for (int64_t k = 0; k < K; ++k) pointers[k] = sources[k].const_data_ptr<scalar_t>();
+      const OutputNorm<scalar_t> out_norm{normed ? out_norm_weight.const_data_ptr<scalar_t>() : nullptr,
+                                          static_cast<float>(out_norm_eps)};
       aggregate_few_tokens(pointers, K, proj_weight.const_data_ptr<scalar_t>(), norm_weight.const_data_ptr<scalar_t>(),
-                           D, static_cast<float>(eps), scale, out.mutable_data_ptr<scalar_t>(), rows.count);
+                           D, static_cast<float>(eps), scale, out.mutable_data_ptr<scalar_t>(), rows.count, out_norm);
     });
     return {out, at::Tensor()};
   }
@@ -778,11 +826,13 @@ std::tuple<at::Tensor, at::Tensor> forward(at::TensorList sources_in, const at::
     const float* q = query.data();
     scalar_t* o = out.mutable_data_ptr<scalar_t>();
     float* kept = save ? saved.mutable_data_ptr<float>() : nullptr;
+    const OutputNorm<scalar_t> out_norm{normed ? out_norm_weight.const_data_ptr<scalar_t>() : nullptr,
+                                        static_cast<float>(out_norm_eps)};
     at::parallel_for(0, rows.count, grain(K * D), [&](int64_t begin, int64_t end) {
       c10::SmallVector<const scalar_t*, kInlineSources * kTile> rows_of_tile(kTile * K);
       c10::SmallVector<float, 2 * kInlineSources * kTile> stats(2 * K * kTile, 0.f);
       aggregate_rows(src, K, q, D, static_cast<float>(eps), scale, o, rows_of_tile.data(), stats.data(), begin,
-                     end, kept, rows.count);
+                     end, kept, rows.count, out_norm);
     });
   });
   return {out, saved};
@@ -797,6 +847,15 @@ std::tuple<at::Tensor, at::Tensor> aggregate_saving_logits(at::TensorList source
                                                            const at::Tensor& norm_weight, double eps,
                                                            bool preserve_scale) {
   return forward(sources, proj_weight, norm_weight, eps, preserve_scale, true);
+}
+
+// The aggregation and the RMS norm that alone reads its result, at once, for calls that record no gradient
+// (attnres_fx/passes/fuse_norms.py): rms_norm(aggregate(...), out_norm_weight, out_norm_eps). The norm reads
+// the result rows while they are in cache, and a decoding step makes one call where it made some seven.
+at::Tensor aggregate_normed(at::TensorList sources, const at::Tensor& proj_weight, const at::Tensor& norm_weight,
+                            double eps, bool preserve_scale, const at::Tensor& out_norm_weight, double out_norm_eps) {
+  return std::get<0>(forward(sources, proj_weight, norm_weight, eps, preserve_scale, false, out_norm_weight,
+                             out_norm_eps));
 }
 
 // Work counts for tests (deposit_counts, Note [gradient deposits]): gradients deposited, and sums a
@@ -1033,6 +1092,13 @@ const c10::TypedOperatorHandle<decltype(aggregate)>& aggregate_op() {
   return op;
 }
 
+const c10::TypedOperatorHandle<decltype(aggregate_normed)>& normed_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("attnres_cpu::aggregate_normed", "")
+                             .typed<decltype(aggregate_normed)>();
+  return op;
+}
+
 const c10::TypedOperatorHandle<decltype(aggregate_saving_logits)>& saving_op() {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("attnres_cpu::aggregate_saving_logits", "")
@@ -1086,6 +1152,13 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> aggregate_backward_meta(const at
   std::vector<at::Tensor> grads;
   for (const auto& s : sources) grads.push_back(at::empty_like(s));
   return {grads, at::empty_symint({sources[0].sym_sizes().back()}, sources[0].options().dtype(at::kFloat))};
+}
+
+at::Tensor aggregate_normed_meta(at::TensorList sources, const at::Tensor& proj_weight, const at::Tensor& norm_weight,
+                                 double eps, bool preserve_scale, const at::Tensor& out_norm_weight,
+                                 double out_norm_eps) {
+  check_meta_sources(sources, proj_weight, norm_weight, "attnres::aggregate_normed");
+  return at::empty_like(sources[0]);
 }
 
 std::tuple<at::Tensor, at::Tensor> aggregate_saving_logits_meta(at::TensorList sources, const at::Tensor& proj_weight,
@@ -1481,6 +1554,8 @@ TORCH_LIBRARY(attnres_cpu, m) {
         "bool preserve_scale) -> (Tensor, Tensor)");
   m.def("aggregate_backward_saved(Tensor grad, Tensor[] sources, Tensor saved, Tensor proj_weight, "
         "Tensor norm_weight, float eps, bool preserve_scale) -> (Tensor[], Tensor)");
+  m.def("aggregate_normed(Tensor[] sources, Tensor proj_weight, Tensor norm_weight, float eps, bool preserve_scale, "
+        "Tensor out_norm_weight, float out_norm_eps) -> Tensor");
   m.def("weight_grads(Tensor grad_query, Tensor proj_weight, Tensor norm_weight) -> (Tensor, Tensor)");
   m.def("phase1(Tensor[] blocks, Tensor[] proj_weights, Tensor[] norm_weights, float eps) -> (Tensor[], Tensor[], "
         "Tensor[])");
@@ -1492,6 +1567,7 @@ TORCH_LIBRARY_IMPL(attnres_cpu, CPU, m) {
   m.impl("aggregate", &attnres_cpu::aggregate);
   m.impl("aggregate_backward", &attnres_cpu::aggregate_backward);
   m.impl("aggregate_saving_logits", &attnres_cpu::aggregate_saving_logits);
+  m.impl("aggregate_normed", &attnres_cpu::aggregate_normed);
   m.impl("aggregate_backward_saved", &attnres_cpu::aggregate_backward_saved);
   m.impl("weight_grads", &attnres_cpu::weight_grads);
   m.impl("phase1", &attnres_cpu::phase1);
@@ -1500,12 +1576,15 @@ TORCH_LIBRARY_IMPL(attnres_cpu, CPU, m) {
 
 TORCH_LIBRARY_IMPL(attnres_cpu, Autograd, m) {
   m.impl("aggregate", &attnres_cpu::aggregate_autograd);
+  // No backward: a gradient asked of its result is an error, not a silent zero.
+  m.impl("aggregate_normed", torch::autograd::autogradNotImplementedFallback());
 }
 
 TORCH_LIBRARY_IMPL(attnres_cpu, Meta, m) {
   m.impl("aggregate", &attnres_cpu::aggregate_meta);
   m.impl("aggregate_backward", &attnres_cpu::aggregate_backward_meta);
   m.impl("aggregate_saving_logits", &attnres_cpu::aggregate_saving_logits_meta);
+  m.impl("aggregate_normed", &attnres_cpu::aggregate_normed_meta);
   m.impl("aggregate_backward_saved", &attnres_cpu::aggregate_backward_saved_meta);
   m.impl("weight_grads", &attnres_cpu::weight_grads_meta);
 }
@@ -1629,6 +1708,23 @@ at::Tensor run_operator(const BorrowedSources& borrowed, const at::Tensor& proj_
   return attnres_cpu::aggregate_op().call(owned, proj, norm, eps, preserve_scale);
 }
 
+// run_operator for attnres_cpu::aggregate_normed (called where no gradient is recorded).
+at::Tensor run_normed_operator(const BorrowedSources& borrowed, const at::Tensor& proj_weight,
+                               const at::Tensor& norm_weight, double eps, bool preserve_scale,
+                               const at::Tensor& out_weight, double out_eps) {
+  const std::vector<at::Tensor>& sources = borrowed.tensors();
+  if (sources[0].numel() * static_cast<int64_t>(sources.size()) < kReleaseGilElements) {
+    if (attnres_cpu::dispatches_to_kernel(sources, proj_weight, norm_weight)) {
+      return attnres_cpu::aggregate_normed(sources, proj_weight, norm_weight, eps, preserve_scale, out_weight, out_eps);
+    }
+    return attnres_cpu::normed_op().call(sources, proj_weight, norm_weight, eps, preserve_scale, out_weight, out_eps);
+  }
+  const std::vector<at::Tensor> owned(sources.begin(), sources.end());
+  const at::Tensor proj(proj_weight), norm(norm_weight), weight(out_weight);
+  ReleasedGil no_gil;
+  return attnres_cpu::normed_op().call(owned, proj, norm, eps, preserve_scale, weight, out_eps);
+}
+
 PyObject* python_aggregate(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   if (nargs != 5 || !PyList_Check(args[0]) || !THPVariable_Check(args[1]) || !THPVariable_Check(args[2]) ||
@@ -1676,48 +1772,128 @@ bool append_plain(PyObject* sequence, BorrowedSources& out, bool cpu_only) {
   return true;
 }
 
+// Whether a module's call runs nothing but its class's forward: no instance `forward`, no hook of its own
+// (the dicts `configure` named). `dict`: the module's instance dict.
+bool runs_plain_forward(const EntryState& names, PyObject* dict) {
+  if (PyDict_GetItemWithError(dict, names.forward) != nullptr) return false;
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(names.hook_names); ++i) {
+    if (!empty_dict(PyDict_GetItemWithError(dict, PyTuple_GET_ITEM(names.hook_names, i)))) return false;
+  }
+  return true;
+}
+
+// The module's instance dict, borrowed: the module keeps it alive for the rest of the call (the GIL is
+// held until the operator runs, and the values read from it are copied into tensors or doubles by then).
+PyObject* borrowed_dict(PyObject* module) {
+  PyObject* dict = PyObject_GenericGetDict(module, nullptr);
+  if (dict != nullptr) Py_DECREF(dict);
+  return dict;
+}
+
+// What run_site's C path takes of a site: its module's weights (borrowed), eps and preserve_scale; the
+// sources go to a BorrowedSources the caller holds.
+struct SiteOperands {
+  PyObject* proj = nullptr;
+  PyObject* norm = nullptr;
+  double eps = 0.0;
+  bool preserve_scale = false;
+};
+
+// Whether run_site's C path may aggregate `module`'s sources (`entered`, then `given`), filling `site` and
+// `sources`; false (with a Python error set only where reading an attribute raised) where it may not.
+bool site_operands(const EntryState& names, PyObject* site_class, PyObject* module, PyObject* entered,
+                   PyObject* given, SiteOperands& site, BorrowedSources& sources) {
+  if (names.hook_names == nullptr || reinterpret_cast<PyObject*>(Py_TYPE(module)) != site_class ||
+      at::impl::torch_function_mode_enabled()) {
+    return false;
+  }
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(names.global_hooks); ++i) {
+    if (PyDict_GET_SIZE(PyTuple_GET_ITEM(names.global_hooks, i)) != 0) return false;
+  }
+  PyObject* dict = borrowed_dict(module);
+  if (dict == nullptr || !runs_plain_forward(names, dict)) return false;
+  PyObject* children = PyDict_GetItemWithError(dict, names.modules);
+  PyObject* eps = PyDict_GetItemWithError(dict, names.eps);
+  PyObject* preserve_scale = PyDict_GetItemWithError(dict, names.preserve_scale);
+  if (children == nullptr || !PyDict_Check(children) || eps == nullptr || !PyFloat_Check(eps) ||
+      preserve_scale == nullptr || !PyBool_Check(preserve_scale)) {
+    return false;
+  }
+  site.proj = child_weight(names, children, names.proj);
+  site.norm = site.proj == nullptr ? nullptr : child_weight(names, children, names.norm);
+  site.eps = PyFloat_AS_DOUBLE(eps);
+  site.preserve_scale = preserve_scale == Py_True;
+  return site.norm != nullptr && append_plain(entered, sources, true) && append_plain(given, sources, true) &&
+         !sources.tensors().empty();
+}
+
 PyObject* python_run_site(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   if (nargs != 4) {
     PyErr_SetString(PyExc_TypeError, "run_site(site_class, module, entered, sources)");
     return nullptr;
   }
-  const EntryState& names = *entry_state(self);
-  PyObject* module = args[1];
-  if (names.hook_names == nullptr || reinterpret_cast<PyObject*>(Py_TYPE(module)) != args[0] ||
-      at::impl::torch_function_mode_enabled()) {
-    Py_RETURN_NONE;
-  }
-  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(names.global_hooks); ++i) {
-    if (PyDict_GET_SIZE(PyTuple_GET_ITEM(names.global_hooks, i)) != 0) Py_RETURN_NONE;
-  }
-  PyObject* dict = PyObject_GenericGetDict(module, nullptr);
-  if (dict == nullptr) return nullptr;
-  // The module keeps its dict alive for the rest of the call (the GIL is held until the operator runs,
-  // and the values read from it are copied into tensors or doubles by then).
-  Py_DECREF(dict);
-  if (PyDict_GetItemWithError(dict, names.forward) != nullptr) Py_RETURN_NONE;
-  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(names.hook_names); ++i) {
-    if (!empty_dict(PyDict_GetItemWithError(dict, PyTuple_GET_ITEM(names.hook_names, i)))) Py_RETURN_NONE;
-  }
-  PyObject* children = PyDict_GetItemWithError(dict, names.modules);
-  PyObject* eps = PyDict_GetItemWithError(dict, names.eps);
-  PyObject* preserve_scale = PyDict_GetItemWithError(dict, names.preserve_scale);
-  if (children == nullptr || !PyDict_Check(children) || eps == nullptr || !PyFloat_Check(eps) ||
-      preserve_scale == nullptr || !PyBool_Check(preserve_scale)) {
-    Py_RETURN_NONE;
-  }
-  PyObject* proj = child_weight(names, children, names.proj);
-  PyObject* norm = proj == nullptr ? nullptr : child_weight(names, children, names.norm);
-  if (PyErr_Occurred()) return nullptr;
+  SiteOperands site;
   BorrowedSources sources;
-  if (norm == nullptr || !append_plain(args[2], sources, true) || !append_plain(args[3], sources, true) ||
-      sources.tensors().empty()) {
+  if (!site_operands(*entry_state(self), args[0], args[1], args[2], args[3], site, sources)) {
+    if (PyErr_Occurred()) return nullptr;
     Py_RETURN_NONE;
   }
   try {
-    return THPVariable_Wrap(run_operator(sources, THPVariable_Unpack(proj), THPVariable_Unpack(norm),
-                                         PyFloat_AS_DOUBLE(eps), preserve_scale == Py_True));
+    return THPVariable_Wrap(run_operator(sources, THPVariable_Unpack(site.proj), THPVariable_Unpack(site.norm),
+                                         site.eps, site.preserve_scale));
+  } catch (const c10::Error&) {
+    Py_RETURN_NONE;  // sources the operator refuses (mixed shapes or dtypes): the Python path decides
+  }
+  END_HANDLE_TH_ERRORS
+}
+
+//   run_site_normed(site_class, module, entered, sources, norm, norm_class, norm_forward, weight_name, eps_name)
+//       attnres_fx/op/module.py's site_normed: norm(run_site(module, entered, *sources)) as one operator call
+//       (attnres_cpu::aggregate_normed) where no gradient is recorded, run_site's C path would run, `norm`
+//       is exactly `norm_class`, whose forward is still `norm_forward` (the RMS norm that was matched),
+//       without hooks or an instance forward, its parameter `weight_name` and its float attribute `eps_name`
+//       in place, and sources and weight are fp32 (where the fused norm rounds as the module does); else None.
+PyObject* python_run_site_normed(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (nargs != 9 || !PyUnicode_Check(args[7]) || !PyUnicode_Check(args[8])) {
+    PyErr_SetString(PyExc_TypeError, "run_site_normed(site_class, module, entered, sources, norm, norm_class, "
+                                     "norm_forward, weight_name: str, eps_name: str)");
+    return nullptr;
+  }
+  if (at::GradMode::is_enabled() || reinterpret_cast<PyObject*>(Py_TYPE(args[4])) != args[5]) Py_RETURN_NONE;
+  const EntryState& names = *entry_state(self);
+  SiteOperands site;
+  BorrowedSources sources;
+  if (!site_operands(names, args[0], args[1], args[2], args[3], site, sources)) {
+    if (PyErr_Occurred()) return nullptr;
+    Py_RETURN_NONE;
+  }
+  PyObject* dict = borrowed_dict(args[4]);
+  if (dict == nullptr || !runs_plain_forward(names, dict)) {
+    if (PyErr_Occurred()) return nullptr;
+    Py_RETURN_NONE;
+  }
+  PyObject* forward = PyObject_GetAttr(args[5], names.forward);
+  if (forward == nullptr) return nullptr;
+  Py_DECREF(forward);  // the class keeps it; only its identity is read
+  PyObject* parameters = PyDict_GetItemWithError(dict, names.parameters);
+  PyObject* weight = parameters != nullptr && PyDict_Check(parameters) ? PyDict_GetItemWithError(parameters, args[7])
+                                                                        : nullptr;
+  PyObject* eps = PyDict_GetItemWithError(dict, args[8]);
+  if (PyErr_Occurred()) return nullptr;
+  if (forward != args[6] || weight == nullptr || !plain_cpu_tensor(weight) || eps == nullptr || !PyFloat_Check(eps)) {
+    Py_RETURN_NONE;
+  }
+  const at::Tensor& out_weight = THPVariable_Unpack(weight);
+  const at::Tensor& first = sources.tensors()[0];
+  if (first.scalar_type() != at::kFloat || out_weight.scalar_type() != at::kFloat || !out_weight.is_contiguous() ||
+      first.dim() == 0 || out_weight.numel() != first.size(-1)) {
+    Py_RETURN_NONE;
+  }
+  try {
+    return THPVariable_Wrap(run_normed_operator(sources, THPVariable_Unpack(site.proj), THPVariable_Unpack(site.norm),
+                                                site.eps, site.preserve_scale, out_weight, PyFloat_AS_DOUBLE(eps)));
   } catch (const c10::Error&) {
     Py_RETURN_NONE;  // sources the operator refuses (mixed shapes or dtypes): the Python path decides
   }
@@ -1925,6 +2101,8 @@ PyMethodDef entry_methods[] = {
      "The operator attnres_cpu::aggregate through the dispatcher, for plain tensors."},
     {"run_site", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(python_run_site)), METH_FASTCALL,
      "The aggregation of a BlockAttnRes without hooks on plain CPU tensors, or None."},
+    {"run_site_normed", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(python_run_site_normed)),
+     METH_FASTCALL, "A site's aggregation and the RMS norm that alone reads it, as one call, or None."},
     {"bundle", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(python_bundle)), METH_FASTCALL,
      "attnres_fx/routing/state.py's bundle as a C++ autograd node, for plain tensors; else None."},
     {"unbundle", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(python_unbundle)), METH_FASTCALL,

@@ -53,6 +53,10 @@ class Entries:
     ``__torch_function__`` mode), in C; else ``None``, and the caller takes its Python path. TorchDynamo traces
     it as :func:`_run_site_traced`, which always returns ``None``: the Python path, whose plain ops Inductor fuses.
 
+    ``run_site_normed(site_class, module, entered, sources, norm, norm_class, norm_forward, weight_name,
+    eps_name)``: :func:`attnres_fx.op.module.site_normed`'s one operator call, where no gradient is recorded and
+    both modules would run as matched; else ``None`` (and under TorchDynamo, as ``run_site``).
+
     ``bundle(state, carrier, tensors)``, ``unbundle(state, carrier, tensors)``, ``add_grads(holder, grads)``,
     ``take_grads(holder, count)``: the stream's autograd edges as C++ nodes, for
     :mod:`attnres_fx.routing.state` (which says what they do); ``bundle`` and ``unbundle`` return ``None``
@@ -62,6 +66,7 @@ class Entries:
     kernel wrote over in place, since the library was loaded (Note [gradient deposits] in ``cpu.cpp``).
     """
     run_site = None
+    run_site_normed = None
     bundle = None
     unbundle = None
     add_grads = None
@@ -73,6 +78,11 @@ def _run_site_traced(site_class, module, entered, sources):
     return None
 
 
+def _run_site_normed_traced(site_class, module, entered, sources, norm, norm_class, norm_forward, weight_name,
+                            eps_name):
+    return None
+
+
 def available() -> bool:
     """Whether the C++ kernel is loaded: built (or loaded from the cache) at the first call; if that
     fails, False with one :class:`~attnres_fx.AttnResWarning` saying why."""
@@ -81,7 +91,10 @@ def available() -> bool:
             library = _load()
             library.configure(compat.MODULE_HOOK_ATTRIBUTES, compat.global_module_hook_dicts())
             torch.compiler.substitute_in_graph(library.run_site, skip_signature_check=True)(_run_site_traced)
+            torch.compiler.substitute_in_graph(library.run_site_normed,
+                                               skip_signature_check=True)(_run_site_normed_traced)
             _State.aggregate, Entries.run_site = library.aggregate, library.run_site
+            Entries.run_site_normed = library.run_site_normed
             Entries.bundle, Entries.unbundle = library.bundle, library.unbundle
             Entries.add_grads, Entries.take_grads = library.add_grads, library.take_grads
             Entries.deposit_counts = library.deposit_counts

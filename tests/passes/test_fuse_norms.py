@@ -1,0 +1,337 @@
+"""The fusion of a site's aggregation with the RMS norm that alone reads it (attnres_fx/passes/fuse_norms.py).
+
+Numerical: the fused call against ``norm(run_site(...))`` on the same inputs: the same aggregate, then the
+norm's mean of squares summed in another order and ``1 / sqrt`` for ``rsqrt``, a few units in the last
+place of fp32 (rtol 1e-5, atol 1e-6). A converted model's output without gradients (fused) against the
+same model's with gradients recorded (not fused): those differences carried through the layers, 1e-5
+relative with the pseudo-queries the conversion makes (zero) and with small random ones.
+Structural: which norms match, which calls the block code makes, the count in ``stats``.
+Failure: every call the fused entry must not take runs as before (gradients, hooks, a replaced norm, a
+replaced forward, an eps changed after conversion, bf16, subclasses).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+import attnres_fx
+from attnres_fx import routing
+from attnres_fx.checks import relative_error
+from attnres_fx.conversion import conversion_of
+from attnres_fx.op.kernels import cpu
+from attnres_fx.op.module import BlockAttnRes, run_site, site_normed
+from attnres_fx.capture.block_tracer import module_graph
+from attnres_fx.passes import fuse_norms
+from attnres_fx.testing import handwritten, randomise_pseudo_queries
+
+needs_cpu_kernel = pytest.mark.skipif(not cpu.available(), reason=f"the C++ kernel: {cpu.unavailable_reason()}")
+
+RTOL, ATOL = 1e-5, 1e-6
+
+
+class LlamaStyle(nn.Module):
+    """transformers' LlamaRMSNorm as written there: fp32 upcast, ``weight * x.to(input_dtype)``."""
+
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class Squared(nn.Module):
+    def __init__(self, dim, eps=1e-5):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(dim))
+        self.epsilon = eps
+
+    def forward(self, x):
+        return self.scale * (x * torch.rsqrt((x * x).mean(dim=-1, keepdim=True) + self.epsilon))
+
+
+class OnePlusWeight(nn.Module):
+    """Gemma's form: ``x * rsqrt(...) * (1 + weight)``: not the matched function."""
+
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
+
+
+class ConstantEps(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class HalfCast(LlamaStyle):
+    def forward(self, hidden_states):
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon)).to(torch.bfloat16)
+
+
+class OverDim0(handwritten.RMSNorm):
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(0, keepdim=True) + self.eps) * self.weight
+
+
+MATCHED = {
+    "hand-written": lambda d: handwritten.RMSNorm(d, 1e-5),
+    "llama style": lambda d: LlamaStyle(d),
+    "torch RMSNorm": lambda d: nn.RMSNorm(d, eps=1e-6),
+    "x * x, other names": lambda d: Squared(d),
+}
+UNMATCHED = {
+    "layer norm": (lambda d: nn.LayerNorm(d), "computes no RMS norm"),
+    "1 + weight": (lambda d: OnePlusWeight(d), "computes no RMS norm"),
+    "eps a constant": (lambda d: ConstantEps(d), "no float attribute"),
+    "no weight": (lambda d: nn.RMSNorm(d, eps=1e-6, elementwise_affine=False), "computes no RMS norm"),
+    "eps None": (lambda d: nn.RMSNorm(d), "computes no RMS norm"),
+    "bf16 cast": (lambda d: HalfCast(d), "computes no RMS norm"),
+    "over another dim": (lambda d: OverDim0(d, 1e-5), "computes no RMS norm"),
+}
+
+
+def matched(norm):
+    return fuse_norms.match_rms_norm(norm, module_graph(norm))
+
+
+def _randomised(norm):
+    with torch.no_grad():
+        for parameter in norm.parameters():
+            parameter.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(3))
+    return norm
+
+
+def _site(dim, preserve_scale=False):
+    module = BlockAttnRes(dim, preserve_scale=preserve_scale)
+    with torch.no_grad():
+        module.proj.weight.normal_(0, 1, generator=torch.Generator().manual_seed(1))
+    return module
+
+
+def _sources(shape, count):
+    generator = torch.Generator().manual_seed(count)
+    return [torch.randn(shape, generator=generator) for _ in range(count)]
+
+
+@pytest.mark.parametrize("name", MATCHED)
+def test_rms_norms_written_in_each_form_match(name):
+    norm = MATCHED[name](16)
+    match = matched(norm)
+    assert match, match.reason
+    assert match.norm_class is type(norm) and match.forward is type(norm).forward
+    assert isinstance(norm._parameters[match.weight], nn.Parameter) and type(getattr(norm, match.eps)) is float
+
+
+@pytest.mark.parametrize("name", UNMATCHED)
+def test_other_norms_do_not_match_and_say_why(name):
+    build, reason = UNMATCHED[name]
+    match = matched(build(16))
+    assert not match and reason in match.reason
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("name", MATCHED)
+@pytest.mark.parametrize("shape", [(1, 1, 64), (2, 37, 64), (3, 5, 100)], ids=["one token", "many", "odd width"])
+@pytest.mark.parametrize("preserve_scale", [False, True])
+def test_the_fused_call_is_the_norm_of_the_aggregate(name, shape, preserve_scale):
+    norm = _randomised(MATCHED[name](shape[-1]))
+    module = _site(shape[-1], preserve_scale)
+    entered, partial = _sources(shape, 3), torch.randn(shape)
+    fused = site_normed(matched(norm))
+    with torch.no_grad():
+        want = norm(run_site(module, entered, partial))
+        match = matched(norm)
+        got = cpu.Entries.run_site_normed(BlockAttnRes, module, entered, (partial,), norm, match.norm_class,
+                                          match.forward, match.weight, match.eps)
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(fused(module, norm, entered, partial), want, rtol=RTOL, atol=ATOL)
+
+
+def _declines(case, module, norm, sources):
+    """Set up ``case`` (undone on exit): a call the fused entry must leave to ``norm(run_site(...))``."""
+    stack = contextlib.ExitStack()
+    if case == "gradients":
+        stack.enter_context(torch.enable_grad())
+    elif case == "norm forward hook":
+        stack.callback(norm.register_forward_hook(lambda m, a, o: o * 2).remove)
+    elif case == "norm pre-hook":
+        stack.callback(norm.register_forward_pre_hook(lambda m, a: (a[0] * 3,)).remove)
+    elif case == "global hook":
+        stack.callback(nn.modules.module.register_module_forward_hook(lambda m, a, o: None).remove)
+    elif case == "site hook":
+        stack.callback(module.register_forward_hook(lambda m, a, o: o + 1).remove)
+    elif case == "instance forward":
+        norm.forward = lambda x: x
+        stack.callback(lambda: norm.__dict__.pop("forward"))
+    elif case == "class forward replaced":
+        original = type(norm).forward
+        type(norm).forward = lambda self, x: original(self, x) + 1
+        stack.callback(lambda: setattr(type(norm), "forward", original))
+    elif case == "bf16":
+        sources[:] = [s.bfloat16() for s in sources]
+    elif case == "tensor subclass":
+        sources[-1] = sources[-1].as_subclass(_Subclass)
+    return stack
+
+
+class _Subclass(torch.Tensor):
+    pass
+
+
+class _Norm(handwritten.RMSNorm):
+    pass
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("case", ["plain", "gradients", "norm forward hook", "norm pre-hook", "global hook",
+                                  "site hook", "instance forward", "class forward replaced", "bf16",
+                                  "tensor subclass", "another norm class", "eps changed"])
+def test_calls_the_fused_entry_cannot_take_run_as_the_two_modules_would(case):
+    norm = _randomised(_Norm(32, 1e-5))
+    match = matched(norm)
+    fused = site_normed(match)
+    module = _site(32)
+    sources = _sources((2, 3, 32), 4)
+    if case == "another norm class":
+        norm = _randomised(nn.LayerNorm(32))
+    if case == "eps changed":
+        norm.eps = 0.5
+    if case == "bf16":
+        module, norm = module.bfloat16(), norm.bfloat16()
+    with torch.no_grad(), _declines(case, module, norm, sources):
+        entered, rest = sources[:3], sources[3:]
+        entry = cpu.Entries.run_site_normed(BlockAttnRes, module, entered, tuple(rest), norm, match.norm_class,
+                                            match.forward, match.weight, match.eps)
+        assert (entry is None) == (case not in ("plain", "eps changed"))
+        want = norm(module(*entered, *rest))
+        got = fused(module, norm, entered, *rest)
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+        if case == "gradients":
+            assert got.requires_grad
+
+
+@needs_cpu_kernel
+def test_the_fused_operator_refuses_a_backward():
+    sources = [s.requires_grad_() for s in _sources((2, 3, 8), 2)]
+    module = _site(8)
+    out = torch.ops.attnres_cpu.aggregate_normed(sources, module.proj.weight, module.norm.weight, 1e-6, False,
+                                                 torch.ones(8), 1e-5)
+    with pytest.raises(RuntimeError, match="not implemented"):
+        out.sum().backward()
+
+
+def _handwritten(layers=4):
+    config = handwritten.HandwrittenConfig(dim=64, layers=layers, heads=2, vocab=97, max_batch=2, max_seq=32)
+    torch.manual_seed(0)
+    return handwritten.Transformer(config).eval()
+
+
+IDS = torch.randint(1, 97, (2, 7), generator=torch.Generator().manual_seed(0))
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("std", [0.0, 0.1])
+def test_a_converted_model_without_gradients_computes_what_it_does_with_them(std):
+    model = attnres_fx.attnresify(_handwritten(), (IDS,))
+    if std:
+        randomise_pseudo_queries(model, std=std)
+    stats = conversion_of(model).stats
+    with torch.no_grad():
+        fused = model(IDS, 0)
+        fused_step = model(IDS[:, :1], 7)
+    assert stats.fused_norms > 0
+    plain = model(IDS, 0)
+    plain_step = model(IDS[:, :1], 7)
+    assert plain.requires_grad
+    assert relative_error(fused, plain) < 1e-5 and relative_error(fused_step, plain_step) < 1e-5
+
+
+@needs_cpu_kernel
+def test_the_block_code_calls_the_fused_entry_where_a_norm_alone_reads_a_site():
+    """Each layer's two sites are read by its two norms alone (the stream's final one by the model's norm,
+    outside the blocks): the eager code fuses those; the per-site graph that the two-phase form and
+    TorchDynamo start from keeps its run_site calls."""
+    model = attnres_fx.attnresify(_handwritten(layers=4), (IDS,))
+    with torch.no_grad():
+        model(IDS, 0)
+    variants = [variant for router in routing.routers(model) if isinstance(router, routing.LayerRouter)
+                for routes in router._shapes.values() for variant in routes.variants.values()]
+    assert variants
+    for variant in variants:
+        names = variant.forward.__code__.co_names
+        assert sum(name.startswith("attnres_fx_op_module_site_normed") for name in names) == 2, names
+        assert len(variant.graph_module.graph.find_nodes(op="call_function", target=run_site)) >= 2
+    stats = conversion_of(model).stats
+    assert stats.fused_norms == 2 * stats.rewrites
+
+
+@needs_cpu_kernel
+def test_hooks_and_replacements_on_a_norm_after_conversion_are_honoured():
+    """The same model with gradients recorded (where nothing is fused) is the reference."""
+    model = randomise_pseudo_queries(attnres_fx.attnresify(_handwritten(), (IDS,)), std=0.1)
+
+    def both():
+        with torch.no_grad():
+            fused = model(IDS, 0)
+        return fused, model(IDS, 0)
+
+    both()
+    calls = []
+    handle = model.layers[1].attention_norm.register_forward_hook(lambda m, a, o: calls.append(1) or o * 2)
+    got, want = both()
+    handle.remove()
+    assert len(calls) == 2 and relative_error(got, want) < 1e-5
+    unhooked, _ = both()
+    assert relative_error(got, unhooked) > 1e-3, "the hook changed the result"
+    model.layers[1].ffn_norm = nn.LayerNorm(64)            # another norm in its place
+    got, want = both()
+    assert relative_error(got, want) < 1e-5 and relative_error(got, unhooked) > 1e-3
+    model.layers[2].attention_norm.eps = 0.25              # an eps changed after conversion
+    before = got
+    got, want = both()
+    assert relative_error(got, want) < 1e-5 and relative_error(got, before) > 1e-4
+
+
+@needs_cpu_kernel
+@pytest.mark.slow
+def test_the_first_call_of_a_process_fuses_as_every_later_one():
+    """The process's first aggregation loads the kernel (its entries are None before): that call is fused
+    too, so a server's first answer is bit for bit its later ones."""
+    code = textwrap.dedent("""
+        import torch, attnres_fx
+        from attnres_fx.testing import handwritten
+        from attnres_fx.conversion import conversion_of
+        torch.manual_seed(0)
+        config = handwritten.HandwrittenConfig(dim=64, layers=2, heads=2, vocab=97, max_batch=1, max_seq=16)
+        ids = torch.randint(1, 97, (1, 5))
+        model = attnres_fx.attnresify(handwritten.Transformer(config).eval(), (ids,))
+        from attnres_fx.op.kernels import cpu
+        assert cpu.Entries.run_site_normed is None
+        with torch.no_grad():
+            first, second = model(ids, 0), model(ids, 0)
+        print(torch.equal(first, second), conversion_of(model).stats.fused_norms > 0)
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert result.stdout.split() == ["True", "True"], result.stderr[-2000:]
