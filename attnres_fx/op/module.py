@@ -197,8 +197,9 @@ class FusedNorm:
 
 def site_normed(fused: FusedNorm) -> Callable:
     """``site_normed(module, norm, entered, *sources)``: ``norm(run_site(module, entered, *sources))``, as one
-    operator call (:mod:`attnres_fx.passes.fuse_norms`) where no gradient is recorded and ``norm`` is still the
-    module ``fused`` describes, without hooks, on fp32 CPU tensors (checked in C, :class:`cpu.Entries`)."""
+    operator call (:mod:`attnres_fx.passes.fuse_norms`; with gradients recorded, the aggregation's operator and
+    the norm's, one autograd node each) where ``norm`` is still the module ``fused`` describes, without hooks,
+    and the tensors are plain fp32 CPU ones (checked in C, :class:`cpu.Entries`)."""
     norm_class, forward, weight, eps = fused.norm_class, fused.forward, fused.weight, fused.eps
 
     def site_normed(module: BlockAttnRes, norm: nn.Module, entered, *sources: torch.Tensor) -> torch.Tensor:

@@ -1,13 +1,15 @@
 """The fusion of a site's aggregation with the RMS norm that alone reads it (attnres_fx/passes/fuse_norms.py).
 
-Numerical: the fused call against ``norm(run_site(...))`` on the same inputs: the same aggregate, then the
-norm's mean of squares summed in another order and ``1 / sqrt`` for ``rsqrt``, a few units in the last
-place of fp32 (rtol 1e-5, atol 1e-6). A converted model's output without gradients (fused) against the
-same model's with gradients recorded (not fused): those differences carried through the layers, 1e-5
-relative with the pseudo-queries the conversion makes (zero) and with small random ones.
+Numerical: the fused call against ``norm(run_site(...))`` on the same inputs, values and gradients: the same
+aggregate, then the norm's sums (mean of squares; the backward's ``u . x`` and the weight's gradient over
+rows) in another order and ``1 / sqrt`` for ``rsqrt``: a few units in the last place of fp32 (rtol 1e-5,
+atol 1e-6). A converted model's outputs and gradients against the same model's with a global forward hook
+registered (which every fused call declines): those differences carried through the layers, 1e-5 relative
+with the pseudo-queries the conversion makes (zero) and with small random ones.
 Structural: which norms match, which calls the block code makes, the count in ``stats``.
-Failure: every call the fused entry must not take runs as before (gradients, hooks, a replaced norm, a
-replaced forward, an eps changed after conversion, bf16, subclasses).
+Failure: every call the fused entry must not take runs as the two modules would (hooks, a replaced norm,
+a replaced forward, bf16, subclasses); an eps changed after conversion is read; a second derivative is an
+error, not a silent zero.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from torch import nn
 
 import attnres_fx
-from attnres_fx import routing
+from attnres_fx import models, routing
 from attnres_fx.checks import relative_error
 from attnres_fx.conversion import conversion_of
 from attnres_fx.op.kernels import cpu
@@ -100,6 +102,8 @@ MATCHED = {
     "llama style": lambda d: LlamaStyle(d),
     "torch RMSNorm": lambda d: nn.RMSNorm(d, eps=1e-6),
     "x * x, other names": lambda d: Squared(d),
+    "F.rms_norm, shape read off x": lambda d: models.FunctionalRMSNorm(d, 1e-5),
+    "upcast written out": lambda d: models.ManualRMSNorm(d, 1e-5),
 }
 UNMATCHED = {
     "layer norm": (lambda d: nn.LayerNorm(d), "computes no RMS norm"),
@@ -172,9 +176,7 @@ def test_the_fused_call_is_the_norm_of_the_aggregate(name, shape, preserve_scale
 def _declines(case, module, norm, sources):
     """Set up ``case`` (undone on exit): a call the fused entry must leave to ``norm(run_site(...))``."""
     stack = contextlib.ExitStack()
-    if case == "gradients":
-        stack.enter_context(torch.enable_grad())
-    elif case == "norm forward hook":
+    if case == "norm forward hook":
         stack.callback(norm.register_forward_hook(lambda m, a, o: o * 2).remove)
     elif case == "norm pre-hook":
         stack.callback(norm.register_forward_pre_hook(lambda m, a: (a[0] * 3,)).remove)
@@ -205,7 +207,7 @@ class _Norm(handwritten.RMSNorm):
 
 
 @needs_cpu_kernel
-@pytest.mark.parametrize("case", ["plain", "gradients", "norm forward hook", "norm pre-hook", "global hook",
+@pytest.mark.parametrize("case", ["plain", "norm forward hook", "norm pre-hook", "global hook",
                                   "site hook", "instance forward", "class forward replaced", "bf16",
                                   "tensor subclass", "another norm class", "eps changed"])
 def test_calls_the_fused_entry_cannot_take_run_as_the_two_modules_would(case):
@@ -228,8 +230,34 @@ def test_calls_the_fused_entry_cannot_take_run_as_the_two_modules_would(case):
         want = norm(module(*entered, *rest))
         got = fused(module, norm, entered, *rest)
         torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
-        if case == "gradients":
-            assert got.requires_grad
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("name", MATCHED)
+@pytest.mark.parametrize("shape", [(1, 1, 64), (2, 37, 64), (3, 5, 100)], ids=["one token", "many", "odd width"])
+def test_with_gradients_the_fused_call_gives_the_two_modules_gradients(name, shape):
+    norm = _randomised(MATCHED[name](shape[-1]))
+    module = _site(shape[-1])
+    fused = site_normed(matched(norm))
+    sources = [s.requires_grad_() for s in _sources(shape, 4)]
+    leaves = [*sources, module.proj.weight, module.norm.weight, *norm.parameters()]
+    grad = torch.randn(shape, generator=torch.Generator().manual_seed(5))
+    got = fused(module, norm, sources[:3], sources[3])
+    assert "RMSNormFunction" in got.grad_fn.name(), "the norm's C++ node"
+    got_grads = torch.autograd.grad(got, leaves, grad)
+    want = norm(module(*sources))
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    for got_grad, want_grad in zip(got_grads, torch.autograd.grad(want, leaves, grad)):
+        torch.testing.assert_close(got_grad, want_grad, rtol=RTOL, atol=1e-5)
+
+
+@needs_cpu_kernel
+def test_a_second_derivative_through_the_fused_norm_is_an_error():
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    out = torch.ops.attnres_cpu.rms_norm(x, torch.ones(8), 1e-5)
+    (grad,) = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="not implemented"):
+        grad.sum().backward()
 
 
 @needs_cpu_kernel
@@ -251,21 +279,44 @@ def _handwritten(layers=4):
 IDS = torch.randint(1, 97, (2, 7), generator=torch.Generator().manual_seed(0))
 
 
+@contextlib.contextmanager
+def nothing_fused():
+    """Within: every fused call declines (a global forward hook, which it leaves to the modules)."""
+    handle = nn.modules.module.register_module_forward_hook(lambda module, args, output: None)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 @needs_cpu_kernel
 @pytest.mark.parametrize("std", [0.0, 0.1])
-def test_a_converted_model_without_gradients_computes_what_it_does_with_them(std):
+def test_a_converted_model_computes_what_its_modules_compute(std):
+    """Outputs without gradients, and a training step's loss and gradients, fused against not."""
     model = attnres_fx.attnresify(_handwritten(), (IDS,))
     if std:
         randomise_pseudo_queries(model, std=std)
     stats = conversion_of(model).stats
     with torch.no_grad():
-        fused = model(IDS, 0)
-        fused_step = model(IDS[:, :1], 7)
+        fused = model(IDS, 0), model(IDS[:, :1], 7)
+        with nothing_fused():
+            plain = model(IDS, 0), model(IDS[:, :1], 7)
     assert stats.fused_norms > 0
-    plain = model(IDS, 0)
-    plain_step = model(IDS[:, :1], 7)
-    assert plain.requires_grad
-    assert relative_error(fused, plain) < 1e-5 and relative_error(fused_step, plain_step) < 1e-5
+    for got, want in zip(fused, plain):
+        assert relative_error(got, want) < 1e-5
+    model.train()
+    results = []
+    for context in (contextlib.nullcontext, nothing_fused):
+        model.zero_grad()
+        with context():
+            loss = model(IDS, 0).logsumexp(-1).mean()
+            loss.backward()
+        results.append((loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}))
+    (loss, grads), (plain_loss, plain_grads) = results
+    assert relative_error(loss, plain_loss) < 1e-5
+    for name, grad in grads.items():
+        assert relative_error(grad, plain_grads[name]) < 1e-4, name
+    assert all(grads[f"layers.{k}.attention_norm.weight"].abs().sum() > 0 for k in range(4))
 
 
 @needs_cpu_kernel
@@ -289,13 +340,14 @@ def test_the_block_code_calls_the_fused_entry_where_a_norm_alone_reads_a_site():
 
 @needs_cpu_kernel
 def test_hooks_and_replacements_on_a_norm_after_conversion_are_honoured():
-    """The same model with gradients recorded (where nothing is fused) is the reference."""
+    """The same model where nothing fuses is the reference."""
     model = randomise_pseudo_queries(attnres_fx.attnresify(_handwritten(), (IDS,)), std=0.1)
 
     def both():
         with torch.no_grad():
             fused = model(IDS, 0)
-        return fused, model(IDS, 0)
+            with nothing_fused():
+                return fused, model(IDS, 0)
 
     both()
     calls = []

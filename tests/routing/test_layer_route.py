@@ -751,7 +751,9 @@ def test_a_block_graph_reads_the_children_it_calls_without_module_getattr():
     whole.load_state_dict(converted.state_dict())
     for target in (converted, whole):
         target.layers[1].feed_forward = torch.nn.Sequential(target.layers[1].feed_forward, Scale(2.0))
-    torch.testing.assert_close(converted(ids), whole(ids), rtol=TIGHT, atol=TIGHT)
+    # 1e-5: the layer route's block code makes each site and the RMS norm that reads it one call
+    # (passes/fuse_norms.py), the model route's graph does not: the norm's fp32 sums in another order.
+    torch.testing.assert_close(converted(ids), whole(ids), rtol=1e-5, atol=1e-5)
 
 
 class Scale(torch.nn.Module):
