@@ -1,23 +1,25 @@
 """A site's aggregation and the RMS norm that alone reads its result, made one call: the layer route's eager
-block code, for calls that record no gradient.
+block code.
 
 Once a pre-norm block's residual adds are rewritten, what a site aggregates is read by the sublayer's norm
 alone (``attention_norm(run_site(...))``). Where that norm module computes ``x * rsqrt(mean(x ** 2, -1) +
 eps) * weight`` (matched on the module's own fx graph: :func:`match_rms_norm`), the two calls become one
-:func:`~attnres_fx.op.module.site_normed` call, which the C++ kernel runs as one operator: each result row
-is normalised while it is still in cache, and a decoding step makes one call where the norm alone made
-some six (pow, mean, add, rsqrt and two products). Where it cannot take the call when it runs (gradients
-recorded, hooks on either module, another module put in the norm's place, its class's forward replaced,
-not fp32, a tensor subclass, TorchDynamo tracing), the call is ``norm(run_site(...))`` as before.
+:func:`~attnres_fx.op.module.site_normed` call. Without gradients the C++ kernel runs both as one operator:
+each result row is normalised while it is still in cache, and a decoding step makes one call where the
+norm alone made some six (pow, mean, add, rsqrt and two products). With gradients the aggregation's node
+is followed by one C++ node for the norm (``attnres_cpu::rms_norm``: one pass per row forward and one
+backward, where the module's ops make some six and ten). Where it cannot take the call when it runs
+(hooks on either module, another module put in the norm's place, its class's forward replaced, not fp32,
+a tensor subclass, TorchDynamo tracing), the call is ``norm(run_site(...))`` as before.
 
 Contract
     requires  a rewritten block graph whose aggregations are :func:`~attnres_fx.op.module.run_site` calls.
     ensures   each ``run_site`` call read only by a ``call_module`` of a matched RMS norm (its one argument)
               is replaced, with that call, by one ``site_normed`` call taking the site's module, the norm
               module (read by ``read_module``) and the site's sources; the graph lints.
-    modifies  the graph, in place. ``preserves_computation``: the result equals the norm of the
-              aggregate up to fp32 rounding (the mean of squares summed in another order, ``1 / sqrt``
-              for ``rsqrt``: a few units in the last place, about 1e-6 relative).
+    modifies  the graph, in place. ``preserves_computation``: the result and its gradients equal the
+              two modules' up to fp32 rounding (the norm's sums in another order, ``1 / sqrt`` for
+              ``rsqrt``: a few units in the last place, about 1e-6 relative).
 """
 
 from __future__ import annotations
