@@ -32,26 +32,11 @@ from attnres_fx.op.module import BlockAttnRes, run_site, site_normed
 from attnres_fx.capture.block_tracer import module_graph
 from attnres_fx.passes import fuse_norms
 from attnres_fx.testing import handwritten, randomise_pseudo_queries
+from hf_models import needs_hf
 
 needs_cpu_kernel = pytest.mark.skipif(not cpu.available(), reason=f"the C++ kernel: {cpu.unavailable_reason()}")
 
 RTOL, ATOL = 1e-5, 1e-6
-
-
-class LlamaStyle(nn.Module):
-    """transformers' LlamaRMSNorm as written there: fp32 upcast, ``weight * x.to(input_dtype)``."""
-
-    def __init__(self, dim, eps=1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.variance_epsilon = eps
-
-    def forward(self, hidden_states):
-        input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * hidden_states.to(input_dtype)
 
 
 class Squared(nn.Module):
@@ -64,32 +49,24 @@ class Squared(nn.Module):
         return self.scale * (x * torch.rsqrt((x * x).mean(dim=-1, keepdim=True) + self.epsilon))
 
 
-class OnePlusWeight(nn.Module):
+class OnePlusWeight(models.ScaledNorm):
     """Gemma's form: ``x * rsqrt(...) * (1 + weight)``: not the matched function."""
-
-    def __init__(self, dim, eps=1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
 
     def forward(self, x):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
 
 
-class ConstantEps(nn.Module):
-    def __init__(self, dim):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+class ConstantEps(models.ScaledNorm):
+    """Its eps a literal, not the attribute (which holds another value)."""
 
     def forward(self, x):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
 
 
-class HalfCast(LlamaStyle):
-    def forward(self, hidden_states):
-        hidden_states = hidden_states.to(torch.float32)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon)).to(torch.bfloat16)
+class HalfCast(models.ManualRMSNorm):
+    def forward(self, x):
+        x = x.to(torch.float32)
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).to(torch.bfloat16)
 
 
 class OverDim0(handwritten.RMSNorm):
@@ -99,7 +76,6 @@ class OverDim0(handwritten.RMSNorm):
 
 MATCHED = {
     "hand-written": lambda d: handwritten.RMSNorm(d, 1e-5),
-    "llama style": lambda d: LlamaStyle(d),
     "torch RMSNorm": lambda d: nn.RMSNorm(d, eps=1e-6),
     "x * x, other names": lambda d: Squared(d),
     "F.rms_norm, shape read off x": lambda d: models.FunctionalRMSNorm(d, 1e-5),
@@ -107,11 +83,11 @@ MATCHED = {
 }
 UNMATCHED = {
     "layer norm": (lambda d: nn.LayerNorm(d), "computes no RMS norm"),
-    "1 + weight": (lambda d: OnePlusWeight(d), "computes no RMS norm"),
-    "eps a constant": (lambda d: ConstantEps(d), "no float attribute"),
+    "1 + weight": (lambda d: OnePlusWeight(d, 1e-6), "computes no RMS norm"),
+    "eps a constant": (lambda d: ConstantEps(d, 0.5), "no float attribute"),
     "no weight": (lambda d: nn.RMSNorm(d, eps=1e-6, elementwise_affine=False), "computes no RMS norm"),
     "eps None": (lambda d: nn.RMSNorm(d), "computes no RMS norm"),
-    "bf16 cast": (lambda d: HalfCast(d), "computes no RMS norm"),
+    "bf16 cast": (lambda d: HalfCast(d, 1e-6), "computes no RMS norm"),
     "over another dim": (lambda d: OverDim0(d, 1e-5), "computes no RMS norm"),
 }
 
@@ -146,6 +122,21 @@ def test_rms_norms_written_in_each_form_match(name):
     assert match, match.reason
     assert match.norm_class is type(norm) and match.forward is type(norm).forward
     assert isinstance(norm._parameters[match.weight], nn.Parameter) and type(getattr(norm, match.eps)) is float
+
+
+@needs_hf
+def test_transformers_rms_norms_match():
+    """transformers' own (Llama's, which Qwen, Mistral and others copy): fp32 upcast, eps as
+    ``variance_epsilon``, ``weight * x.to(input_dtype)``."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    norm = _randomised(LlamaRMSNorm(16, eps=1e-6))
+    match = matched(norm)
+    assert match and (match.weight, match.eps) == ("weight", "variance_epsilon")
+    module, entered, partial = _site(16), _sources((2, 5, 16), 3), torch.randn(2, 5, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(site_normed(match)(module, norm, entered, partial),
+                                   norm(run_site(module, entered, partial)), rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.parametrize("name", UNMATCHED)
