@@ -61,8 +61,6 @@ if TYPE_CHECKING:
 
 # In a rewritten block graph's meta: (forward, graph module) of its two-phase form.
 TWO_PHASE_FORWARD = "attnres_two_phase_forward"
-# What a module's own attributes may hold that its traced code bakes in as a constant.
-CONSTANT_VALUE_TYPES = (bool, int, float, str, type(None))
 
 
 class BlockVariant:
@@ -416,10 +414,9 @@ def eager_graph(gm: fx.GraphModule, cache: TraceCache) -> fx.Graph:
 
 
 def _norm_match(cache: TraceCache, module: nn.Module) -> FusedNorm | FailedMatch:
-    """:func:`match_rms_norm` of ``module``, kept in ``cache`` by its class, that class's forward and its own
-    constants (which its code may branch on: the graph a trace of it gives depends on nothing else)."""
-    key = (type(module), type(module).forward,
-           tuple((name, value) for name, value in vars(module).items() if type(value) in CONSTANT_VALUE_TYPES))
+    """:func:`match_rms_norm` of ``module``, kept in ``cache`` by its class, that class's forward, its mode and
+    its own constants (:func:`_constants`, which its code may branch on, as a block kind's)."""
+    key = (type(module), type(module).forward, module.training, _constants(module))
     found = cache.norms.get(key)
     if found is None:
         try:
