@@ -9,8 +9,9 @@ each result row is normalised while it is still in cache, and a decoding step ma
 norm alone made some six (pow, mean, add, rsqrt and two products). With gradients the aggregation's node
 is followed by one C++ node for the norm (``attnres_cpu::rms_norm``: one pass per row forward and one
 backward, where the module's ops make some six and ten). Where it cannot take the call when it runs
-(hooks on either module, another module put in the norm's place, its class's forward replaced, not fp32,
-a tensor subclass, TorchDynamo tracing), the call is ``norm(run_site(...))`` as before.
+(hooks on either module, another module put in the norm's place, its class's forward replaced, a constant
+of the norm other than its eps changed (the blocks of one kind share their code, whatever their norms'
+constants), not fp32, a tensor subclass, TorchDynamo tracing), the call is ``norm(run_site(...))`` as before.
 
 Contract
     requires  a rewritten block graph whose aggregations are :func:`~attnres_fx.op.module.run_site` calls.
@@ -101,7 +102,9 @@ def match_rms_norm(module: nn.Module, graph: fx.Graph) -> FusedNorm | FailedMatc
         return FailedMatch(lambda: f"its eps ({eps!r}) is no float attribute of its own")
     # The attribute named like an epsilon where several hold the value.
     name = next((name for name in names if "eps" in name.lower()), names[0])
-    return FusedNorm(type(module), type(module).forward, weight_node.target, name)
+    constants = tuple((key, value) for key, value in vars(module).items()
+                      if key != name and type(value) in (bool, int, float, str, type(None)))
+    return FusedNorm(type(module), type(module).forward, weight_node.target, name, constants)
 
 
 def _rms_norm_call(result: fx.Node, x: fx.Node) -> tuple[fx.Node, float] | None:

@@ -184,15 +184,21 @@ def run_site(module: BlockAttnRes, entered, *sources: torch.Tensor) -> torch.Ten
     return aggregate(proj, norm, listed, eps=module.eps, preserve_scale=module.preserve_scale)
 
 
+_ABSENT = object()
+
+
 @dataclass(frozen=True)
 class FusedNorm:
     """An RMS norm module as :func:`attnres_fx.passes.fuse_norms.match_rms_norm` matched it: its class and that
-    class's forward then, and the names of its weight parameter and its eps attribute (read at every call)."""
+    class's forward then, the names of its weight parameter and its eps attribute (read at every call), and
+    its other constants (name, value), which its code may branch on: a module of the class with other values
+    (a block graph is shared by the blocks of one kind, their norms' constants aside) is not fused."""
 
     norm_class: type
     forward: Callable
     weight: str
     eps: str
+    constants: tuple = ()
 
 
 def site_normed(fused: FusedNorm) -> Callable:
@@ -200,7 +206,8 @@ def site_normed(fused: FusedNorm) -> Callable:
     operator call (:mod:`attnres_fx.passes.fuse_norms`; with gradients recorded, the aggregation's operator and
     the norm's, one autograd node each) where ``norm`` is still the module ``fused`` describes, without hooks,
     and the tensors are plain fp32 CPU ones (checked in C, :class:`cpu.Entries`)."""
-    norm_class, forward, weight, eps = fused.norm_class, fused.forward, fused.weight, fused.eps
+    norm_class, forward, weight, eps, constants = fused.norm_class, fused.forward, fused.weight, fused.eps, \
+        fused.constants
 
     def site_normed(module: BlockAttnRes, norm: nn.Module, entered, *sources: torch.Tensor) -> torch.Tensor:
         entry = cpu.Entries.run_site_normed
@@ -208,7 +215,8 @@ def site_normed(fused: FusedNorm) -> Callable:
                 and cpu.loaded():
             # The process's first aggregation on the CPU loads the kernel: this call fused as every later one.
             entry = cpu.Entries.run_site_normed
-        if entry is not None:
+        attributes = norm.__dict__
+        if entry is not None and all(attributes.get(name, _ABSENT) == value for name, value in constants):
             result = entry(BlockAttnRes, module, entered, sources, norm, norm_class, forward, weight, eps)
             if result is not None:
                 return result

@@ -122,6 +122,7 @@ def test_rms_norms_written_in_each_form_match(name):
     assert match, match.reason
     assert match.norm_class is type(norm) and match.forward is type(norm).forward
     assert isinstance(norm._parameters[match.weight], nn.Parameter) and type(getattr(norm, match.eps)) is float
+    assert ("training", norm.training) in match.constants and match.eps not in dict(match.constants)
 
 
 @needs_hf
@@ -378,3 +379,31 @@ def test_the_first_call_of_a_process_fuses_as_every_later_one():
     """)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert result.stdout.split() == ["True", "True"], result.stderr[-2000:]
+
+
+class Offset(models.ScaledNorm):
+    """Gemma's offset as an option: with ``offset`` the weight is ``1 + weight``."""
+
+    def __init__(self, dim, eps, offset):
+        super().__init__(dim, eps)
+        self.offset = offset
+
+    def forward(self, x):
+        weight = 1.0 + self.weight if self.offset else self.weight
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * weight
+
+
+@needs_cpu_kernel
+def test_norms_of_one_class_with_other_constants_in_blocks_of_one_kind_are_each_computed_as_written():
+    """Blocks of one kind share their graphs whatever their norms' constants: a norm whose constant makes
+    it another function than the one matched (here every other layer's offset) is not fused."""
+    model = _handwritten()
+    for index, layer in enumerate(model.layers):
+        layer.attention_norm = _randomised(Offset(64, 1e-5, offset=index % 2 == 1))
+    with torch.no_grad():
+        want = model(IDS, 0)
+    converted = attnres_fx.attnresify(model, (IDS,), preserve_scale=True)
+    with torch.no_grad():
+        got = converted(IDS, 0)
+    assert conversion_of(converted).stats.fused_norms > 0
+    assert relative_error(got, want) < 1e-5
