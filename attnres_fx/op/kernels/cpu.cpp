@@ -1196,59 +1196,23 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_in, 
 }
 
 // The operators through the dispatcher (below autograd, under the guards the callers set): whatever
-// implements them for the tensors' device, and whatever dispatch modes are active, see the calls.
-const c10::TypedOperatorHandle<decltype(aggregate)>& aggregate_op() {
+// implements them for the tensors' device, and whatever dispatch modes are active, see the calls. Each
+// operator's handle is found once; `Kernel`, its CPU implementation here, gives the handle its type.
+template <auto& Kernel>
+const auto& dispatched(const char* name) {
   static const auto op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("attnres_cpu::aggregate", "").typed<decltype(aggregate)>();
+      c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<std::remove_reference_t<decltype(Kernel)>>();
   return op;
 }
 
-const c10::TypedOperatorHandle<decltype(aggregate_normed)>& normed_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("attnres_cpu::aggregate_normed", "")
-                             .typed<decltype(aggregate_normed)>();
-  return op;
-}
-
-const c10::TypedOperatorHandle<decltype(rms_norm)>& rms_norm_op() {
-  static const auto op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("attnres_cpu::rms_norm", "").typed<decltype(rms_norm)>();
-  return op;
-}
-
-const c10::TypedOperatorHandle<decltype(rms_norm_saving)>& rms_norm_saving_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("attnres_cpu::rms_norm_saving", "")
-                             .typed<decltype(rms_norm_saving)>();
-  return op;
-}
-
-const c10::TypedOperatorHandle<decltype(rms_norm_backward)>& rms_norm_backward_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("attnres_cpu::rms_norm_backward", "")
-                             .typed<decltype(rms_norm_backward)>();
-  return op;
-}
-
-const c10::TypedOperatorHandle<decltype(aggregate_saving_logits)>& saving_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("attnres_cpu::aggregate_saving_logits", "")
-                             .typed<decltype(aggregate_saving_logits)>();
-  return op;
-}
-
-const c10::TypedOperatorHandle<decltype(aggregate_backward_saved)>& backward_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("attnres_cpu::aggregate_backward_saved", "")
-                             .typed<decltype(aggregate_backward_saved)>();
-  return op;
-}
-
-const c10::TypedOperatorHandle<decltype(weight_grads)>& weight_grads_op() {
-  static const auto op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("attnres_cpu::weight_grads", "").typed<decltype(weight_grads)>();
-  return op;
-}
+const auto& aggregate_op() { return dispatched<aggregate>("attnres_cpu::aggregate"); }
+const auto& normed_op() { return dispatched<aggregate_normed>("attnres_cpu::aggregate_normed"); }
+const auto& saving_op() { return dispatched<aggregate_saving_logits>("attnres_cpu::aggregate_saving_logits"); }
+const auto& backward_op() { return dispatched<aggregate_backward_saved>("attnres_cpu::aggregate_backward_saved"); }
+const auto& weight_grads_op() { return dispatched<weight_grads>("attnres_cpu::weight_grads"); }
+const auto& rms_norm_op() { return dispatched<rms_norm>("attnres_cpu::rms_norm"); }
+const auto& rms_norm_saving_op() { return dispatched<rms_norm_saving>("attnres_cpu::rms_norm_saving"); }
+const auto& rms_norm_backward_op() { return dispatched<rms_norm_backward>("attnres_cpu::rms_norm_backward"); }
 
 // Shapes only, for fake tensors (torch.library.opcheck, FakeTensorMode), symbolic sizes included: the
 // checks of check_sources on sym_sizes.
