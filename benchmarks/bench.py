@@ -1232,8 +1232,9 @@ def routes_markdown(results: dict) -> list[str]:
         lines += [f"## A Llama written by hand, default route ({mid['model']}; deep narrow: {deep['model']}; batch "
                   f"{hand['batch']})", "",
                   f"One thread, timed in its CPU time; each side {hand['copies']} copies of its model (the same "
-                  "weights elsewhere in memory), their times averaged per round. Cells: median ms (ratio to the "
-                  "original, median / minimum); decoding: tokens/s (batch 1, greedy, a new start_pos each step).", "",
+                  f"weights elsewhere in memory), their times averaged per round; {hand['rounds']} rounds. Cells: "
+                  "median ms (ratio to the original, median / minimum); decoding: tokens/s (batch 1, greedy, a new "
+                  "start_pos each step).", "",
                   *_head("measure", "original", "converted")]
         for title, entries in (("eager forward", mid["forward"]), ("eager training step", mid["train"]),
                                ("eager training step, deep narrow", deep["train"]), ("decode, eager", mid["decode"])):

@@ -111,6 +111,9 @@ HANDWRITTEN_QUICK = {"mid": dict(dim=32, layers=2, heads=2, vocab=128),
                      "deep": dict(dim=32, layers=4, heads=2, vocab=128)}
 # How many copies of each side the hand-written rows time (see handwritten_section).
 PLACEMENTS = 3
+# The hand-written rows take this many times the bench's rounds: their ratios lie within 1-5% of 1, and
+# the medians of 15 rounds moved by 1-2% from run to run on an idle machine, as much as the targets' margins.
+ROUND_FACTOR = 3
 
 
 def handwritten_section(quick: bool, runs: int, warmup: int, summarise, progress) -> dict:
@@ -120,11 +123,13 @@ def handwritten_section(quick: bool, runs: int, warmup: int, summarise, progress
     median, divided by the layers). All on one thread, timed in its CPU time: other work on a shared
     machine does not inflate it (wall time on two threads did, tenfold). Each side is timed as
     :data:`PLACEMENTS` copies of its model, their times averaged per round (:func:`attnres_fx.timing.pooled`):
-    identical copies of the original decode up to some 6% apart, by where their weights lie."""
+    identical copies of the original decode up to some 6% apart, by where their weights lie. The rows take
+    :data:`ROUND_FACTOR` times ``runs`` rounds."""
     from attnres_fx.testing.handwritten import HandwrittenConfig, Transformer
 
     batch, length, new_tokens = (2, 16, 4) if quick else (2, 128, 32)
-    result: dict = {"batch": f"{batch} x {length}", "copies": PLACEMENTS}
+    runs *= ROUND_FACTOR
+    result: dict = {"batch": f"{batch} x {length}", "copies": PLACEMENTS, "rounds": runs}
     for name, fields in (HANDWRITTEN_QUICK if quick else HANDWRITTEN).items():
         config = HandwrittenConfig(**fields, max_batch=batch, max_seq=length + new_tokens)
         torch.manual_seed(0)
