@@ -1861,6 +1861,15 @@ at::Tensor run_normed_operator(const BorrowedSources& borrowed, const at::Tensor
   return attnres_cpu::normed_op().call(owned, proj, norm, eps, preserve_scale, weight, out_eps);
 }
 
+// attnres_cpu::rms_norm on a site's result (whose node records the norm's gradient), the GIL released as
+// run_operator releases it.
+at::Tensor run_norm_operator(const at::Tensor& x, const at::Tensor& borrowed_weight, double eps) {
+  if (x.numel() < kReleaseGilElements) return attnres_cpu::rms_norm_op().call(x, borrowed_weight, eps);
+  const at::Tensor weight(borrowed_weight);  // owned: another thread may replace the module's parameter meanwhile
+  ReleasedGil no_gil;
+  return attnres_cpu::rms_norm_op().call(x, weight, eps);
+}
+
 PyObject* python_aggregate(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   if (nargs != 5 || !PyList_Check(args[0]) || !THPVariable_Check(args[1]) || !THPVariable_Check(args[2]) ||
@@ -2033,7 +2042,7 @@ PyObject* python_run_site_normed(PyObject* self, PyObject* const* args, Py_ssize
       // Gradients recorded: the aggregation's node, then the norm's (each a C++ autograd node).
       const at::Tensor aggregate = run_operator(sources, THPVariable_Unpack(site.proj), THPVariable_Unpack(site.norm),
                                                 site.eps, site.preserve_scale);
-      return THPVariable_Wrap(attnres_cpu::rms_norm_op().call(aggregate, out_weight, PyFloat_AS_DOUBLE(eps)));
+      return THPVariable_Wrap(run_norm_operator(aggregate, out_weight, PyFloat_AS_DOUBLE(eps)));
     }
     return THPVariable_Wrap(run_normed_operator(sources, THPVariable_Unpack(site.proj), THPVariable_Unpack(site.norm),
                                                 site.eps, site.preserve_scale, out_weight, PyFloat_AS_DOUBLE(eps)));
