@@ -31,6 +31,7 @@ from collections.abc import Callable
 import torch
 from torch import fx, nn
 
+from attnres_fx.capture.block_tracer import module_constants
 from attnres_fx.op.module import FusedNorm, run_site, site_normed
 
 from .matching import FailedMatch
@@ -102,8 +103,8 @@ def match_rms_norm(module: nn.Module, graph: fx.Graph) -> FusedNorm | FailedMatc
         return FailedMatch(lambda: f"its eps ({eps!r}) is no float attribute of its own")
     # The attribute named like an epsilon where several hold the value.
     name = next((name for name in names if "eps" in name.lower()), names[0])
-    constants = tuple((key, value) for key, value in vars(module).items()
-                      if key != name and type(value) in (bool, int, float, str, type(None)))
+    constants = (("training", module.training),
+                 *((key, value) for key, _, value in module_constants(module) if key != name))
     return FusedNorm(type(module), type(module).forward, weight_node.target, name, constants)
 
 

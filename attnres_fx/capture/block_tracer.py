@@ -56,6 +56,14 @@ CHILDREN = "attnres_children"
 RANDOM_DRAWS = frozenset({torch.rand, torch.randn, torch.randint, torch.randperm, torch.normal})
 
 
+def module_constants(module: nn.Module) -> tuple:
+    """``(name, type, value)`` of each of ``module``'s own public attributes a trace of its code would bake in
+    (:data:`CONSTANT_TYPES`, hashable), by name; its mode (``training``) aside."""
+    return tuple(sorted(((name, type(value), value) for name, value in module.__dict__.items()
+                         if not name.startswith("_") and name != "training" and isinstance(value, CONSTANT_TYPES)
+                         and _hashable(value)), key=lambda item: item[0]))
+
+
 class _Tensor:
     """Marks a tensor in a call shape."""
 

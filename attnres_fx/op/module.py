@@ -206,8 +206,8 @@ def site_normed(fused: FusedNorm) -> Callable:
     operator call (:mod:`attnres_fx.passes.fuse_norms`; with gradients recorded, the aggregation's operator and
     the norm's, one autograd node each) where ``norm`` is still the module ``fused`` describes, without hooks,
     and the tensors are plain fp32 CPU ones (checked in C, :class:`cpu.Entries`)."""
-    norm_class, forward, weight, eps, constants = fused.norm_class, fused.forward, fused.weight, fused.eps, \
-        fused.constants
+    norm_class, forward, weight, eps = fused.norm_class, fused.forward, fused.weight, fused.eps
+    constants = fused.constants
 
     def site_normed(module: BlockAttnRes, norm: nn.Module, entered, *sources: torch.Tensor) -> torch.Tensor:
         entry = cpu.Entries.run_site_normed

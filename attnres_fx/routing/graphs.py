@@ -30,12 +30,12 @@ from ..capture.block_tracer import (
     CHILDREN,
     FINAL,
     Bound,
-    CONSTANT_TYPES,
     CallShape,
     TracedBlock,
     called_child,
     children_read,
     compiled_forward,
+    module_constants,
     module_graph,
     trace_block,
 )
@@ -202,27 +202,14 @@ def kind_of(module: nn.Module, forward: Callable, opened: frozenset[str]) -> tup
     opened children's classes) and the constants that code may read from its modules (their plain
     attributes: a trace bakes them in)."""
     traced = [("", module), *((path, module.get_submodule(path)) for path in sorted(opened))]
-    return (forward, opened, tuple((path, type(m), _constants(m)) for path, m in traced))
+    return (forward, opened, tuple((path, type(m), module_constants(m)) for path, m in traced))
 
 
 def watched_constants(modules) -> tuple:
     """Per module whose code a trace holds: its attribute dict, that dict's size and the constants
     :func:`kind_of` read from it, to tell a change by identity at each call."""
-    return tuple((m.__dict__, len(m.__dict__), tuple((name, value) for name, _, value in _constants(m)))
+    return tuple((m.__dict__, len(m.__dict__), tuple((name, value) for name, _, value in module_constants(m)))
                  for m in modules)
-
-
-def _constants(module: nn.Module) -> tuple:
-    items = []
-    for name, value in module.__dict__.items():
-        if name.startswith("_") or name == "training" or not isinstance(value, CONSTANT_TYPES):
-            continue
-        try:
-            hash(value)
-        except TypeError:
-            continue
-        items.append((name, type(value), value))
-    return tuple(sorted(items, key=lambda item: item[0]))
 
 
 def trace(router: LayerRouter, args: tuple, kwargs: dict, shape: CallShape, baked: tuple | None = None) -> TracedBlock:
@@ -415,8 +402,8 @@ def eager_graph(gm: fx.GraphModule, cache: TraceCache) -> fx.Graph:
 
 def _norm_match(cache: TraceCache, module: nn.Module) -> FusedNorm | FailedMatch:
     """:func:`match_rms_norm` of ``module``, kept in ``cache`` by its class, that class's forward, its mode and
-    its own constants (:func:`_constants`, which its code may branch on, as a block kind's)."""
-    key = (type(module), type(module).forward, module.training, _constants(module))
+    its own constants (:func:`module_constants`, which its code may branch on, as a block kind's)."""
+    key = (type(module), type(module).forward, module.training, module_constants(module))
     found = cache.norms.get(key)
     if found is None:
         try:
