@@ -46,7 +46,8 @@ Sections:
    two kernels called directly) against a copy that reads and writes as many bytes as forward and
    backward together (3K + 2 stream tensors for K sources), at [2, 128, 512] and [1, 1, 2048].
 7c. ``deep_train``: the eager training step of the ``deep`` shape (d=128, 24 layers, where the
-   aggregations are the largest share of the work), original and converted.
+   aggregations are the largest share of the work), original and converted, three copies a side (as
+   the hand-written rows).
 
 ``query_sizes``, ``deep_train`` and, on the CPU, ``op_train`` run torch on one thread and time each call
 in that thread's CPU time: on a machine shared with other work, wall time with two threads inflated a
@@ -86,7 +87,7 @@ from torch import nn
 import attnres_fx
 from attnres_fx.models import TinyConfig, TinyTransformer, example_ids
 from attnres_fx.passes.two_phase import phase1, phase2
-from attnres_fx.timing import interleaved, paired_ratios, single_thread
+from attnres_fx.timing import interleaved, paired_ratios, pooled, single_thread
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import routes  # noqa: E402 - the routes' own sections, beside this script
@@ -363,16 +364,22 @@ def train_step(model: nn.Module, ids: torch.Tensor, targets: torch.Tensor, compi
 
 def deep_train_section(settings: Settings) -> dict:
     """The eager training step of the deep, narrow shape, original and converted, interleaved on one
-    thread, in that thread's CPU time (module docstring)."""
+    thread, in that thread's CPU time (module docstring). As the hand-written rows (``routes``): each side
+    timed as :data:`routes.PLACEMENTS` copies averaged per round, :data:`routes.ROUND_FACTOR` times the
+    bench's rounds: with one model a side and 15 rounds, the ratio moved 1.10-1.13 from run to run at the
+    same code, as much as the target's margin."""
     shape = settings.shapes["deep"]
     ids, targets_ = inputs(shape)
     progress(f"deep training step, eager, one thread ({shape.describe()})")
+    made = variants(shape, ("original", "converted"))
+    models = {f"{v}#{k}": copy.deepcopy(m).train() for k in range(routes.PLACEMENTS) for v, m in made.items()}
+    copies = {v: [f"{v}#{k}" for k in range(routes.PLACEMENTS)] for v in made}
+    rounds = settings.runs * routes.ROUND_FACTOR
     with single_thread():
-        steps = {v: train_step(m.train(), ids, targets_, False)
-                 for v, m in variants(shape, ("original", "converted")).items()}
-        times = interleaved(steps, settings.runs, settings.warmup, clock=time.thread_time)
-    return {"shape": shape.describe(), "clock": "one thread, thread CPU time", "train": summarise(times, "original"),
-            "paired_ratio": paired_ratios(times, "original")}
+        steps = {v: train_step(m, ids, targets_, False) for v, m in models.items()}
+        times = pooled(interleaved(steps, rounds, settings.warmup, clock=time.thread_time), copies)
+    return {"shape": shape.describe(), "clock": "one thread, thread CPU time", "copies": routes.PLACEMENTS,
+            "rounds": rounds, "train": summarise(times, "original"), "paired_ratio": paired_ratios(times, "original")}
 
 
 def first_call_section(settings: Settings) -> dict:
@@ -1189,7 +1196,8 @@ def markdown(settings: Settings, results: dict) -> str:
         lines.append("")
     deep = results.get("deep_train")
     if deep:
-        lines += [f"## Training step, eager, {deep['shape']} ({deep['clock']})", "",
+        lines += [f"## Training step, eager, {deep['shape']} ({deep['clock']}; {deep['copies']} copies a side "
+                  f"averaged per round, {deep['rounds']} rounds)", "",
                   *_head("original", "converted", "median of round ratios"),
                   f"| {_cell(deep['train']['original'])} | {_cell(deep['train']['converted'])} | "
                   f"{deep['paired_ratio']['converted']:.3f} |", ""]

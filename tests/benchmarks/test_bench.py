@@ -58,7 +58,9 @@ def test_quick_training_overhead_sections(tmp_path):
     sizes = results["query_sizes"]
     assert set(sizes["train"]) == {"original", "std0", "std0.1", "std1", "std3"}
     assert set(sizes["versus_std0.1"]) == {"std1", "std3"} and sizes["clock"] == "one thread, thread CPU time"
-    assert set(results["deep_train"]["train"]) == {"original", "converted"}
+    deep = results["deep_train"]
+    assert set(deep["train"]) == {"original", "converted"} and deep["copies"] == 3
+    assert deep["train"]["converted"]["runs"] == deep["rounds"] == 3 * 3  # the quick run's rounds, three times
     rows = results["op_train"]["rows"]
     assert [(row["shape"], row["sources"]) for row in rows] == [([2, 16, 64], 2), ([2, 16, 64], 3), ([1, 1, 64], 2),
                                                                 ([1, 1, 64], 3)]
