@@ -1248,7 +1248,10 @@ def routes_markdown(results: dict) -> list[str]:
                                ("eager training step, deep narrow", deep["train"]), ("decode, eager", mid["decode"])):
             lines.append(f"| {title} | {_cell(entries['original'])} | {_cell(entries['converted'])} |")
         lines += ["", f"Added per block: {mid['forward_us_per_block']['value']:.0f} us of a forward, "
-                      f"{mid['decode_us_per_block']['value']:.1f} us of a decoding step.", ""]
+                      f"{mid['decode_us_per_block']['value']:.1f} us of a decoding step. Kept for the backward by a "
+                      f"training forward (saved tensors, parameters aside): {mid['kept_mb']['original']:.1f} MB "
+                      f"original, {mid['kept_mb']['converted']:.1f} MB converted; deep narrow "
+                      f"{deep['kept_mb']['original']:.1f} / {deep['kept_mb']['converted']:.1f} MB.", ""]
     sizes = results.get("query_sizes")
     if sizes:
         names = [name for name in sizes["train"] if name != "original"]

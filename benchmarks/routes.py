@@ -158,12 +158,32 @@ def handwritten_section(quick: bool, runs: int, warmup: int, summarise, progress
             entry["forward_us_per_block"] = {"value": 1e3 * (entry["forward"]["converted"]["median_ms"] -
                                                              entry["forward"]["original"]["median_ms"]) / config.layers}
         progress(f"hand-written Llama training step ({name}), eager")
+        entry["kept_mb"] = {v: saved_for_backward_mb(models[f"{v}#0"], ids) for v in copies}
         steps = {v: _train_step_by_hand(copy.deepcopy(m).train(), ids) for v, m in models.items()}
         with single_thread():
             entry["train"] = summarise(pooled(interleaved(steps, runs, warmup, clock=time.thread_time), copies),
                                        "original")
         result[name] = entry
     return result
+
+
+def saved_for_backward_mb(model, ids) -> float:
+    """Megabytes a training forward of ``model`` keeps for its backward: the distinct storages its autograd
+    nodes save (``saved_tensors_hooks``), the model's parameters' aside."""
+    storages: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    was_training = model.training
+    model.train()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(ids)
+    model.train(was_training)
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return sum(size for pointer, size in storages.items() if pointer not in parameters) / 1e6
 
 
 def _decode_by_hand(model, prompt, new_tokens: int) -> None:

@@ -203,8 +203,8 @@ class FusedNorm:
 
 def site_normed(fused: FusedNorm) -> Callable:
     """``site_normed(module, norm, entered, *sources)``: ``norm(run_site(module, entered, *sources))``, as one
-    operator call (:mod:`attnres_fx.passes.fuse_norms`; with gradients recorded, the aggregation's operator and
-    the norm's, one autograd node each) where ``norm`` is still the module ``fused`` describes, without hooks,
+    operator call (:mod:`attnres_fx.passes.fuse_norms`; with gradients recorded, one autograd node that keeps
+    no copy of the rows between the two) where ``norm`` is still the module ``fused`` describes, without hooks,
     and the tensors are plain fp32 CPU ones (checked in C, :class:`cpu.Entries`)."""
     norm_class, forward, weight, eps = fused.norm_class, fused.forward, fused.weight, fused.eps
     constants = fused.constants

@@ -167,6 +167,13 @@ def test_quick_handwritten_section(tmp_path):
         assert set(row) == {"original", "converted"} and row["original"]["ratio"] == 1.0
         assert row["converted"]["runs"] == row["original"]["runs"] > 0 and row["converted"]["min_ms"] > 0
     assert hand["mid"]["decode"]["converted"]["rate"] > 0
+    for shape in ("mid", "deep"):
+        kept = hand[shape]["kept_mb"]
+        assert kept["original"] > 0 and kept["converted"] > 0
+        # A fused site keeps no copy of its aggregate for its norm: the converted model's forward keeps no more
+        # than the original's (which keeps each norm's input and its intermediates) plus a tenth.
+        assert kept["converted"] < 1.1 * kept["original"], kept
+    assert "Kept for the backward by a training forward" in report
     assert "## A Llama written by hand" in report and f"each side {hand['copies']} copies" in report
     assert "Hand-written Llama decode tokens/s, eager, one thread" in results["targets"]
 

@@ -6,7 +6,9 @@ rows) in another order and ``1 / sqrt`` for ``rsqrt``: a few units in the last p
 atol 1e-6). A converted model's outputs and gradients against the same model's with a global forward hook
 registered (which every fused call declines): those differences carried through the layers, 1e-5 relative
 with the pseudo-queries the conversion makes (zero) and with small random ones.
-Structural: which norms match, which calls the block code makes, the count in ``stats``.
+Structural: which norms match, which calls the block code makes, the count in ``stats``; with gradients, one
+node that keeps no copy of the aggregate (its backward recomputes it: gradients as the two nodes give, the same
+few units in the last place).
 Failure: every call the fused entry must not take runs as the two modules would (hooks, a replaced norm,
 a replaced forward, bf16, subclasses); an eps changed after conversion is read; a second derivative is an
 error, not a silent zero.
@@ -235,7 +237,9 @@ def test_with_gradients_the_fused_call_gives_the_two_modules_gradients(name, sha
     leaves = [*sources, module.proj.weight, module.norm.weight, *norm.parameters()]
     grad = torch.randn(shape, generator=torch.Generator().manual_seed(5))
     got = fused(module, norm, sources[:3], sources[3])
-    assert "RMSNormFunction" in got.grad_fn.name(), "the norm's C++ node"
+    assert "AggregateFunction" in got.grad_fn.name(), "one C++ node for the site and the norm"
+    (weight,) = norm.parameters()
+    assert any(getattr(edge, "variable", None) is weight for edge, _ in got.grad_fn.next_functions if edge)
     got_grads = torch.autograd.grad(got, leaves, grad)
     want = norm(module(*sources))
     torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
@@ -252,14 +256,82 @@ def test_a_second_derivative_through_the_fused_norm_is_an_error():
         grad.sum().backward()
 
 
+def _fused_and_apart(shape, count, preserve_scale):
+    """The fused operator's result and gradients, and those of the aggregation and the norm called apart."""
+    sources = [s.requires_grad_() for s in _sources(shape, count)]
+    module = _site(shape[-1])
+    weight = (torch.rand(shape[-1], generator=torch.Generator().manual_seed(3)) + 0.5).requires_grad_()
+    leaves = [*sources, module.proj.weight, module.norm.weight, weight]
+    grad = torch.randn(shape, generator=torch.Generator().manual_seed(5))
+    ops = torch.ops.attnres_cpu
+    got = ops.aggregate_normed(sources, module.proj.weight, module.norm.weight, 1e-6, preserve_scale, weight, 1e-5)
+    want = ops.rms_norm(ops.aggregate(sources, module.proj.weight, module.norm.weight, 1e-6, preserve_scale),
+                        weight, 1e-5)
+    return (got, torch.autograd.grad(got, leaves, grad)), (want, torch.autograd.grad(want, leaves, grad))
+
+
 @needs_cpu_kernel
-def test_the_fused_operator_refuses_a_backward():
-    sources = [s.requires_grad_() for s in _sources((2, 3, 8), 2)]
+@pytest.mark.parametrize("preserve_scale", [False, True])
+@pytest.mark.parametrize("shape,count", [((2, 37, 64), 3), ((1, 1, 40), 1), ((3, 70, 100), 9)],
+                         ids=["many", "one token and source", "odd width, nine sources"])
+def test_the_fused_operator_gives_the_gradients_of_the_two_apart(shape, count, preserve_scale):
+    """Its backward recomputes the rows before the norm from the sources and the saved logits: the same
+    gradients as the aggregation's node and the norm's, a few units in fp32's last place apart (the
+    recomputed rows differ from the stored ones by as much: a softmax divided rather than multiplied)."""
+    (got, got_grads), (want, want_grads) = _fused_and_apart(shape, count, preserve_scale)
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    for got_grad, want_grad in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(got_grad, want_grad, rtol=RTOL, atol=1e-5)
+
+
+@needs_cpu_kernel
+def test_the_fused_operator_keeps_no_rows_between_the_aggregation_and_the_norm():
+    """What its node saves: the sources, the logits' parts (2 x K x T floats), the three weights; the norm
+    called apart keeps its input, one more stream-sized tensor."""
+    sources = [s.requires_grad_() for s in _sources((2, 16, 32), 3)]
+    module = _site(32)
+    weight = torch.ones(32, requires_grad=True)
+    ops = torch.ops.attnres_cpu
+
+    def saved(call):
+        kept = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+            call()
+        stream = {s.data_ptr() for s in sources}
+        return sorted(tuple(t.shape) for t in kept if t.data_ptr() not in stream), len(kept)
+
+    fused, count = saved(lambda: ops.aggregate_normed(sources, module.proj.weight, module.norm.weight, 1e-6, False,
+                                                      weight, 1e-5))
+    assert fused == [(1, 32), (2, 3, 32), (32,), (32,)] and count == 3 + 4
+    apart, _ = saved(lambda: ops.rms_norm(ops.aggregate(sources, module.proj.weight, module.norm.weight, 1e-6, False),
+                                          weight, 1e-5))
+    assert (2, 16, 32) in apart
+
+
+@needs_cpu_kernel
+def test_the_fused_operator_under_a_profiler_calls_its_backward_through_the_dispatcher():
+    """A profiler sees the backward's operator (a site then deposits nothing: Note [gradient deposits])."""
+    with torch.profiler.profile() as profile:
+        (_, got_grads), (_, want_grads) = _fused_and_apart((2, 9, 48), 3, False)
+    for got_grad, want_grad in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(got_grad, want_grad, rtol=RTOL, atol=1e-5)
+    names = {event.name for event in profile.events()}
+    assert {"attnres_cpu::aggregate_normed_saving_logits", "attnres_cpu::aggregate_normed_backward_saved"} <= names
+
+
+@needs_cpu_kernel
+def test_the_fused_operator_refuses_a_gradient_through_bf16_and_a_second_derivative():
     module = _site(8)
+    sources = [s.to(torch.bfloat16).requires_grad_() for s in _sources((2, 3, 8), 2)]
+    with pytest.raises(RuntimeError, match="float32 sources only"):
+        torch.ops.attnres_cpu.aggregate_normed(sources, module.proj.weight.bfloat16(), module.norm.weight.bfloat16(),
+                                               1e-6, False, torch.ones(8, dtype=torch.bfloat16), 1e-5)
+    sources = [s.requires_grad_() for s in _sources((2, 3, 8), 2)]
     out = torch.ops.attnres_cpu.aggregate_normed(sources, module.proj.weight, module.norm.weight, 1e-6, False,
                                                  torch.ones(8), 1e-5)
+    (grad,) = torch.autograd.grad(out.pow(2).sum(), sources[0], create_graph=True)
     with pytest.raises(RuntimeError, match="not implemented"):
-        out.sum().backward()
+        grad.sum().backward()
 
 
 def _handwritten(layers=4):
@@ -407,3 +479,24 @@ def test_norms_of_one_class_with_other_constants_in_blocks_of_one_kind_are_each_
         got = converted(IDS, 0)
     assert conversion_of(converted).stats.fused_norms > 0
     assert relative_error(got, want) < 1e-5
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("count", [1, 3])
+def test_opcheck_of_the_fused_operators(count):
+    """Schema, fake (meta) and autograd-registration checks of the fused operator (now with its C++ node)
+    and of the two it runs with gradients: the forward that keeps the logits' parts, the backward that
+    recomputes the aggregate."""
+    module = _site(33)
+    sources = [s.requires_grad_() for s in _sources((2, 5, 33), count)]
+    weight = (torch.rand(33, generator=torch.Generator().manual_seed(3)) + 0.5).requires_grad_()
+    ops = torch.ops.attnres_cpu
+    torch.library.opcheck(ops.aggregate_normed.default,
+                          (sources, module.proj.weight, module.norm.weight, 1e-6, True, weight, 1e-5))
+    plain = [s.detach() for s in sources]
+    weights = (module.proj.weight.detach(), module.norm.weight.detach())
+    _, saved = ops.aggregate_normed_saving_logits(plain, *weights, 1e-6, True, weight.detach(), 1e-5)
+    torch.library.opcheck(ops.aggregate_normed_saving_logits.default,
+                          (plain, *weights, 1e-6, True, weight.detach(), 1e-5))
+    torch.library.opcheck(ops.aggregate_normed_backward_saved.default,
+                          (torch.randn(2, 5, 33), plain, saved, *weights, 1e-6, True, weight.detach(), 1e-5))

@@ -537,6 +537,10 @@ inline void source_grads(const T* const* __restrict rows, int64_t row_stride, T*
   }
 }
 
+void rms_norm_backward_rows(const float* __restrict grad, const float* __restrict x, const float* __restrict weight,
+                            const float* __restrict inverse, int64_t D, float* __restrict dx, float* __restrict dweight,
+                            int64_t begin, int64_t end);
+
 // Note [backward] of attnres_fx/aggregation.py, per tile of tokens: the first look at each token's K
 // source rows gives their logits and g . v; the softmax and the per-source coefficients run on vectors
 // across the tile's tokens; the second look (from cache) writes every dL/dv and adds the token's dL/dq,
@@ -544,12 +548,19 @@ inline void source_grads(const T* const* __restrict rows, int64_t row_stride, T*
 // vector). stats: 6 * K * kTile floats; g_rows: kTile * D floats (the gradient rows of a tile in fp32,
 // for bf16 / fp16). `adds`, where given: per source the gradient its dL/dv is added to (source_grads'
 // `Add`), or null for none, whose rows read `zero_row` (D zeros) instead.
+// With `out_norm` (its weight given; fp32, with `saved`): `grad` is the gradient of the RMS-normed result
+// (aggregate_normed), whose rows before the norm are not kept: per token, the softmax from the saved
+// logits first, then the row recomputed from its sources (read there anyway) into `h_row`, the norm's
+// backward giving dL/dh into g_rows (and the norm weight's gradient added to `out_dweight`), then g . v.
 template <typename T>
 void backward_rows(const T* __restrict grad, const T* const* __restrict sources, T* const* __restrict grads,
                    int64_t K, const float* __restrict q, int64_t D, float eps, float scale, float* __restrict g_rows,
                    const T** __restrict rows, float* __restrict stats, float* __restrict dq, int64_t begin,
                    int64_t end, const float* __restrict saved = nullptr, int64_t T_total = 0,
-                   const T* const* adds = nullptr, const T* zero_row = nullptr) {
+                   const T* const* adds = nullptr, const T* zero_row = nullptr, const OutputNorm<float>& out_norm = {},
+                   float* __restrict out_dweight = nullptr, float* __restrict h_row = nullptr) {
+  constexpr bool kFloat = std::is_same_v<T, float>;
+  const bool normed = kFloat && out_norm.weight != nullptr;
   const auto add_row = [&](int64_t k, int64_t token) {
     return adds[k] != nullptr ? adds[k] + token * D : zero_row;
   };
@@ -563,63 +574,93 @@ void backward_rows(const T* __restrict grad, const T* const* __restrict sources,
   const int64_t tile = tile_tokens(K + 1, D, sizeof(T));
   for (int64_t first = begin; first < end; first += tile) {
     const int64_t n = std::min(tile, end - first);
-    for (int64_t i = 0; i < n; ++i) {
-      const T* grad_row = grad + (first + i) * D;
-      const float* g;
-      if constexpr (std::is_same_v<T, float>) {
-        g = grad_row;
-      } else {
-        float* row = g_rows + i * D;
-        int64_t e = 0;
-        for (; e + kLanes <= D; e += kLanes) load_fp32(grad_row + e).store(row + e);
-        for (; e < D; ++e) row[e] = static_cast<float>(grad_row[e]);
-        g = row;
-      }
-      for (int64_t k = 0; k < K; ++k) rows[i * K + k] = sources[k] + (first + i) * D;
-      if (saved) {
-        row_dots<T, kAlong>(rows + i * K, K, q, g, D, kTile, nullptr, nullptr, along + i);
-      } else {
-        row_dots<T, kLogitsAndAlong>(rows + i * K, K, q, g, D, kTile, dot + i, scales + i, along + i);
-      }
-    }
-    if (saved) {
+    const auto copy_saved = [&] {
       for (int64_t k = 0; k < K; ++k) {
         std::copy(saved + k * T_total + first, saved + k * T_total + first + n, dot + k * kTile);
         std::copy(saved + (K + k) * T_total + first, saved + (K + k) * T_total + first + n, scales + k * kTile);
       }
-    }
-    for (int64_t i = 0; i < n; i += kLanes) {
-      const auto at = [&](float* p, int64_t k) { return p + k * kTile + i; };
+    };
+    const auto at = [&](float* p, int64_t k, int64_t i) { return p + k * kTile + i; };
+    // The softmax over sources for kLanes tokens from i: weight = p_k (the key scale kept in `scales`).
+    const auto softmax_at = [&](int64_t i) {
       Vec top(-std::numeric_limits<float>::infinity());
       for (int64_t k = 0; k < K; ++k) {
-        const Vec r = saved ? Vec::loadu(at(scales, k)) : key_scale(Vec::loadu(at(scales, k)), D, eps);
-        r.store(at(scales, k));
-        const Vec logit = Vec::loadu(at(dot, k)) * r;
-        logit.store(at(weight, k));
+        const Vec r = saved ? Vec::loadu(at(scales, k, i)) : key_scale(Vec::loadu(at(scales, k, i)), D, eps);
+        r.store(at(scales, k, i));
+        const Vec logit = Vec::loadu(at(dot, k, i)) * r;
+        logit.store(at(weight, k, i));
         top = at::vec::maximum(top, logit);
       }
       Vec total(0.f);
       for (int64_t k = 0; k < K; ++k) {
-        const Vec e = exp_or_zero(Vec::loadu(at(weight, k)) - top);
-        e.store(at(weight, k));
+        const Vec e = exp_or_zero(Vec::loadu(at(weight, k, i)) - top);
+        e.store(at(weight, k, i));
         total = total + e;
       }
+      for (int64_t k = 0; k < K; ++k) (Vec::loadu(at(weight, k, i)) / total).store(at(weight, k, i));
+    };
+    // Given the softmax and g . v: each source's dL/d(q . v), its coefficient through the key scale, and
+    // weight = s p_k, for kLanes tokens from i.
+    const auto coefficients_at = [&](int64_t i) {
       Vec mean_along(0.f);
       for (int64_t k = 0; k < K; ++k) {
-        const Vec p = Vec::loadu(at(weight, k)) / total;
-        p.store(at(weight, k));
-        mean_along = at::vec::fmadd(p, Vec::loadu(at(along, k)), mean_along);
+        mean_along = at::vec::fmadd(Vec::loadu(at(weight, k, i)), Vec::loadu(at(along, k, i)), mean_along);
       }
       for (int64_t k = 0; k < K; ++k) {
-        const Vec p = Vec::loadu(at(weight, k)), r = Vec::loadu(at(scales, k));
-        const Vec grad_logit = Vec(scale) * p * (Vec::loadu(at(along, k)) - mean_along);
-        (grad_logit * r).store(at(grad_dot, k));
-        (Vec(0.f) - grad_logit * Vec::loadu(at(dot, k)) * r * r * r * inverse_dim).store(at(coefficient, k));
-        (Vec(scale) * p).store(at(weight, k));
+        const Vec p = Vec::loadu(at(weight, k, i)), r = Vec::loadu(at(scales, k, i));
+        const Vec grad_logit = Vec(scale) * p * (Vec::loadu(at(along, k, i)) - mean_along);
+        (grad_logit * r).store(at(grad_dot, k, i));
+        (Vec(0.f) - grad_logit * Vec::loadu(at(dot, k, i)) * r * r * r * inverse_dim).store(at(coefficient, k, i));
+        (Vec(scale) * p).store(at(weight, k, i));
+      }
+    };
+    if (normed) {
+      for (int64_t i = 0; i < n; ++i) {
+        for (int64_t k = 0; k < K; ++k) rows[i * K + k] = sources[k] + (first + i) * D;
+      }
+      copy_saved();
+      for (int64_t i = 0; i < n; i += kLanes) softmax_at(i);
+      for (int64_t i = 0; i < n; ++i) {
+        // h = s sum_k p_k v_k as the forward made it, the norm's backward from it, then g . v with g = dL/dh.
+        weighted_rows(rows + i * K, weight + i, K, D, h_row, kTile);
+        if (scale != 1.f) {
+          for (int64_t d = 0; d < D; ++d) h_row[d] *= scale;
+        }
+        const float inverse = inverse_rms(h_row, D, out_norm.eps);
+        float* g = g_rows + i * D;
+        rms_norm_backward_rows(reinterpret_cast<const float*>(grad) + (first + i) * D, h_row, out_norm.weight,
+                               &inverse, D, g, out_dweight, 0, 1);
+        row_dots<T, kAlong>(rows + i * K, K, q, g, D, kTile, nullptr, nullptr, along + i);
+      }
+      for (int64_t i = 0; i < n; i += kLanes) coefficients_at(i);
+    } else {
+      for (int64_t i = 0; i < n; ++i) {
+        const T* grad_row = grad + (first + i) * D;
+        const float* g;
+        if constexpr (kFloat) {
+          g = grad_row;
+        } else {
+          float* row = g_rows + i * D;
+          int64_t e = 0;
+          for (; e + kLanes <= D; e += kLanes) load_fp32(grad_row + e).store(row + e);
+          for (; e < D; ++e) row[e] = static_cast<float>(grad_row[e]);
+          g = row;
+        }
+        for (int64_t k = 0; k < K; ++k) rows[i * K + k] = sources[k] + (first + i) * D;
+        if (saved) {
+          row_dots<T, kAlong>(rows + i * K, K, q, g, D, kTile, nullptr, nullptr, along + i);
+        } else {
+          row_dots<T, kLogitsAndAlong>(rows + i * K, K, q, g, D, kTile, dot + i, scales + i, along + i);
+        }
+      }
+      if (saved) copy_saved();
+      for (int64_t i = 0; i < n; i += kLanes) {
+        softmax_at(i);
+        coefficients_at(i);
       }
     }
     const auto g_row = [&](int64_t i) {
-      return std::is_same_v<T, float> ? reinterpret_cast<const float*>(grad + (first + i) * D) : g_rows + i * D;
+      return kFloat && !normed ? reinterpret_cast<const float*>(grad + (first + i) * D) : g_rows + i * D;
     };
     const int64_t pairs = K <= 2 ? n / 2 * 2 : 0;  // tokens taken two at a time
     // source_grads for G rows (of P tokens), with or without the gradients they are added to.
@@ -883,11 +924,17 @@ std::atomic<int64_t> sums_written_over{0};
 // tensor) that the source's dL/dv is added to; the result is that sum, written over `into[k]` itself
 // where nothing else can see it (the vector holds its only reference and it shares no storage), into a new
 // tensor otherwise.
+//
+// `out_norm_weight`, where defined: the backward of aggregate_normed, `grad_in` the normed result's gradient
+// (fp32, given `saved`; backward_rows' `out_norm`), with the norm weight's gradient in `grad_out_norm_weight`.
 std::tuple<std::vector<at::Tensor>, at::Tensor> backward(const at::Tensor& grad_in, at::TensorList sources_in,
                                                          const at::Tensor& saved_in, const at::Tensor& proj_weight,
                                                          const at::Tensor& norm_weight, double eps,
                                                          bool preserve_scale,
-                                                         std::vector<at::Tensor>* into = nullptr) {
+                                                         std::vector<at::Tensor>* into = nullptr,
+                                                         const at::Tensor& out_norm_weight = at::Tensor(),
+                                                         double out_norm_eps = 0.0,
+                                                         at::Tensor* grad_out_norm_weight = nullptr) {
   const Rows rows = check_sources(sources_in, "attnres::aggregate_backward");
   TORCH_CHECK(!saved_in.defined() || (saved_in.scalar_type() == at::kFloat &&
                                       saved_in.sizes() == at::IntArrayRef({2, static_cast<int64_t>(sources_in.size()),
@@ -905,6 +952,12 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> backward(const at::Tensor& grad_
   const at::Tensor grad =
       grad_in.scalar_type() == dtype && grad_in.is_contiguous() ? grad_in : grad_in.to(dtype).contiguous();
   const int64_t K = static_cast<int64_t>(sources.size()), D = rows.dim, T = rows.count;
+  const bool normed = out_norm_weight.defined();
+  TORCH_CHECK(!normed || (saved.defined() && dtype == at::kFloat && out_norm_weight.scalar_type() == at::kFloat &&
+                          out_norm_weight.is_contiguous() && out_norm_weight.numel() == D),
+              "attnres::aggregate_normed_backward: float32 sources, the saved logits and a contiguous float32 [D] "
+              "norm weight, got ", dtype, " sources and a ", out_norm_weight.scalar_type(), " ",
+              out_norm_weight.sizes(), " weight");
   c10::SmallVector<float, kInlineWidth> query(D);
   fold_query(proj_weight, norm_weight, D, "attnres::aggregate_backward", query.data());
   const float scale = preserve_scale ? static_cast<float>(K) : 1.f;
@@ -940,6 +993,11 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> backward(const at::Tensor& grad_
   std::vector<float> partial_dq(chunks > 1 ? chunks * D : 0, 0.f);
   float* const dq = chunks > 1 ? partial_dq.data() : out;
   if (chunks == 1) std::fill(out, out + D, 0.f);
+  // The norm weight's gradient likewise: one partial sum per chunk, added at the end.
+  at::Tensor partial_dweight = normed ? at::zeros({chunks, D}, at::kFloat) : at::Tensor();
+  float* const dweight = normed ? partial_dweight.mutable_data_ptr<float>() : nullptr;
+  const OutputNorm<float> out_norm{normed ? out_norm_weight.const_data_ptr<float>() : nullptr,
+                                   static_cast<float>(out_norm_eps)};
   ATTNRES_DISPATCH(dtype, "attnres_aggregate_backward", [&] {
     c10::SmallVector<const scalar_t*, kInlineSources> src, add;
     c10::SmallVector<scalar_t*, kInlineSources> dst;
@@ -955,13 +1013,15 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> backward(const at::Tensor& grad_
     const float* q = query.data();
     const float* kept = saved.defined() ? saved.const_data_ptr<float>() : nullptr;
     at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
-      std::vector<float> g_rows(std::is_same_v<scalar_t, float> ? 0 : kTile * D);
+      std::vector<float> g_rows(std::is_same_v<scalar_t, float> && !normed ? 0 : kTile * D);
+      std::vector<float> h_row(normed ? D : 0);
       c10::SmallVector<float, 6 * kInlineSources * kTile> stats(6 * K * kTile, 0.f);
       c10::SmallVector<const scalar_t*, kInlineSources * kTile> rows_of_tile(kTile * K);
       for (int64_t c = first; c < last; ++c) {
         backward_rows(g, s, gs, K, q, D, static_cast<float>(eps), scale, g_rows.data(), rows_of_tile.data(),
                       stats.data(), dq + c * D, c * T / chunks, (c + 1) * T / chunks, kept, T,
-                      adding ? add.data() : nullptr, zero_row.data());
+                      adding ? add.data() : nullptr, zero_row.data(), out_norm, normed ? dweight + c * D : nullptr,
+                      h_row.data());
       }
     });
   });
@@ -971,6 +1031,7 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> backward(const at::Tensor& grad_
       for (int64_t d = 0; d < D; ++d) out[d] += partial_dq[c * D + d];
     }
   }
+  if (normed) *grad_out_norm_weight = chunks == 1 ? partial_dweight.view({D}) : partial_dweight.sum(0);
   return {grads, grad_query};
 }
 
@@ -987,6 +1048,27 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> aggregate_backward_saved(const a
                                                                          const at::Tensor& norm_weight, double eps,
                                                                          bool preserve_scale) {
   return backward(grad, sources, saved, proj_weight, norm_weight, eps, preserve_scale);
+}
+
+// aggregate_normed for a call that records a gradient: the normed result and the logits' parts its
+// backward needs. The rows before the norm are not kept: aggregate_normed_backward_saved recomputes each
+// from its sources, which the aggregation's backward reads anyway, so that a site fused with its norm
+// keeps no stream tensor of its own for the backward (unfused, the norm keeps its input).
+std::tuple<at::Tensor, at::Tensor> aggregate_normed_saving_logits(at::TensorList sources, const at::Tensor& proj_weight,
+                                                                  const at::Tensor& norm_weight, double eps,
+                                                                  bool preserve_scale, const at::Tensor& out_norm_weight,
+                                                                  double out_norm_eps) {
+  return forward(sources, proj_weight, norm_weight, eps, preserve_scale, true, out_norm_weight, out_norm_eps);
+}
+
+std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> aggregate_normed_backward_saved(
+    const at::Tensor& grad, at::TensorList sources, const at::Tensor& saved, const at::Tensor& proj_weight,
+    const at::Tensor& norm_weight, double eps, bool preserve_scale, const at::Tensor& out_norm_weight,
+    double out_norm_eps) {
+  at::Tensor grad_out_norm_weight;
+  auto [grads, grad_query] = backward(grad, sources, saved, proj_weight, norm_weight, eps, preserve_scale, nullptr,
+                                      out_norm_weight, out_norm_eps, &grad_out_norm_weight);
+  return {std::move(grads), std::move(grad_query), std::move(grad_out_norm_weight)};
 }
 
 std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>> phase1(
@@ -1209,6 +1291,12 @@ const auto& aggregate_op() { return dispatched<aggregate>("attnres_cpu::aggregat
 const auto& normed_op() { return dispatched<aggregate_normed>("attnres_cpu::aggregate_normed"); }
 const auto& saving_op() { return dispatched<aggregate_saving_logits>("attnres_cpu::aggregate_saving_logits"); }
 const auto& backward_op() { return dispatched<aggregate_backward_saved>("attnres_cpu::aggregate_backward_saved"); }
+const auto& normed_saving_op() {
+  return dispatched<aggregate_normed_saving_logits>("attnres_cpu::aggregate_normed_saving_logits");
+}
+const auto& normed_backward_op() {
+  return dispatched<aggregate_normed_backward_saved>("attnres_cpu::aggregate_normed_backward_saved");
+}
 const auto& weight_grads_op() { return dispatched<weight_grads>("attnres_cpu::weight_grads"); }
 const auto& rms_norm_op() { return dispatched<rms_norm>("attnres_cpu::rms_norm"); }
 const auto& rms_norm_saving_op() { return dispatched<rms_norm_saving>("attnres_cpu::rms_norm_saving"); }
@@ -1264,6 +1352,20 @@ std::tuple<at::Tensor, at::Tensor> aggregate_saving_logits_meta(at::TensorList s
   return {at::empty_like(sources[0]),
           at::empty_symint({c10::SymInt(2), c10::SymInt(static_cast<int64_t>(sources.size())), tokens},
                            sources[0].options().dtype(at::kFloat))};
+}
+
+std::tuple<at::Tensor, at::Tensor> aggregate_normed_saving_logits_meta(
+    at::TensorList sources, const at::Tensor& proj_weight, const at::Tensor& norm_weight, double eps,
+    bool preserve_scale, const at::Tensor& out_norm_weight, double out_norm_eps) {
+  return aggregate_saving_logits_meta(sources, proj_weight, norm_weight, eps, preserve_scale);
+}
+
+std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> aggregate_normed_backward_saved_meta(
+    const at::Tensor& grad, at::TensorList sources, const at::Tensor& saved, const at::Tensor& proj_weight,
+    const at::Tensor& norm_weight, double eps, bool preserve_scale, const at::Tensor& out_norm_weight,
+    double out_norm_eps) {
+  auto [grads, grad_query] = aggregate_backward_meta(grad, sources, proj_weight, norm_weight, eps, preserve_scale);
+  return {std::move(grads), std::move(grad_query), at::empty_like(out_norm_weight)};
 }
 
 std::tuple<std::vector<at::Tensor>, at::Tensor> aggregate_backward_saved_meta(
@@ -1545,21 +1647,31 @@ class BundleFunction : public torch::autograd::Function<BundleFunction> {
 // (so saved_tensors_hooks, activation offloading and checkpointing see them): the inputs, and the logits'
 // parts, q . v and the key scale of each token and source (2 / D of the sources' size), with which the
 // backward's first look at each source row sums g . v alone instead of three sums: a third of the
-// backward's arithmetic.
+// backward's arithmetic. Also aggregate_normed's node, given the norm's weight (a site and the RMS norm
+// that alone reads its result, attnres_fx/passes/fuse_norms.py): it keeps that weight besides, and not
+// the rows between the aggregation and the norm, which its backward recomputes from the sources
+// (aggregate_normed_backward_saved), where the norm's own node would keep its input, a stream tensor.
 class AggregateFunction : public torch::autograd::Function<AggregateFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, at::TensorList sources,
                             const at::Tensor& proj_weight, const at::Tensor& norm_weight, double eps,
-                            bool preserve_scale) {
+                            bool preserve_scale, const std::optional<at::Tensor>& out_norm_weight,
+                            double out_norm_eps) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [out, logits] = saving_op().call(sources, proj_weight, norm_weight, eps, preserve_scale);
+    const bool normed = out_norm_weight.has_value();
+    auto [out, logits] = normed ? normed_saving_op().call(sources, proj_weight, norm_weight, eps, preserve_scale,
+                                                          *out_norm_weight, out_norm_eps)
+                                : saving_op().call(sources, proj_weight, norm_weight, eps, preserve_scale);
     std::vector<at::Tensor> saved(sources.begin(), sources.end());
     saved.push_back(logits);
     saved.push_back(proj_weight);
     saved.push_back(norm_weight);
+    if (normed) saved.push_back(*out_norm_weight);
     ctx->save_for_backward(saved);
+    ctx->saved_data["normed"] = normed;
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["preserve_scale"] = preserve_scale;
+    ctx->saved_data["out_norm_eps"] = out_norm_eps;
     keep_deposits(ctx, sources);
     return out;
   }
@@ -1567,6 +1679,12 @@ class AggregateFunction : public torch::autograd::Function<AggregateFunction> {
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs) {
     auto saved = ctx->get_saved_variables();
+    const bool normed = ctx->saved_data["normed"].toBool();
+    at::Tensor out_norm_weight;
+    if (normed) {
+      out_norm_weight = saved.back();
+      saved.pop_back();
+    }
     const at::Tensor norm_weight = saved.back();
     saved.pop_back();
     const at::Tensor proj_weight = saved.back();
@@ -1582,13 +1700,15 @@ class AggregateFunction : public torch::autograd::Function<AggregateFunction> {
     if (!at::GradMode::is_enabled()) below_autograd.emplace();
     const double eps = ctx->saved_data["eps"].toDouble();
     const bool preserve_scale = ctx->saved_data["preserve_scale"].toBool();
+    const double out_norm_eps = ctx->saved_data["out_norm_eps"].toDouble();
     std::vector<at::Tensor> grads;
-    at::Tensor grad_query;
+    at::Tensor grad_query, grad_out_norm_weight;
     auto deposits = deposits_now(ctx);
     if (deposits) {
       std::vector<at::Tensor> read(saved);
       read.push_back(grad_outputs[0]);
       read.push_back(logits);
+      if (normed) read.push_back(out_norm_weight);
       if (!dispatches_to_kernel(read, proj_weight, norm_weight)) deposits.reset();
     }
     if (deposits) {
@@ -1598,13 +1718,17 @@ class AggregateFunction : public torch::autograd::Function<AggregateFunction> {
         if (deposits->holders[k]) into[k] = deposits->withdraw(k);
       }
       std::tie(grads, grad_query) = attnres_cpu::backward(grad_outputs[0], saved, logits, proj_weight, norm_weight,
-                                                          eps, preserve_scale, &into);
+                                                          eps, preserve_scale, &into, out_norm_weight, out_norm_eps,
+                                                          &grad_out_norm_weight);
       into.clear();  // the sums written over are referenced by `grads` alone again
       for (size_t k = 0; k < K; ++k) {
         if (!deposits->holders[k]) continue;
         deposits->deposit(k, std::move(grads[k]));
         grads[k] = at::Tensor();
       }
+    } else if (normed) {
+      std::tie(grads, grad_query, grad_out_norm_weight) = normed_backward_op().call(
+          grad_outputs[0], saved, logits, proj_weight, norm_weight, eps, preserve_scale, out_norm_weight, out_norm_eps);
     } else {
       std::tie(grads, grad_query) =
           backward_op().call(grad_outputs[0], saved, logits, proj_weight, norm_weight, eps, preserve_scale);
@@ -1621,6 +1745,8 @@ class AggregateFunction : public torch::autograd::Function<AggregateFunction> {
     }
     out.emplace_back();  // eps
     out.emplace_back();  // preserve_scale
+    out.push_back(normed && ctx->needs_input_grad(K + 2) ? grad_out_norm_weight : at::Tensor());  // its edge: K + 2
+    out.emplace_back();  // out_norm_eps
     return out;
   }
 };
@@ -1668,7 +1794,27 @@ at::Tensor aggregate_autograd(at::TensorList sources, const at::Tensor& proj_wei
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     return aggregate_op().call(sources, proj_weight, norm_weight, eps, preserve_scale);
   }
-  return AggregateFunction::apply(sources, proj_weight, norm_weight, eps, preserve_scale);
+  return AggregateFunction::apply(sources, proj_weight, norm_weight, eps, preserve_scale, std::nullopt, 0.0);
+}
+
+at::Tensor aggregate_normed_autograd(at::TensorList sources, const at::Tensor& proj_weight,
+                                    const at::Tensor& norm_weight, double eps, bool preserve_scale,
+                                    const at::Tensor& out_norm_weight, double out_norm_eps) {
+  bool wants_grad = false;
+  if (at::GradMode::is_enabled()) {
+    wants_grad = proj_weight.requires_grad() || norm_weight.requires_grad() || out_norm_weight.requires_grad();
+    for (const auto& s : sources) wants_grad = wants_grad || s.requires_grad();
+  }
+  if (!wants_grad) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return normed_op().call(sources, proj_weight, norm_weight, eps, preserve_scale, out_norm_weight, out_norm_eps);
+  }
+  TORCH_CHECK(!sources.empty() && sources[0].scalar_type() == at::kFloat,
+              "attnres_cpu::aggregate_normed records a gradient for float32 sources only, got ",
+              sources.empty() ? "no sources" : c10::toString(sources[0].scalar_type()),
+              ": call attnres_cpu::aggregate and the norm apart");
+  return AggregateFunction::apply(sources, proj_weight, norm_weight, eps, preserve_scale,
+                                  std::optional<at::Tensor>(out_norm_weight), out_norm_eps);
 }
 
 }  // namespace attnres_cpu
@@ -1683,6 +1829,11 @@ TORCH_LIBRARY(attnres_cpu, m) {
         "Tensor norm_weight, float eps, bool preserve_scale) -> (Tensor[], Tensor)");
   m.def("aggregate_normed(Tensor[] sources, Tensor proj_weight, Tensor norm_weight, float eps, bool preserve_scale, "
         "Tensor out_norm_weight, float out_norm_eps) -> Tensor");
+  m.def("aggregate_normed_saving_logits(Tensor[] sources, Tensor proj_weight, Tensor norm_weight, float eps, "
+        "bool preserve_scale, Tensor out_norm_weight, float out_norm_eps) -> (Tensor, Tensor)");
+  m.def("aggregate_normed_backward_saved(Tensor grad, Tensor[] sources, Tensor saved, Tensor proj_weight, "
+        "Tensor norm_weight, float eps, bool preserve_scale, Tensor out_norm_weight, float out_norm_eps) -> "
+        "(Tensor[], Tensor, Tensor)");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rms_norm_saving(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rms_norm_backward(Tensor grad, Tensor x, Tensor inverse_rms, Tensor weight) -> (Tensor, Tensor)");
@@ -1698,6 +1849,8 @@ TORCH_LIBRARY_IMPL(attnres_cpu, CPU, m) {
   m.impl("aggregate_backward", &attnres_cpu::aggregate_backward);
   m.impl("aggregate_saving_logits", &attnres_cpu::aggregate_saving_logits);
   m.impl("aggregate_normed", &attnres_cpu::aggregate_normed);
+  m.impl("aggregate_normed_saving_logits", &attnres_cpu::aggregate_normed_saving_logits);
+  m.impl("aggregate_normed_backward_saved", &attnres_cpu::aggregate_normed_backward_saved);
   m.impl("rms_norm", &attnres_cpu::rms_norm);
   m.impl("rms_norm_saving", &attnres_cpu::rms_norm_saving);
   m.impl("rms_norm_backward", &attnres_cpu::rms_norm_backward);
@@ -1709,9 +1862,11 @@ TORCH_LIBRARY_IMPL(attnres_cpu, CPU, m) {
 
 TORCH_LIBRARY_IMPL(attnres_cpu, Autograd, m) {
   m.impl("aggregate", &attnres_cpu::aggregate_autograd);
-  // No backward: a gradient asked of its result is an error, not a silent zero.
-  m.impl("aggregate_normed", torch::autograd::autogradNotImplementedFallback());
+  m.impl("aggregate_normed", &attnres_cpu::aggregate_normed_autograd);
   m.impl("rms_norm", &attnres_cpu::rms_norm_autograd);
+  // No backward: a gradient asked of its result is an error, not a silent zero.
+  m.impl("aggregate_normed_saving_logits", torch::autograd::autogradNotImplementedFallback());
+  m.impl("aggregate_normed_backward_saved", torch::autograd::autogradNotImplementedFallback());
   m.impl("rms_norm_saving", torch::autograd::autogradNotImplementedFallback());
   m.impl("rms_norm_backward", torch::autograd::autogradNotImplementedFallback());
 }
@@ -1721,6 +1876,8 @@ TORCH_LIBRARY_IMPL(attnres_cpu, Meta, m) {
   m.impl("aggregate_backward", &attnres_cpu::aggregate_backward_meta);
   m.impl("aggregate_saving_logits", &attnres_cpu::aggregate_saving_logits_meta);
   m.impl("aggregate_normed", &attnres_cpu::aggregate_normed_meta);
+  m.impl("aggregate_normed_saving_logits", &attnres_cpu::aggregate_normed_saving_logits_meta);
+  m.impl("aggregate_normed_backward_saved", &attnres_cpu::aggregate_normed_backward_saved_meta);
   m.impl("aggregate_backward_saved", &attnres_cpu::aggregate_backward_saved_meta);
   m.impl("weight_grads", &attnres_cpu::weight_grads_meta);
 }
@@ -1844,7 +2001,7 @@ at::Tensor run_operator(const BorrowedSources& borrowed, const at::Tensor& proj_
   return attnres_cpu::aggregate_op().call(owned, proj, norm, eps, preserve_scale);
 }
 
-// run_operator for attnres_cpu::aggregate_normed (called where no gradient is recorded).
+// run_operator for attnres_cpu::aggregate_normed.
 at::Tensor run_normed_operator(const BorrowedSources& borrowed, const at::Tensor& proj_weight,
                                const at::Tensor& norm_weight, double eps, bool preserve_scale,
                                const at::Tensor& out_weight, double out_eps) {
@@ -1859,15 +2016,6 @@ at::Tensor run_normed_operator(const BorrowedSources& borrowed, const at::Tensor
   const at::Tensor proj(proj_weight), norm(norm_weight), weight(out_weight);
   ReleasedGil no_gil;
   return attnres_cpu::normed_op().call(owned, proj, norm, eps, preserve_scale, weight, out_eps);
-}
-
-// attnres_cpu::rms_norm on a site's result (whose node records the norm's gradient), the GIL released as
-// run_operator releases it.
-at::Tensor run_norm_operator(const at::Tensor& x, const at::Tensor& borrowed_weight, double eps) {
-  if (x.numel() < kReleaseGilElements) return attnres_cpu::rms_norm_op().call(x, borrowed_weight, eps);
-  const at::Tensor weight(borrowed_weight);  // owned: another thread may replace the module's parameter meanwhile
-  ReleasedGil no_gil;
-  return attnres_cpu::rms_norm_op().call(x, weight, eps);
 }
 
 PyObject* python_aggregate(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
@@ -1995,10 +2143,9 @@ PyObject* python_run_site(PyObject* self, PyObject* const* args, Py_ssize_t narg
 
 //   run_site_normed(site_class, module, entered, sources, norm, norm_class, norm_forward, weight_name, eps_name)
 //       attnres_fx/op/module.py's site_normed: norm(run_site(module, entered, *sources)) as one operator call
-//       (attnres_cpu::aggregate_normed; where a gradient is recorded, the aggregation's operator and
-//       attnres_cpu::rms_norm, one autograd node each) where run_site's C path would run, `norm`
-//       is exactly `norm_class`, whose forward is still `norm_forward` (the RMS norm that was matched),
-//       without hooks or an instance forward, its parameter `weight_name` and its float attribute `eps_name`
+//       (attnres_cpu::aggregate_normed; where a gradient is recorded, one AggregateFunction node)
+//       where run_site's C path would run, `norm` is exactly `norm_class`, whose forward is still
+//       `norm_forward` (the RMS norm that was matched), without hooks or an instance forward, its parameter `weight_name` and its float attribute `eps_name`
 //       in place, and sources and weight are fp32 (where the fused norm rounds as the module does); else None.
 PyObject* python_run_site_normed(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
@@ -2038,12 +2185,7 @@ PyObject* python_run_site_normed(PyObject* self, PyObject* const* args, Py_ssize
     Py_RETURN_NONE;
   }
   try {
-    if (at::GradMode::is_enabled()) {
-      // Gradients recorded: the aggregation's node, then the norm's (each a C++ autograd node).
-      const at::Tensor aggregate = run_operator(sources, THPVariable_Unpack(site.proj), THPVariable_Unpack(site.norm),
-                                                site.eps, site.preserve_scale);
-      return THPVariable_Wrap(run_norm_operator(aggregate, out_weight, PyFloat_AS_DOUBLE(eps)));
-    }
+    // With gradients recorded, one autograd node for both (AggregateFunction).
     return THPVariable_Wrap(run_normed_operator(sources, THPVariable_Unpack(site.proj), THPVariable_Unpack(site.norm),
                                                 site.eps, site.preserve_scale, out_weight, PyFloat_AS_DOUBLE(eps)));
   } catch (const c10::Error&) {

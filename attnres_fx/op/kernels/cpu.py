@@ -54,8 +54,8 @@ class Entries:
     it as :func:`_run_site_traced`, which always returns ``None``: the Python path, whose plain ops Inductor fuses.
 
     ``run_site_normed(site_class, module, entered, sources, norm, norm_class, norm_forward, weight_name,
-    eps_name)``: :func:`attnres_fx.op.module.site_normed`'s operator call (with gradients recorded, the
-    aggregation's and the norm's), where both modules would run as matched; else ``None`` (and under
+    eps_name)``: :func:`attnres_fx.op.module.site_normed`'s operator call (with gradients recorded, one node
+    for both), where both modules would run as matched; else ``None`` (and under
     TorchDynamo, as ``run_site``).
 
     ``bundle(state, carrier, tensors)``, ``unbundle(state, carrier, tensors)``, ``add_grads(holder, grads)``,
