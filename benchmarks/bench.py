@@ -1196,11 +1196,11 @@ def markdown(settings: Settings, results: dict) -> str:
         lines.append("")
     deep = results.get("deep_train")
     if deep:
-        lines += [f"## Training step, eager, {deep['shape']} ({deep['clock']}; {deep['copies']} copies a side "
-                  f"averaged per round, {deep['rounds']} rounds)", "",
+        timing = f"{deep['clock']}; {deep['copies']} copies a side averaged per round, {deep['rounds']} rounds"
+        lines += [f"## Training step, eager, {deep['shape']} ({timing})", "",
                   *_head("original", "converted", "median of round ratios"),
-                  f"| {_cell(deep['train']['original'])} | {_cell(deep['train']['converted'])} | "
-                  f"{deep['paired_ratio']['converted']:.3f} |", ""]
+                  _row(_cell(deep["train"]["original"]), _cell(deep["train"]["converted"]),
+                       f"{deep['paired_ratio']['converted']:.3f}"), ""]
     choices = results.get("choices")
     if choices:
         lines += _choice_tables(choices)
