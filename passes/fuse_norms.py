@@ -6,9 +6,11 @@ alone (``attention_norm(run_site(...))``). Where that norm module computes ``x *
 eps) * weight`` (matched on the module's own fx graph: :func:`match_rms_norm`), the two calls become one
 :func:`~attnres_fx.op.module.site_normed` call. Without gradients the C++ kernel runs both as one operator:
 each result row is normalised while it is still in cache, and a decoding step makes one call where the
-norm alone made some six (pow, mean, add, rsqrt and two products). With gradients the aggregation's node
-is followed by one C++ node for the norm (``attnres_cpu::rms_norm``: one pass per row forward and one
-backward, where the module's ops make some six and ten). Where it cannot take the call when it runs
+norm alone made some six (pow, mean, add, rsqrt and two products). With gradients the same operator
+records one C++ node for both, which keeps what the aggregation's node keeps and the norm's weight but not
+the aggregate: its backward recomputes each row from the sources it reads anyway and runs the norm's
+backward on it in cache (where the module's ops make some six passes forward and ten backward, and keep
+their input). Where it cannot take the call when it runs
 (hooks on either module, another module put in the norm's place, its class's forward replaced, a constant
 of the norm other than its eps changed (the blocks of one kind share their code, whatever their norms'
 constants), not fp32, a tensor subclass, TorchDynamo tracing), the call is ``norm(run_site(...))`` as before.

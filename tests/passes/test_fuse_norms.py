@@ -247,17 +247,13 @@ def test_with_gradients_the_fused_call_gives_the_two_modules_gradients(name, sha
         torch.testing.assert_close(got_grad, want_grad, rtol=RTOL, atol=1e-5)
 
 
-@needs_cpu_kernel
-def test_a_second_derivative_through_the_fused_norm_is_an_error():
-    x = torch.randn(2, 3, 8, requires_grad=True)
-    out = torch.ops.attnres_cpu.rms_norm(x, torch.ones(8), 1e-5)
-    (grad,) = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError, match="not implemented"):
-        grad.sum().backward()
+def _rms_norm(x, weight, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
 def _fused_and_apart(shape, count, preserve_scale):
-    """The fused operator's result and gradients, and those of the aggregation and the norm called apart."""
+    """The fused operator's result and gradients, and those of the aggregation's operator followed by the
+    norm's PyTorch ops."""
     sources = [s.requires_grad_() for s in _sources(shape, count)]
     module = _site(shape[-1])
     weight = (torch.rand(shape[-1], generator=torch.Generator().manual_seed(3)) + 0.5).requires_grad_()
@@ -265,8 +261,8 @@ def _fused_and_apart(shape, count, preserve_scale):
     grad = torch.randn(shape, generator=torch.Generator().manual_seed(5))
     ops = torch.ops.attnres_cpu
     got = ops.aggregate_normed(sources, module.proj.weight, module.norm.weight, 1e-6, preserve_scale, weight, 1e-5)
-    want = ops.rms_norm(ops.aggregate(sources, module.proj.weight, module.norm.weight, 1e-6, preserve_scale),
-                        weight, 1e-5)
+    want = _rms_norm(ops.aggregate(sources, module.proj.weight, module.norm.weight, 1e-6, preserve_scale), weight,
+                     1e-5)
     return (got, torch.autograd.grad(got, leaves, grad)), (want, torch.autograd.grad(want, leaves, grad))
 
 
@@ -276,18 +272,20 @@ def _fused_and_apart(shape, count, preserve_scale):
                          ids=["many", "one token and source", "odd width, nine sources"])
 def test_the_fused_operator_gives_the_gradients_of_the_two_apart(shape, count, preserve_scale):
     """Its backward recomputes the rows before the norm from the sources and the saved logits: the same
-    gradients as the aggregation's node and the norm's, a few units in fp32's last place apart (the
-    recomputed rows differ from the stored ones by as much: a softmax divided rather than multiplied)."""
+    gradients as the aggregation's node followed by the norm's ops, a few units in fp32's last place apart (the
+    norm's sums in another order; the recomputed rows differ from the stored ones by as much: a softmax
+    divided rather than multiplied). The weights' gradients sum over every token: up to 7e-6 apart relative
+    to their norm at 210 tokens; bound 2e-5."""
     (got, got_grads), (want, want_grads) = _fused_and_apart(shape, count, preserve_scale)
     torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
     for got_grad, want_grad in zip(got_grads, want_grads, strict=True):
-        torch.testing.assert_close(got_grad, want_grad, rtol=RTOL, atol=1e-5)
+        assert relative_error(got_grad, want_grad) < 2e-5
 
 
 @needs_cpu_kernel
 def test_the_fused_operator_keeps_no_rows_between_the_aggregation_and_the_norm():
-    """What its node saves: the sources, the logits' parts (2 x K x T floats), the three weights; the norm
-    called apart keeps its input, one more stream-sized tensor."""
+    """What its node saves: the sources, the logits' parts (2 x K x T floats), the three weights; the norm's
+    ops called apart keep their input and more, stream-sized tensors."""
     sources = [s.requires_grad_() for s in _sources((2, 16, 32), 3)]
     module = _site(32)
     weight = torch.ones(32, requires_grad=True)
@@ -303,8 +301,8 @@ def test_the_fused_operator_keeps_no_rows_between_the_aggregation_and_the_norm()
     fused, count = saved(lambda: ops.aggregate_normed(sources, module.proj.weight, module.norm.weight, 1e-6, False,
                                                       weight, 1e-5))
     assert fused == [(1, 32), (2, 3, 32), (32,), (32,)] and count == 3 + 4
-    apart, _ = saved(lambda: ops.rms_norm(ops.aggregate(sources, module.proj.weight, module.norm.weight, 1e-6, False),
-                                          weight, 1e-5))
+    apart, _ = saved(lambda: _rms_norm(ops.aggregate(sources, module.proj.weight, module.norm.weight, 1e-6, False),
+                                       weight, 1e-5))
     assert (2, 16, 32) in apart
 
 
@@ -314,7 +312,7 @@ def test_the_fused_operator_under_a_profiler_calls_its_backward_through_the_disp
     with torch.profiler.profile() as profile:
         (_, got_grads), (_, want_grads) = _fused_and_apart((2, 9, 48), 3, False)
     for got_grad, want_grad in zip(got_grads, want_grads, strict=True):
-        torch.testing.assert_close(got_grad, want_grad, rtol=RTOL, atol=1e-5)
+        assert relative_error(got_grad, want_grad) < 2e-5
     names = {event.name for event in profile.events()}
     assert {"attnres_cpu::aggregate_normed_saving_logits", "attnres_cpu::aggregate_normed_backward_saved"} <= names
 

@@ -537,9 +537,43 @@ inline void source_grads(const T* const* __restrict rows, int64_t row_stride, T*
   }
 }
 
+// The backward of the RMS norm a site's only reader applies (attnres_fx/passes/fuse_norms.py), for rows
+// begin .. end of x (out = x * r * weight, r = 1 / sqrt(mean(x^2) + eps) per row, given): one pass per row,
+// u = g * weight, dx = r * u - x * r^3 * (u . x) / D, and dweight += g * x * r. The module's own ops make
+// some six passes forward and ten backward (180-250 us at [2, 128, 128-256], one thread). fp32.
 void rms_norm_backward_rows(const float* __restrict grad, const float* __restrict x, const float* __restrict weight,
                             const float* __restrict inverse, int64_t D, float* __restrict dx, float* __restrict dweight,
-                            int64_t begin, int64_t end);
+                            int64_t begin, int64_t end) {
+  for (int64_t t = begin; t < end; ++t) {
+    const float* g = grad + t * D;
+    const float* v = x + t * D;
+    Vec along0(0.f), along1(0.f);
+    int64_t d = 0;
+    for (; d + 2 * kLanes <= D; d += 2 * kLanes) {
+      along0 = at::vec::fmadd(Vec::loadu(g + d) * Vec::loadu(weight + d), Vec::loadu(v + d), along0);
+      along1 = at::vec::fmadd(Vec::loadu(g + d + kLanes) * Vec::loadu(weight + d + kLanes), Vec::loadu(v + d + kLanes),
+                              along1);
+    }
+    for (; d + kLanes <= D; d += kLanes) {
+      along0 = at::vec::fmadd(Vec::loadu(g + d) * Vec::loadu(weight + d), Vec::loadu(v + d), along0);
+    }
+    float along = sum_lanes(along0 + along1);
+    for (; d < D; ++d) along += g[d] * weight[d] * v[d];
+    const float r = inverse[t];
+    const float c = r * r * r * along / static_cast<float>(D);
+    const Vec r_v(r), c_v(c);
+    d = 0;
+    for (; d + kLanes <= D; d += kLanes) {
+      const Vec gv = Vec::loadu(g + d), xv = Vec::loadu(v + d);
+      (r_v * gv * Vec::loadu(weight + d) - xv * c_v).store(dx + t * D + d);
+      at::vec::fmadd(gv * xv, r_v, Vec::loadu(dweight + d)).store(dweight + d);
+    }
+    for (; d < D; ++d) {
+      dx[t * D + d] = r * g[d] * weight[d] - v[d] * c;
+      dweight[d] += g[d] * v[d] * r;
+    }
+  }
+}
 
 // Note [backward] of attnres_fx/aggregation.py, per tile of tokens: the first look at each token's K
 // source rows gives their logits and g . v; the softmax and the per-source coefficients run on vectors
@@ -1177,105 +1211,6 @@ std::tuple<at::Tensor, at::Tensor> weight_grads_meta(const at::Tensor& grad_quer
 }
 
 // ------------------------------------------------------------------------------------- autograd
-// ------------------------------------------------------------------------------------- RMS norm
-// The RMS norm a site's only reader applies (attnres_fx/passes/fuse_norms.py) where a gradient is recorded:
-// out = x * r * weight, r = 1 / sqrt(mean(x^2) + eps) per row, kept for the backward, which is one pass per
-// row: u = g * weight, dx = r * u - x * r^3 * (u . x) / D, and dweight += g * x * r. The module's own ops
-// make some six passes forward and ten backward (180-250 us at [2, 128, 128-256], one thread). fp32.
-void rms_norm_rows(const float* __restrict x, const float* __restrict weight, int64_t D, float eps,
-                   float* __restrict out, float* __restrict inverse, int64_t begin, int64_t end) {
-  for (int64_t t = begin; t < end; ++t) {
-    inverse[t] = inverse_rms(x + t * D, D, eps);
-    scaled_row(x + t * D, weight, inverse[t], D, out + t * D);
-  }
-}
-
-void rms_norm_backward_rows(const float* __restrict grad, const float* __restrict x, const float* __restrict weight,
-                            const float* __restrict inverse, int64_t D, float* __restrict dx, float* __restrict dweight,
-                            int64_t begin, int64_t end) {
-  for (int64_t t = begin; t < end; ++t) {
-    const float* g = grad + t * D;
-    const float* v = x + t * D;
-    Vec along0(0.f), along1(0.f);
-    int64_t d = 0;
-    for (; d + 2 * kLanes <= D; d += 2 * kLanes) {
-      along0 = at::vec::fmadd(Vec::loadu(g + d) * Vec::loadu(weight + d), Vec::loadu(v + d), along0);
-      along1 = at::vec::fmadd(Vec::loadu(g + d + kLanes) * Vec::loadu(weight + d + kLanes), Vec::loadu(v + d + kLanes),
-                              along1);
-    }
-    for (; d + kLanes <= D; d += kLanes) {
-      along0 = at::vec::fmadd(Vec::loadu(g + d) * Vec::loadu(weight + d), Vec::loadu(v + d), along0);
-    }
-    float along = sum_lanes(along0 + along1);
-    for (; d < D; ++d) along += g[d] * weight[d] * v[d];
-    const float r = inverse[t];
-    const float c = r * r * r * along / static_cast<float>(D);
-    const Vec r_v(r), c_v(c);
-    d = 0;
-    for (; d + kLanes <= D; d += kLanes) {
-      const Vec gv = Vec::loadu(g + d), xv = Vec::loadu(v + d);
-      (r_v * gv * Vec::loadu(weight + d) - xv * c_v).store(dx + t * D + d);
-      at::vec::fmadd(gv * xv, r_v, Vec::loadu(dweight + d)).store(dweight + d);
-    }
-    for (; d < D; ++d) {
-      dx[t * D + d] = r * g[d] * weight[d] - v[d] * c;
-      dweight[d] += g[d] * v[d] * r;
-    }
-  }
-}
-
-void check_rms_norm(const at::Tensor& x, const at::Tensor& weight, const char* what) {
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu() && x.scalar_type() == at::kFloat &&
-                  weight.scalar_type() == at::kFloat && x.dim() >= 1 && weight.dim() == 1 &&
-                  weight.numel() == x.size(-1) && x.size(-1) > 0,
-              what, ": fp32 CPU x [..., D] and weight [D], got ", x.sizes(), " ", x.scalar_type(), " and ",
-              weight.sizes(), " ", weight.scalar_type());
-}
-
-std::tuple<at::Tensor, at::Tensor> rms_norm_saving(const at::Tensor& x_in, const at::Tensor& weight_in, double eps) {
-  check_rms_norm(x_in, weight_in, "attnres_cpu::rms_norm");
-  const at::Tensor x = x_in.contiguous(), weight = weight_in.contiguous();
-  const int64_t D = x.size(-1), T = x.numel() / D;
-  at::Tensor out(at::detail::empty_cpu(x.sizes(), at::kFloat));
-  at::Tensor inverse(at::detail::empty_cpu({T}, at::kFloat));
-  const float* xp = x.const_data_ptr<float>();
-  const float* wp = weight.const_data_ptr<float>();
-  float* op = out.mutable_data_ptr<float>();
-  float* rp = inverse.mutable_data_ptr<float>();
-  at::parallel_for(0, T, grain(2 * D), [&](int64_t begin, int64_t end) {
-    rms_norm_rows(xp, wp, D, static_cast<float>(eps), op, rp, begin, end);
-  });
-  return {out, inverse};
-}
-
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  return std::get<0>(rms_norm_saving(x, weight, eps));
-}
-
-std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_in, const at::Tensor& x_in,
-                                                     const at::Tensor& inverse_in, const at::Tensor& weight_in) {
-  check_rms_norm(x_in, weight_in, "attnres_cpu::rms_norm_backward");
-  const at::Tensor grad = grad_in.to(at::kFloat).contiguous(), x = x_in.contiguous();
-  const at::Tensor inverse = inverse_in.contiguous(), weight = weight_in.contiguous();
-  TORCH_CHECK(grad.sizes() == x.sizes(), "attnres_cpu::rms_norm_backward: grad ", grad.sizes(), " for x ", x.sizes());
-  const int64_t D = x.size(-1), T = x.numel() / D;
-  at::Tensor dx(at::detail::empty_cpu(x.sizes(), at::kFloat));
-  // dweight sums over every row: a buffer per chunk of rows, added at the end.
-  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), T / grain(3 * D)));
-  at::Tensor partial = at::zeros({chunks, D}, x.options());
-  const float* gp = grad.const_data_ptr<float>();
-  const float* xp = x.const_data_ptr<float>();
-  const float* wp = weight.const_data_ptr<float>();
-  const float* rp = inverse.const_data_ptr<float>();
-  float* dxp = dx.mutable_data_ptr<float>();
-  float* pp = partial.mutable_data_ptr<float>();
-  at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
-    for (int64_t c = first; c < last; ++c) {
-      rms_norm_backward_rows(gp, xp, wp, rp, D, dxp, pp + c * D, T * c / chunks, T * (c + 1) / chunks);
-    }
-  });
-  return {dx, chunks == 1 ? partial.view({D}) : partial.sum(0)};
-}
 
 // The operators through the dispatcher (below autograd, under the guards the callers set): whatever
 // implements them for the tensors' device, and whatever dispatch modes are active, see the calls. Each
@@ -1298,9 +1233,6 @@ const auto& normed_backward_op() {
   return dispatched<aggregate_normed_backward_saved>("attnres_cpu::aggregate_normed_backward_saved");
 }
 const auto& weight_grads_op() { return dispatched<weight_grads>("attnres_cpu::weight_grads"); }
-const auto& rms_norm_op() { return dispatched<rms_norm>("attnres_cpu::rms_norm"); }
-const auto& rms_norm_saving_op() { return dispatched<rms_norm_saving>("attnres_cpu::rms_norm_saving"); }
-const auto& rms_norm_backward_op() { return dispatched<rms_norm_backward>("attnres_cpu::rms_norm_backward"); }
 
 // Shapes only, for fake tensors (torch.library.opcheck, FakeTensorMode), symbolic sizes included: the
 // checks of check_sources on sym_sizes.
@@ -1751,38 +1683,6 @@ class AggregateFunction : public torch::autograd::Function<AggregateFunction> {
   }
 };
 
-// The norm's node: x, weight and the rows' inverse RMS kept; the backward's kernel called below autograd
-// where no graph of the backward is recorded (else the operator's fallback marks its results as not
-// differentiable: a second derivative through it is an error, as through the aggregation).
-class RMSNormFunction : public torch::autograd::Function<RMSNormFunction> {
- public:
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            double eps) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [out, inverse] = rms_norm_saving_op().call(x, weight, eps);
-    ctx->save_for_backward({x, weight, inverse});
-    return out;
-  }
-
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grad_outputs) {
-    const auto saved = ctx->get_saved_variables();
-    std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
-    if (!at::GradMode::is_enabled()) below_autograd.emplace();
-    auto [dx, dweight] = rms_norm_backward_op().call(grad_outputs[0], saved[0], saved[2], saved[1]);
-    return {ctx->needs_input_grad(0) ? dx : at::Tensor(), ctx->needs_input_grad(1) ? dweight : at::Tensor(),
-            at::Tensor()};
-  }
-};
-
-at::Tensor rms_norm_autograd(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  if (!(at::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad()))) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return rms_norm_op().call(x, weight, eps);
-  }
-  return RMSNormFunction::apply(x, weight, eps);
-}
-
 at::Tensor aggregate_autograd(at::TensorList sources, const at::Tensor& proj_weight, const at::Tensor& norm_weight,
                               double eps, bool preserve_scale) {
   bool wants_grad = false;
@@ -1834,9 +1734,6 @@ TORCH_LIBRARY(attnres_cpu, m) {
   m.def("aggregate_normed_backward_saved(Tensor grad, Tensor[] sources, Tensor saved, Tensor proj_weight, "
         "Tensor norm_weight, float eps, bool preserve_scale, Tensor out_norm_weight, float out_norm_eps) -> "
         "(Tensor[], Tensor, Tensor)");
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("rms_norm_saving(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)");
-  m.def("rms_norm_backward(Tensor grad, Tensor x, Tensor inverse_rms, Tensor weight) -> (Tensor, Tensor)");
   m.def("weight_grads(Tensor grad_query, Tensor proj_weight, Tensor norm_weight) -> (Tensor, Tensor)");
   m.def("phase1(Tensor[] blocks, Tensor[] proj_weights, Tensor[] norm_weights, float eps) -> (Tensor[], Tensor[], "
         "Tensor[])");
@@ -1851,9 +1748,6 @@ TORCH_LIBRARY_IMPL(attnres_cpu, CPU, m) {
   m.impl("aggregate_normed", &attnres_cpu::aggregate_normed);
   m.impl("aggregate_normed_saving_logits", &attnres_cpu::aggregate_normed_saving_logits);
   m.impl("aggregate_normed_backward_saved", &attnres_cpu::aggregate_normed_backward_saved);
-  m.impl("rms_norm", &attnres_cpu::rms_norm);
-  m.impl("rms_norm_saving", &attnres_cpu::rms_norm_saving);
-  m.impl("rms_norm_backward", &attnres_cpu::rms_norm_backward);
   m.impl("aggregate_backward_saved", &attnres_cpu::aggregate_backward_saved);
   m.impl("weight_grads", &attnres_cpu::weight_grads);
   m.impl("phase1", &attnres_cpu::phase1);
@@ -1863,12 +1757,9 @@ TORCH_LIBRARY_IMPL(attnres_cpu, CPU, m) {
 TORCH_LIBRARY_IMPL(attnres_cpu, Autograd, m) {
   m.impl("aggregate", &attnres_cpu::aggregate_autograd);
   m.impl("aggregate_normed", &attnres_cpu::aggregate_normed_autograd);
-  m.impl("rms_norm", &attnres_cpu::rms_norm_autograd);
   // No backward: a gradient asked of its result is an error, not a silent zero.
   m.impl("aggregate_normed_saving_logits", torch::autograd::autogradNotImplementedFallback());
   m.impl("aggregate_normed_backward_saved", torch::autograd::autogradNotImplementedFallback());
-  m.impl("rms_norm_saving", torch::autograd::autogradNotImplementedFallback());
-  m.impl("rms_norm_backward", torch::autograd::autogradNotImplementedFallback());
 }
 
 TORCH_LIBRARY_IMPL(attnres_cpu, Meta, m) {
