@@ -944,6 +944,33 @@ at::Tensor aggregate_normed(at::TensorList sources, const at::Tensor& proj_weigh
                              out_norm_eps));
 }
 
+// A [D] fp32 sum over a call's tokens, taken in chunks (a thread's each): one partial sum per chunk, added
+// in chunk order at the end (deterministic, no atomics); a single chunk (one thread, or few tokens) sums
+// straight into the result. Allocated below the dispatcher, as the backward's other results.
+class ChunkSums {
+ public:
+  ChunkSums(int64_t chunks, int64_t D)
+      : D_(D), result_(at::detail::empty_cpu({D}, at::kFloat)), partial_(chunks > 1 ? chunks * D : 0, 0.f) {
+    if (chunks == 1) std::fill(result(), result() + D, 0.f);
+  }
+  float* chunk(int64_t c) { return partial_.empty() ? result() : partial_.data() + c * D_; }
+  at::Tensor total() {
+    if (!partial_.empty()) {
+      std::copy(partial_.begin(), partial_.begin() + D_, result());
+      for (size_t c = 1; c < partial_.size() / D_; ++c) {
+        for (int64_t d = 0; d < D_; ++d) result()[d] += partial_[c * D_ + d];
+      }
+    }
+    return result_;
+  }
+
+ private:
+  float* result() { return result_.mutable_data_ptr<float>(); }
+  int64_t D_;
+  at::Tensor result_;
+  std::vector<float> partial_;
+};
+
 // Work counts for tests (deposit_counts, Note [gradient deposits]): gradients deposited, and sums a
 // site's kernel wrote over in place.
 std::atomic<int64_t> deposits_made{0};
@@ -1019,17 +1046,10 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> backward(const at::Tensor& grad_
     grads.emplace_back(overwrite ? *sum : at::Tensor(at::detail::empty_cpu(sources[0].sizes(), dtype)));
     if (overwrite) ++sums_written_over;
   }
-  at::Tensor grad_query(at::detail::empty_cpu({D}, at::kFloat));
-  // One partial dL/dq per chunk of tokens, summed at the end: deterministic, no atomics. A single chunk
-  // (one thread, or few tokens) sums straight into the result.
   const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), T / grain(K * D)));
-  float* const out = grad_query.mutable_data_ptr<float>();
-  std::vector<float> partial_dq(chunks > 1 ? chunks * D : 0, 0.f);
-  float* const dq = chunks > 1 ? partial_dq.data() : out;
-  if (chunks == 1) std::fill(out, out + D, 0.f);
-  // The norm weight's gradient likewise: one partial sum per chunk, added at the end.
-  at::Tensor partial_dweight = normed ? at::zeros({chunks, D}, at::kFloat) : at::Tensor();
-  float* const dweight = normed ? partial_dweight.mutable_data_ptr<float>() : nullptr;
+  ChunkSums dq(chunks, D);
+  std::optional<ChunkSums> dweight;  // the norm weight's gradient
+  if (normed) dweight.emplace(chunks, D);
   const OutputNorm<float> out_norm{normed ? out_norm_weight.const_data_ptr<float>() : nullptr,
                                    static_cast<float>(out_norm_eps)};
   ATTNRES_DISPATCH(dtype, "attnres_aggregate_backward", [&] {
@@ -1053,20 +1073,14 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> backward(const at::Tensor& grad_
       c10::SmallVector<const scalar_t*, kInlineSources * kTile> rows_of_tile(kTile * K);
       for (int64_t c = first; c < last; ++c) {
         backward_rows(g, s, gs, K, q, D, static_cast<float>(eps), scale, g_rows.data(), rows_of_tile.data(),
-                      stats.data(), dq + c * D, c * T / chunks, (c + 1) * T / chunks, kept, T,
-                      adding ? add.data() : nullptr, zero_row.data(), out_norm, normed ? dweight + c * D : nullptr,
+                      stats.data(), dq.chunk(c), c * T / chunks, (c + 1) * T / chunks, kept, T,
+                      adding ? add.data() : nullptr, zero_row.data(), out_norm, normed ? dweight->chunk(c) : nullptr,
                       h_row.data());
       }
     });
   });
-  if (chunks > 1) {
-    std::copy(partial_dq.begin(), partial_dq.begin() + D, out);
-    for (int64_t c = 1; c < chunks; ++c) {
-      for (int64_t d = 0; d < D; ++d) out[d] += partial_dq[c * D + d];
-    }
-  }
-  if (normed) *grad_out_norm_weight = chunks == 1 ? partial_dweight.view({D}) : partial_dweight.sum(0);
-  return {grads, grad_query};
+  if (normed) *grad_out_norm_weight = dweight->total();
+  return {grads, dq.total()};
 }
 
 std::tuple<std::vector<at::Tensor>, at::Tensor> aggregate_backward(const at::Tensor& grad, at::TensorList sources,
