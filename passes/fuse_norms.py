@@ -3,7 +3,8 @@ block code.
 
 Once a pre-norm block's residual adds are rewritten, what a site aggregates is read by the sublayer's norm
 alone (``attention_norm(run_site(...))``). Where that norm module computes ``x * rsqrt(mean(x ** 2, -1) +
-eps) * weight`` (matched on the module's own fx graph: :func:`match_rms_norm`), the two calls become one
+eps) * weight``, or Gemma's ``* (1 + weight)`` (matched on the module's own fx graph: :func:`match_rms_norm`;
+the operator then takes ``1 + weight`` as its weight, added as the module adds it), the two calls become one
 :func:`~attnres_fx.op.module.site_normed` call. Without gradients the C++ kernel runs both as one operator:
 each result row is normalised while it is still in cache, and a decoding step makes one call where the
 norm alone made some six (pow, mean, add, rsqrt and two products). With gradients the same operator
@@ -85,8 +86,9 @@ def match_rms_norm(module: nn.Module, graph: fx.Graph) -> FusedNorm | FailedMatc
     (:func:`attnres_fx.capture.block_tracer.module_graph`), where that computes ``x * rsqrt(mean(x ** 2, -1,
     keepdim=True) + eps) * weight`` of its one input (the three factors in any order, ``pow(x, 2)``,
     ``square(x)`` or ``x * x``, casts to float32 and back to the input's dtype seen through) or calls
-    ``rms_norm(x, (D,), weight, eps)``, with ``weight`` a ``[D]`` parameter of its own and ``eps`` a float
-    attribute of its own (read when the call runs); else a :class:`FailedMatch`."""
+    ``rms_norm(x, (D,), weight, eps)``, with ``weight`` a ``[D]`` parameter of its own, or that parameter plus
+    a float constant (Gemma's ``1 + weight``: ``FusedNorm.weight_offset``), and ``eps`` a float attribute of
+    its own (read when the call runs); else a :class:`FailedMatch`."""
     inputs = graph.find_nodes(op="placeholder")
     (output,) = graph.find_nodes(op="output")
     result = output.args[0]
@@ -96,7 +98,7 @@ def match_rms_norm(module: nn.Module, graph: fx.Graph) -> FusedNorm | FailedMatc
     parts = _rms_norm_call(result, x) or _written_out(result, x)
     if not parts:
         return FailedMatch(lambda: "its forward computes no RMS norm of its input times a weight")
-    weight_node, eps = parts
+    weight_node, offset, eps = parts
     weight = module._parameters.get(weight_node.target) if weight_node.op == "get_attr" else None
     if weight is None or weight.dim() != 1:
         return FailedMatch(lambda: "its weight is no [D] parameter of its own")
@@ -107,31 +109,49 @@ def match_rms_norm(module: nn.Module, graph: fx.Graph) -> FusedNorm | FailedMatc
     name = next((name for name in names if "eps" in name.lower()), names[0])
     constants = (("training", module.training),
                  *((key, value) for key, _, value in module_constants(module) if key != name))
-    return FusedNorm(type(module), type(module).forward, weight_node.target, name, constants)
+    return FusedNorm(type(module), type(module).forward, weight_node.target, name, constants, offset)
 
 
-def _rms_norm_call(result: fx.Node, x: fx.Node) -> tuple[fx.Node, float] | None:
-    """``(weight, eps)`` of ``rms_norm(x, (D,), weight, eps)``."""
+def _rms_norm_call(result: fx.Node, x: fx.Node) -> tuple[fx.Node, float, float] | None:
+    """``(weight, offset, eps)`` of ``rms_norm(x, (D,), offset + weight, eps)`` (``offset`` 0.0 where the
+    weight is given as it is)."""
     if result.op != "call_function" or result.target not in (torch.nn.functional.rms_norm, torch.rms_norm):
         return None
     names = ("input", "normalized_shape", "weight", "eps")
     arguments = dict(zip(names, result.args)) | dict(result.kwargs)
     shape, weight, eps = arguments.get("normalized_shape"), arguments.get("weight"), arguments.get("eps")
+    weighted = _weight(weight, x)
     if (_uncast(arguments.get("input"), x) is not x or not isinstance(shape, (tuple, list)) or len(shape) != 1
-            or not isinstance(weight, fx.Node) or type(eps) is not float):
+            or weighted is None or type(eps) is not float):
         return None
-    return weight, eps
+    return *weighted, eps
 
 
-def _written_out(result: fx.Node, x: fx.Node) -> tuple[fx.Node, float] | None:
-    """``(weight, eps)`` of a product of ``x``, ``rsqrt(mean(x ** 2) + eps)`` and ``weight``."""
+def _written_out(result: fx.Node, x: fx.Node) -> tuple[fx.Node, float, float] | None:
+    """``(weight, offset, eps)`` of a product of ``x``, ``rsqrt(mean(x ** 2) + eps)`` and ``weight`` or
+    ``offset + weight`` (Gemma's ``1 + weight``)."""
     factors = _factors(result, x)
     plain = [factor for factor in factors if factor is x]
     scales = [eps for factor in factors if (eps := _inverse_rms(factor, x)) is not None]
-    weights = [factor for factor in factors if isinstance(factor, fx.Node) and factor.op == "get_attr"]
+    weights = [weighted for factor in factors if (weighted := _weight(factor, x)) is not None]
     if len(factors) != 3 or len(plain) != 1 or len(scales) != 1 or len(weights) != 1:
         return None
-    return weights[0], scales[0]
+    return *weights[0], scales[0]
+
+
+def _weight(node, x: fx.Node) -> tuple[fx.Node, float] | None:
+    """``(weight, offset)`` where ``node`` reads an attribute ``weight`` (offset 0.0) or adds a float constant
+    ``offset`` to it (casts seen through)."""
+    node = _uncast(node, x)
+    if isinstance(node, fx.Node) and node.op == "get_attr":
+        return node, 0.0
+    if not isinstance(node, fx.Node) or not is_add(node) or len(node.args) != 2 or node.kwargs:
+        return None
+    weight, offset = node.args if isinstance(node.args[0], fx.Node) else node.args[::-1]
+    weight = _uncast(weight, x)
+    if type(offset) is not float or not isinstance(weight, fx.Node) or weight.op != "get_attr":
+        return None
+    return weight, offset
 
 
 def _factors(node, x: fx.Node) -> list:

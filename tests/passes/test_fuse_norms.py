@@ -52,10 +52,21 @@ class Squared(nn.Module):
 
 
 class OnePlusWeight(models.ScaledNorm):
-    """Gemma's form: ``x * rsqrt(...) * (1 + weight)``: not the matched function."""
+    """Gemma's form: ``x * rsqrt(...) * (1 + weight)``."""
 
     def forward(self, x):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
+
+
+class WeightPlusBuffer(models.ScaledNorm):
+    """``weight + shift`` with ``shift`` a buffer, not a constant: not the matched function."""
+
+    def __init__(self, dim, eps):
+        super().__init__(dim, eps)
+        self.register_buffer("shift", torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (self.weight + self.shift)
 
 
 class ConstantEps(models.ScaledNorm):
@@ -82,10 +93,11 @@ MATCHED = {
     "x * x, other names": lambda d: Squared(d),
     "F.rms_norm, shape read off x": lambda d: models.FunctionalRMSNorm(d, 1e-5),
     "upcast written out": lambda d: models.ManualRMSNorm(d, 1e-5),
+    "1 + weight": lambda d: OnePlusWeight(d, 1e-6),
 }
 UNMATCHED = {
     "layer norm": (lambda d: nn.LayerNorm(d), "computes no RMS norm"),
-    "1 + weight": (lambda d: OnePlusWeight(d, 1e-6), "computes no RMS norm"),
+    "weight + a tensor": (lambda d: WeightPlusBuffer(d, 1e-6), "computes no RMS norm"),
     "eps a constant": (lambda d: ConstantEps(d, 0.5), "no float attribute"),
     "no weight": (lambda d: nn.RMSNorm(d, eps=1e-6, elementwise_affine=False), "computes no RMS norm"),
     "eps None": (lambda d: nn.RMSNorm(d), "computes no RMS norm"),
@@ -125,6 +137,7 @@ def test_rms_norms_written_in_each_form_match(name):
     assert match.norm_class is type(norm) and match.forward is type(norm).forward
     assert isinstance(norm._parameters[match.weight], nn.Parameter) and type(getattr(norm, match.eps)) is float
     assert ("training", norm.training) in match.constants and match.eps not in dict(match.constants)
+    assert match.weight_offset == (1.0 if name == "1 + weight" else 0.0)
 
 
 @needs_hf
@@ -140,6 +153,23 @@ def test_transformers_rms_norms_match():
     with torch.no_grad():
         torch.testing.assert_close(site_normed(match)(module, norm, entered, partial),
                                    norm(run_site(module, entered, partial)), rtol=RTOL, atol=ATOL)
+
+
+@needs_hf
+def test_gemma_rms_norms_match_with_their_one_plus_weight():
+    """Gemma 2's and Gemma 3's: ``(x.float() * rsqrt(...)) * (1.0 + weight.float())``, cast back to the input's
+    dtype."""
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    for norm_class in (Gemma2RMSNorm, Gemma3RMSNorm):
+        norm = _randomised(norm_class(16, eps=1e-6))
+        match = matched(norm)
+        assert match and (match.weight, match.eps, match.weight_offset) == ("weight", "eps", 1.0)
+        module, entered, partial = _site(16), _sources((2, 5, 16), 3), torch.randn(2, 5, 16)
+        with torch.no_grad():
+            torch.testing.assert_close(site_normed(match)(module, norm, entered, partial),
+                                       norm(run_site(module, entered, partial)), rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.parametrize("name", UNMATCHED)
@@ -162,7 +192,7 @@ def test_the_fused_call_is_the_norm_of_the_aggregate(name, shape, preserve_scale
         want = norm(run_site(module, entered, partial))
         match = matched(norm)
         got = cpu.Entries.run_site_normed(BlockAttnRes, module, entered, (partial,), norm, match.norm_class,
-                                          match.forward, match.weight, match.eps)
+                                          match.forward, match.weight, match.eps, match.weight_offset)
         torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
         torch.testing.assert_close(fused(module, norm, entered, partial), want, rtol=RTOL, atol=ATOL)
 
@@ -219,7 +249,7 @@ def test_calls_the_fused_entry_cannot_take_run_as_the_two_modules_would(case):
     with torch.no_grad(), _declines(case, module, norm, sources):
         entered, rest = sources[:3], sources[3:]
         entry = cpu.Entries.run_site_normed(BlockAttnRes, module, entered, tuple(rest), norm, match.norm_class,
-                                            match.forward, match.weight, match.eps)
+                                            match.forward, match.weight, match.eps, match.weight_offset)
         assert (entry is None) == (case not in ("plain", "eps changed"))
         want = norm(module(*entered, *rest))
         got = fused(module, norm, entered, *rest)
@@ -239,7 +269,10 @@ def test_with_gradients_the_fused_call_gives_the_two_modules_gradients(name, sha
     got = fused(module, norm, sources[:3], sources[3])
     assert "AggregateFunction" in got.grad_fn.name(), "one C++ node for the site and the norm"
     (weight,) = norm.parameters()
-    assert any(getattr(edge, "variable", None) is weight for edge, _ in got.grad_fn.next_functions if edge)
+    # The weight's edge: to the parameter itself, or through the node that adds Gemma's 1 to it.
+    reached = [edge for edge, _ in got.grad_fn.next_functions if edge]
+    reached += [edge for node in reached for edge, _ in node.next_functions if edge]
+    assert any(getattr(edge, "variable", None) is weight for edge in reached)
     got_grads = torch.autograd.grad(got, leaves, grad)
     want = norm(module(*sources))
     torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)

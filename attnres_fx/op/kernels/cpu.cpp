@@ -2046,17 +2046,20 @@ PyObject* python_run_site(PyObject* self, PyObject* const* args, Py_ssize_t narg
   END_HANDLE_TH_ERRORS
 }
 
-//   run_site_normed(site_class, module, entered, sources, norm, norm_class, norm_forward, weight_name, eps_name)
+//   run_site_normed(site_class, module, entered, sources, norm, norm_class, norm_forward, weight_name, eps_name,
+//                   weight_offset)
 //       attnres_fx/op/module.py's site_normed: norm(run_site(module, entered, *sources)) as one operator call
 //       (attnres_cpu::aggregate_normed; where a gradient is recorded, one AggregateFunction node)
 //       where run_site's C path would run, `norm` is exactly `norm_class`, whose forward is still
-//       `norm_forward` (the RMS norm that was matched), without hooks or an instance forward, its parameter `weight_name` and its float attribute `eps_name`
-//       in place, and sources and weight are fp32 (where the fused norm rounds as the module does); else None.
+//       `norm_forward` (the RMS norm that was matched), without hooks or an instance forward, its parameter
+//       `weight_name` and its float attribute `eps_name` in place, and sources and weight are fp32 (where the
+//       fused norm rounds as the module does); else None. The norm scales by weight + weight_offset (a float;
+//       Gemma's 1 + weight), added as the module adds it, in fp32 (its own node where a gradient is recorded).
 PyObject* python_run_site_normed(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  if (nargs != 9 || !PyUnicode_Check(args[7]) || !PyUnicode_Check(args[8])) {
+  if (nargs != 10 || !PyUnicode_Check(args[7]) || !PyUnicode_Check(args[8]) || !PyFloat_Check(args[9])) {
     PyErr_SetString(PyExc_TypeError, "run_site_normed(site_class, module, entered, sources, norm, norm_class, "
-                                     "norm_forward, weight_name: str, eps_name: str)");
+                                     "norm_forward, weight_name: str, eps_name: str, weight_offset: float)");
     return nullptr;
   }
   if (reinterpret_cast<PyObject*>(Py_TYPE(args[4])) != args[5]) Py_RETURN_NONE;
@@ -2090,9 +2093,12 @@ PyObject* python_run_site_normed(PyObject* self, PyObject* const* args, Py_ssize
     Py_RETURN_NONE;
   }
   try {
+    const double offset = PyFloat_AS_DOUBLE(args[9]);
     // With gradients recorded, one autograd node for both (AggregateFunction).
     return THPVariable_Wrap(run_normed_operator(sources, THPVariable_Unpack(site.proj), THPVariable_Unpack(site.norm),
-                                                site.eps, site.preserve_scale, out_weight, PyFloat_AS_DOUBLE(eps)));
+                                                site.eps, site.preserve_scale,
+                                                offset == 0.0 ? out_weight : out_weight + offset,
+                                                PyFloat_AS_DOUBLE(eps)));
   } catch (const c10::Error&) {
     Py_RETURN_NONE;  // sources the operator refuses (mixed shapes or dtypes): the Python path decides
   }
