@@ -27,7 +27,9 @@ Autograd: the backward is one more operator, ``attnres::aggregate_backward``, re
 of all sources and of the folded query (Note [backward] in :mod:`attnres_fx.op.aggregation`); the
 forward of ``attnres::aggregate`` saves only its inputs, through ``ctx.save_for_backward`` (so
 ``saved_tensors_hooks``, activation offloading and checkpointing manage them), and the backward
-recomputes the per-token logits in the same look at each source that gives ``g . v``. Fake (meta) implementations let
+recomputes the per-token logits in the same look at each source that gives ``g . v``. A backward that
+records its graph (``create_graph=True``) differentiates :func:`~attnres_fx.op.aggregation.fusable`
+instead, on both operators' nodes: the kernels' backward has no derivative of its own. Fake (meta) implementations let
 torch.export and AOTAutograd trace the operator. Graph captures of :class:`attnres_fx.BlockAttnRes`
 nevertheless see plain ops (:func:`attnres_fx.op.module.aggregate`): Inductor treats a custom
 operator as an opaque call and fuses plain ops with their neighbours; exporters get the form
@@ -168,6 +170,18 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad):
     proj_weight, norm_weight, *sources = ctx.saved_tensors
+    if torch.is_grad_enabled():
+        # A backward recording its graph (create_graph=True, gradients of gradients): the gradients of the
+        # PyTorch formulation, with theirs; attnres::aggregate_backward's would have no derivative. Each
+        # input through an alias of its own: a source computed from another (a block's sum from the blocks
+        # before it) would otherwise get, through that other, the total derivative, not its own.
+        inputs = [tensor.view_as(tensor) if tensor.requires_grad else tensor
+                  for tensor in (*sources, proj_weight, norm_weight)]
+        wanted = [tensor for tensor in inputs if tensor.requires_grad]
+        out = aggregation.fusable(inputs[-2], inputs[-1], inputs[:-2], eps=ctx.eps, preserve_scale=ctx.preserve_scale)
+        found = iter(torch.autograd.grad(out, wanted, grad, create_graph=True, allow_unused=True) if wanted else ())
+        grads = [next(found) if tensor.requires_grad else None for tensor in inputs]
+        return grads[:-2], grads[-2], grads[-1], None, None
     grads, grad_query = torch.ops.attnres.aggregate_backward(grad, sources, proj_weight, norm_weight, ctx.eps,
                                                              ctx.preserve_scale)
     grad_proj = (grad_query * norm_weight.float()).reshape(proj_weight.shape).to(proj_weight.dtype)

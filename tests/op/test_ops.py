@@ -293,6 +293,41 @@ def test_the_cpu_operators_backward_is_a_cpp_node_and_eager_calls_use_it():
         assert module(*_sources((2, 4, 16), 3)).grad_fn is None
 
 
+def _gradients_of_gradients(call, leaves):
+    """Second derivatives of a gradient penalty: ``d/dleaves sum(grad(out^2)^2)``."""
+    grads = torch.autograd.grad(call().square().sum(), leaves, create_graph=True)
+    return torch.autograd.grad(sum(grad.square().sum() for grad in grads), leaves)
+
+
+@pytest.mark.parametrize("caller", ["cpu operator", "operator"])
+@pytest.mark.parametrize("preserve_scale", [False, True])
+@pytest.mark.parametrize("k,shape", [(3, (2, 5, 16)), (5, (2, 7, 33))])
+def test_gradients_of_gradients_equal_the_pytorch_formulations(caller, preserve_scale, k, shape):
+    """A backward recording its graph (``create_graph=True``: a gradient penalty) differentiates the PyTorch
+    formulation, as the kernels' backward has no derivative (taken through it, every second derivative
+    was silently zero); each source's own, where sources are built from each other. fp32 second
+    derivatives through a softmax and two rsqrt: bound 2e-5 (relative_error)."""
+    from attnres_fx.checks import relative_error
+
+    if caller == "cpu operator" and not cpu.available():
+        pytest.skip(f"the C++ kernel: {cpu.unavailable_reason()}")
+    proj, norm = _weights(shape[-1])
+    branches = _sources(shape, k)
+    leaves = [*branches, proj.weight, norm.weight]
+
+    def stream():  # each source the sum of the branches so far, as a stream's blocks are
+        return [sum(branches[:i + 1]) for i in range(k)]
+
+    run = torch.ops.attnres_cpu.aggregate if caller == "cpu operator" else torch.ops.attnres.aggregate
+    got = _gradients_of_gradients(lambda: run(stream(), proj.weight, norm.weight, EPS, preserve_scale), leaves)
+    want = _gradients_of_gradients(
+        lambda: aggregation.fusable(proj.weight, norm.weight, stream(), eps=EPS, preserve_scale=preserve_scale),
+        leaves)
+    assert proj.weight.grad is None and want[-2].abs().max() > 0
+    for got_grad, want_grad in zip(got, want, strict=True):
+        assert relative_error(got_grad, want_grad) < 2e-5
+
+
 @needs_cpu_kernel
 @pytest.mark.parametrize("name", KERNEL_IMPLEMENTATIONS)
 def test_saved_tensors_go_through_saved_tensors_hooks(name):

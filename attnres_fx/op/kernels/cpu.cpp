@@ -1597,6 +1597,39 @@ class BundleFunction : public torch::autograd::Function<BundleFunction> {
 // that alone reads its result, attnres_fx/passes/fuse_norms.py): it keeps that weight besides, and not
 // the rows between the aggregation and the norm, which its backward recomputes from the sources
 // (aggregate_normed_backward_saved), where the norm's own node would keep its input, a stream tensor.
+// The aggregation (and the fused RMS norm, where `out_norm_weight` is defined) in differentiable ATen ops,
+// the arithmetic of attnres_fx/op/aggregation.py's `fusable` (negligible weights zero, their gradients
+// too): what a backward that records its own graph (create_graph=True, gradients of gradients)
+// differentiates, the kernels' backward having no derivative of its own.
+at::Tensor differentiable_aggregate(const std::vector<at::Tensor>& sources, const at::Tensor& proj_weight,
+                                    const at::Tensor& norm_weight, double eps, bool preserve_scale,
+                                    const at::Tensor& out_norm_weight, double out_norm_eps) {
+  const at::Tensor query = proj_weight.reshape({-1}).to(at::kFloat) * norm_weight.to(at::kFloat);
+  std::vector<at::Tensor> values, logits;
+  for (const auto& source : sources) {
+    const at::Tensor value = source.to(at::kFloat);
+    const at::Tensor scale = at::rsqrt(value.square().mean({-1}, true) + eps);
+    logits.push_back(at::matmul(value, query).unsqueeze(-1) * scale);
+    values.push_back(value);
+  }
+  at::Tensor top = logits[0];
+  for (size_t k = 1; k < logits.size(); ++k) top = at::maximum(top, logits[k]);
+  std::vector<at::Tensor> exps;
+  at::Tensor total;
+  for (const auto& logit : logits) {
+    const at::Tensor e = at::exp(logit - top);
+    exps.push_back(at::where(e < kNegligibleWeight, at::zeros_like(e), e));
+    total = total.defined() ? total + exps.back() : exps.back();
+  }
+  const at::Tensor inverse = (preserve_scale ? static_cast<double>(sources.size()) : 1.0) / total;
+  at::Tensor out = exps[0] * inverse * values[0];
+  for (size_t k = 1; k < values.size(); ++k) out = out + exps[k] * inverse * values[k];
+  if (out_norm_weight.defined()) {
+    out = out * at::rsqrt(out.square().mean({-1}, true) + out_norm_eps) * out_norm_weight.to(at::kFloat);
+  }
+  return out.to(sources[0].scalar_type());
+}
+
 class AggregateFunction : public torch::autograd::Function<AggregateFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, at::TensorList sources,
@@ -1638,15 +1671,47 @@ class AggregateFunction : public torch::autograd::Function<AggregateFunction> {
     const at::Tensor logits = saved.back();
     saved.pop_back();
     const size_t K = saved.size();
+    const double eps = ctx->saved_data["eps"].toDouble();
+    const bool preserve_scale = ctx->saved_data["preserve_scale"].toBool();
+    const double out_norm_eps = ctx->saved_data["out_norm_eps"].toDouble();
+    if (at::GradMode::is_enabled() && grad_outputs[0].defined()) {
+      // A backward recording its graph (create_graph=True): the gradients of the ATen formulation, with
+      // theirs. The kernels' backward would give gradients without a derivative (zero gradients of gradients).
+      // Each input through an alias of its own: a source computed from another (a block's sum from the
+      // blocks before it) would otherwise get, through that other, the total derivative, not its own.
+      std::vector<at::Tensor> inputs(saved);
+      inputs.push_back(proj_weight);
+      inputs.push_back(norm_weight);
+      if (normed) inputs.push_back(out_norm_weight);
+      std::vector<at::Tensor> aliases, wanted;
+      for (const auto& input : inputs) {
+        aliases.push_back(input.requires_grad() ? input.view_as(input) : input);
+        if (input.requires_grad()) wanted.push_back(aliases.back());
+      }
+      const std::vector<at::Tensor> sources(aliases.begin(), aliases.begin() + K);
+      const at::Tensor out = differentiable_aggregate(sources, aliases[K], aliases[K + 1], eps, preserve_scale,
+                                                      normed ? aliases[K + 2] : at::Tensor(), out_norm_eps);
+      const auto grads = wanted.empty() ? torch::autograd::variable_list()
+                                        : torch::autograd::grad({out}, wanted, {grad_outputs[0]}, true, true, true);
+      torch::autograd::variable_list out_grads;
+      size_t next = 0;
+      for (size_t i = 0; i < inputs.size(); ++i) {
+        out_grads.push_back(inputs[i].requires_grad() ? grads[next++] : at::Tensor());
+        if (i == K + 1) {
+          out_grads.emplace_back();  // eps
+          out_grads.emplace_back();  // preserve_scale
+        }
+      }
+      if (!normed) out_grads.emplace_back();  // out_norm_weight
+      out_grads.emplace_back();               // out_norm_eps
+      return out_grads;
+    }
     // Below autograd where no graph of the backward is recorded (create_graph=False, the usual case): the
     // operators have no Autograd kernel, and the fallback that would otherwise run for each of them boxes
     // every argument to check that none requires a gradient. With a graph recorded, that fallback marks
     // the results as not differentiable twice.
     std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
     if (!at::GradMode::is_enabled()) below_autograd.emplace();
-    const double eps = ctx->saved_data["eps"].toDouble();
-    const bool preserve_scale = ctx->saved_data["preserve_scale"].toBool();
-    const double out_norm_eps = ctx->saved_data["out_norm_eps"].toDouble();
     std::vector<at::Tensor> grads;
     at::Tensor grad_query, grad_out_norm_weight;
     auto deposits = deposits_now(ctx);
