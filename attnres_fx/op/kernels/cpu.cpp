@@ -1586,17 +1586,6 @@ class BundleFunction : public torch::autograd::Function<BundleFunction> {
   }
 };
 
-// The operator's gradient, registered here (Autograd key) rather than in Python: a training step calls
-// the aggregation at every site, and a Python autograd Function costs tens of microseconds per call and
-// per backward, a third of what the aggregation added to a narrow model's step. The maths is
-// aggregate_backward's (Note [backward] of attnres_fx/op/aggregation.py). Saved, through save_for_backward
-// (so saved_tensors_hooks, activation offloading and checkpointing see them): the inputs, and the logits'
-// parts, q . v and the key scale of each token and source (2 / D of the sources' size), with which the
-// backward's first look at each source row sums g . v alone instead of three sums: a third of the
-// backward's arithmetic. Also aggregate_normed's node, given the norm's weight (a site and the RMS norm
-// that alone reads its result, attnres_fx/passes/fuse_norms.py): it keeps that weight besides, and not
-// the rows between the aggregation and the norm, which its backward recomputes from the sources
-// (aggregate_normed_backward_saved), where the norm's own node would keep its input, a stream tensor.
 // The aggregation (and the fused RMS norm, where `out_norm_weight` is defined) in differentiable ATen ops,
 // the arithmetic of attnres_fx/op/aggregation.py's `fusable` (negligible weights zero, their gradients
 // too): what a backward that records its own graph (create_graph=True, gradients of gradients)
@@ -1630,6 +1619,17 @@ at::Tensor differentiable_aggregate(const std::vector<at::Tensor>& sources, cons
   return out.to(sources[0].scalar_type());
 }
 
+// The operator's gradient, registered here (Autograd key) rather than in Python: a training step calls
+// the aggregation at every site, and a Python autograd Function costs tens of microseconds per call and
+// per backward, a third of what the aggregation added to a narrow model's step. The maths is
+// aggregate_backward's (Note [backward] of attnres_fx/op/aggregation.py). Saved, through save_for_backward
+// (so saved_tensors_hooks, activation offloading and checkpointing see them): the inputs, and the logits'
+// parts, q . v and the key scale of each token and source (2 / D of the sources' size), with which the
+// backward's first look at each source row sums g . v alone instead of three sums: a third of the
+// backward's arithmetic. Also aggregate_normed's node, given the norm's weight (a site and the RMS norm
+// that alone reads its result, attnres_fx/passes/fuse_norms.py): it keeps that weight besides, and not
+// the rows between the aggregation and the norm, which its backward recomputes from the sources
+// (aggregate_normed_backward_saved), where the norm's own node would keep its input, a stream tensor.
 class AggregateFunction : public torch::autograd::Function<AggregateFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, at::TensorList sources,
