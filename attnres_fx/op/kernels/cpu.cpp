@@ -1693,18 +1693,15 @@ class AggregateFunction : public torch::autograd::Function<AggregateFunction> {
                                                       normed ? aliases[K + 2] : at::Tensor(), out_norm_eps);
       const auto grads = wanted.empty() ? torch::autograd::variable_list()
                                         : torch::autograd::grad({out}, wanted, {grad_outputs[0]}, true, true, true);
-      torch::autograd::variable_list out_grads;
-      size_t next = 0;
-      for (size_t i = 0; i < inputs.size(); ++i) {
-        out_grads.push_back(inputs[i].requires_grad() ? grads[next++] : at::Tensor());
-        if (i == K + 1) {
-          out_grads.emplace_back();  // eps
-          out_grads.emplace_back();  // preserve_scale
-        }
+      std::vector<at::Tensor> per_input(inputs.size());  // undefined where no gradient is asked
+      for (size_t i = 0, next = 0; i < inputs.size(); ++i) {
+        if (inputs[i].requires_grad()) per_input[i] = grads[next++];
       }
-      if (!normed) out_grads.emplace_back();  // out_norm_weight
-      out_grads.emplace_back();               // out_norm_eps
-      return out_grads;
+      torch::autograd::variable_list result(per_input.begin(), per_input.begin() + K + 2);  // sources, proj, norm
+      result.resize(K + 4);                                        // eps, preserve_scale
+      result.push_back(normed ? per_input[K + 2] : at::Tensor());  // out_norm_weight
+      result.emplace_back();                                       // out_norm_eps
+      return result;
     }
     // Below autograd where no graph of the backward is recorded (create_graph=False, the usual case): the
     // operators have no Autograd kernel, and the fallback that would otherwise run for each of them boxes
