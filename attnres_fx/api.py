@@ -106,7 +106,9 @@ def attnresify(model: nn.Module, example_inputs: Any = None, *, example_kwargs: 
         plan = make_plan(detection, dict(model.named_modules()), num_blocks=num_blocks, block_size=block_size,
                          preserve_scale=preserve_scale, eps=eps, route=route)
         modules = new_modules(plan, like=model)
-        prepared = _try_routes(model, plan, modules, traced, example_inputs, example_kwargs, config)
+    # Outside the capture's setting: the blocks are prepared as the model's first call will find them (without
+    # the output recorders the capture installed, which would put them on TorchDynamo).
+    prepared = _try_routes(model, plan, modules, traced, example_inputs, example_kwargs, config)
     if prepared is not None:
         call = default_call(model, example_inputs, example_kwargs)
         if call is not None:

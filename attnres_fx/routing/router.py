@@ -431,7 +431,10 @@ class LayerRouter(Router):
 
     def _routes_for(self, shape: CallShape, args: tuple, kwargs: dict, inputs: list) -> _ShapeRoutes:
         if self._opened_hooks():
-            return self._kept(self._shapes, shape, _ShapeRoutes(shape, None, None, {}))
+            # On TorchDynamo while the hooks are there, not kept: hooks come and go (a conversion installs
+            # transformers' output recorders for its capture and removes them), and a later call of this
+            # shape without them traces as a call of a reloaded model would.
+            return _ShapeRoutes(shape, None, None, {})
         try:
             traced = graphs.trace(self, args, kwargs, shape)
         except TraceError as err:

@@ -124,5 +124,6 @@ def _try_block(prepared: Prepared, plan: Plan, stream: StreamPlan, span, modules
 
 def try_model_route(model: nn.Module, plan: Plan, modules: dict, inputs: tuple[tuple, dict]) -> None:
     """Rewrite TorchDynamo's capture of the whole call, as the model route will."""
-    graph_module, _ = capture_dynamo(model, *inputs)
+    with ready_to_capture(model):
+        graph_module, _ = capture_dynamo(model, *inputs)
     rewrite_captured(graph_module, plan, lambda g: ModuleCalls(g, modules), where=type(model).__name__)

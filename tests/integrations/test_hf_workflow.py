@@ -289,8 +289,11 @@ def test_a_mixture_of_experts_reloads_exactly(tmp_path):
 def test_an_audio_encoder_reloads(tmp_path):
     """HuBERT with its stable layer norm (pre-norm), built in training mode by from_pretrained, its weights
     on the meta device but for one its __init__ makes on the CPU: converted in eval mode, on the meta
-    device, as the saved model was."""
+    device, as the saved model was. Both run the encoder's fx graph: the output recorders the conversion's
+    capture installs on its layers (hooks on children the graph traces through) are gone by its first call,
+    which runs the graph prepared at conversion, not TorchDynamo."""
     import transformers
+    from attnres_fx.conversion import conversion_of
 
     torch.manual_seed(0)
     config = transformers.HubertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -298,12 +301,16 @@ def test_an_audio_encoder_reloads(tmp_path):
                                        conv_stride=(5, 4), conv_kernel=(10, 8), num_conv_pos_embeddings=16,
                                        num_conv_pos_embedding_groups=2)
     model = randomise_pseudo_queries(attnres_fx.attnresify(transformers.HubertModel(config).eval()), seed=3)
+    stats = conversion_of(model).stats
+    prepared = (stats.traces, stats.rewrites)
     model.save_pretrained(tmp_path)
     again = transformers.HubertModel.from_pretrained(tmp_path)
     assert attnres_fx.is_converted(again) and not again.training
     audio = torch.randn(2, 1600, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(again(audio).last_hidden_state, model(audio).last_hidden_state)
+    assert (stats.traces, stats.rewrites, stats.captures) == (*prepared, 0)
+    assert conversion_of(again).stats.captures == 0
 
 
 def test_accelerate_builds_and_loads_the_converted_model_on_the_meta_device(saved):

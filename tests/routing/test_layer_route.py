@@ -758,6 +758,26 @@ def test_a_block_graph_calls_its_sublayers_and_traces_through_the_ones_that_hold
     assert len(seen) == 1, "the hook on an opened child fired"
 
 
+def test_a_hook_on_an_opened_child_during_the_conversion_leaves_no_trace_on_the_route():
+    """A hook on an opened child puts the calls made while it is there on TorchDynamo, not their call shape:
+    a conversion whose capture installs hooks for its own use (transformers' output recorders) and removes
+    them leaves blocks whose calls run their block graphs, as a model reloaded from a checkpoint does."""
+    model = tiny()
+    for index, block in enumerate(model.blocks):
+        model.blocks[index] = NestedBlock(block)
+    ids = example_ids(model.config)
+    want = attnres_fx.attnresify(copy.deepcopy(model), (ids,), route="model")
+    seen = []
+    handle = model.blocks[1].second.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    layer = attnres_fx.attnresify(model, (ids,))
+    handle.remove()
+    seen.clear()
+    stats = conversion_of(layer).stats
+    torch.testing.assert_close(layer(ids), want(ids), rtol=TIGHT, atol=TIGHT)
+    assert stats.captures == 0, "no block ran on TorchDynamo"
+    assert not seen
+
+
 def test_a_block_graph_reads_the_children_it_calls_without_module_getattr():
     """Structural: the code of a block's graph reads the children it calls from the block's module dict,
     not through ``nn.Module.__getattr__`` (which CPython reaches only after raising and formatting an
