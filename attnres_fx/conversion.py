@@ -52,7 +52,7 @@ stats = Stats()
 class RouteStats:
     """The work one converted model's routes did, counted (``Conversion.stats``): block traces made, block
     graphs rewritten, TorchDynamo graphs rewritten (``captures``), cache entries dropped to stay within
-    ``trace_cache_size`` (``evictions``), aggregations fused with the RMS norm that reads them in the block
+    ``trace_cache_size`` (``evictions``), aggregations fused with the norm that reads them in the block
     graphs' eager code (``fused_norms``). What tests assert "zero re-traces" with."""
 
     traces: int = 0

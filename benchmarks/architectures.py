@@ -47,7 +47,9 @@ Measured by `python benchmarks/architectures.py`, which writes this table: the t
 configs of `attnres_fx.models` ({LAYERS} layers, hidden {HIDDEN}, Hugging Face initialisation), converted
 in place and called as usual (inputs of batch 2 and sequence 16, default `num_blocks=8`). A difference
 is the largest per-token `|converted - original| / |original|` of the main output (logits, or the last
-hidden state); below ~1e-6 it is fp32 round-off.
+hidden state); below ~1e-6 it is fp32 round-off (the 1-4e-7 of the RMS-norm and layer-norm models with
+`preserve_scale=True`: each site runs fused with the norm that reads it, whose sums are taken in another
+order, and with `1 / sqrt` for `rsqrt`).
 
 *eps bound*: with zero-initialised pseudo-queries each norm reads `h / c` (`c` sources), which is the
 norm of `h` with eps replaced by `c^2 eps`: its output shrinks by the factor

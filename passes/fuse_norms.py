@@ -1,10 +1,11 @@
-"""A site's aggregation and the RMS norm that alone reads its result, made one call: the layer route's eager
+"""A site's aggregation and the norm that alone reads its result, made one call: the layer route's eager
 block code.
 
 Once a pre-norm block's residual adds are rewritten, what a site aggregates is read by the sublayer's norm
 alone (``attention_norm(run_site(...))``). Where that norm module computes ``x * rsqrt(mean(x ** 2, -1) +
-eps) * weight``, or Gemma's ``* (1 + weight)`` (matched on the module's own fx graph: :func:`match_rms_norm`;
-the operator then takes ``1 + weight`` as its weight, added as the module adds it), the two calls become one
+eps) * weight``, or Gemma's ``* (1 + weight)`` (the operator then takes ``1 + weight`` as its weight, added
+as the module adds it), or calls ``layer_norm(x, (D,), weight, bias, eps)`` (``nn.LayerNorm``; matched on
+the module's own fx graph: :func:`match_norm`), the two calls become one
 :func:`~attnres_fx.op.module.site_normed` call. Without gradients the C++ kernel runs both as one operator:
 each result row is normalised while it is still in cache, and a decoding step makes one call where the
 norm alone made some six (pow, mean, add, rsqrt and two products). With gradients the same operator
@@ -18,7 +19,7 @@ constants), not fp32, a tensor subclass, TorchDynamo tracing), the call is ``nor
 
 Contract
     requires  a rewritten block graph whose aggregations are :func:`~attnres_fx.op.module.run_site` calls.
-    ensures   each ``run_site`` call read only by a ``call_module`` of a matched RMS norm (its one argument)
+    ensures   each ``run_site`` call read only by a ``call_module`` of a matched norm (its one argument)
               is replaced, with that call, by one ``site_normed`` call taking the site's module, the norm
               module (read by ``read_module``) and the site's sources; the graph lints.
     modifies  the graph, in place. ``preserves_computation``: the result and its gradients equal the
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import fx, nn
@@ -46,9 +48,9 @@ _CASTS = {"to", "type", "float", "type_as"}
 
 def fuse_site_norms(gm: fx.GraphModule, read_module: Callable[[fx.Graph, fx.Node], fx.Node],
                     match: Callable[[nn.Module], FusedNorm | FailedMatch]) -> int:
-    """Fuse, in ``gm``, each site call read only by an RMS norm module (see the module docstring); returns how
+    """Fuse, in ``gm``, each site call read only by a norm module (see the module docstring); returns how
     many. ``read_module(graph, call)``: a node that gives the module a ``call_module`` node calls, inserted
-    before it; ``match(module)``: :func:`match_rms_norm` of the module and its graph."""
+    before it; ``match(module)``: :func:`match_norm` of the module and its graph."""
     graph = gm.graph
     fused = 0
     for call, user in list(_read_by_a_module(graph)):
@@ -81,27 +83,42 @@ def _read_by_a_module(graph: fx.Graph):
                 yield call, user
 
 
-def match_rms_norm(module: nn.Module, graph: fx.Graph) -> FusedNorm | FailedMatch:
+class _Norm(NamedTuple):
+    """What a norm's graph computes: ``weight`` (a ``get_attr``) plus ``offset``, its eps, and for a layer norm
+    (``centred``) its bias (a ``get_attr``, or None)."""
+
+    weight: fx.Node
+    offset: float
+    eps: float
+    centred: bool = False
+    bias: fx.Node | None = None
+
+
+def match_norm(module: nn.Module, graph: fx.Graph) -> FusedNorm | FailedMatch:
     """What :func:`~attnres_fx.op.module.site_normed` needs of ``module``, given ``graph``, its forward's graph
     (:func:`attnres_fx.capture.block_tracer.module_graph`), where that computes ``x * rsqrt(mean(x ** 2, -1,
     keepdim=True) + eps) * weight`` of its one input (the three factors in any order, ``pow(x, 2)``,
     ``square(x)`` or ``x * x``, casts to float32 and back to the input's dtype seen through) or calls
     ``rms_norm(x, (D,), weight, eps)``, with ``weight`` a ``[D]`` parameter of its own, or that parameter plus
-    a float constant (Gemma's ``1 + weight``: ``FusedNorm.weight_offset``), and ``eps`` a float attribute of
-    its own (read when the call runs); else a :class:`FailedMatch`."""
+    a float constant (Gemma's ``1 + weight``: ``FusedNorm.weight_offset``); or calls ``layer_norm(x, (D,),
+    weight, bias, eps)`` (``nn.LayerNorm``), ``bias`` a ``[D]`` parameter of its own or None; ``eps`` a float
+    attribute of its own (read when the call runs). Else a :class:`FailedMatch`."""
     inputs = graph.find_nodes(op="placeholder")
     (output,) = graph.find_nodes(op="output")
     result = output.args[0]
     if len(inputs) != 1 or not isinstance(result, fx.Node):
         return FailedMatch(lambda: "its forward does not take one tensor and return one")
     x = inputs[0]
-    parts = _rms_norm_call(result, x) or _written_out(result, x)
+    parts = _layer_norm_call(result, x) or _rms_norm_call(result, x) or _written_out(result, x)
     if not parts:
-        return FailedMatch(lambda: "its forward computes no RMS norm of its input times a weight")
-    weight_node, offset, eps = parts
+        return FailedMatch(lambda: "its forward computes no RMS norm or layer norm of its input times a weight")
+    weight_node, offset, eps = parts.weight, parts.offset, parts.eps
     weight = module._parameters.get(weight_node.target) if weight_node.op == "get_attr" else None
     if weight is None or weight.dim() != 1:
         return FailedMatch(lambda: "its weight is no [D] parameter of its own")
+    bias = module._parameters.get(parts.bias.target) if parts.bias is not None else None
+    if parts.bias is not None and (bias is None or bias.shape != weight.shape):
+        return FailedMatch(lambda: "its bias is no [D] parameter of its own")
     names = [name for name, value in vars(module).items() if type(value) is float and value == eps]
     if not names:
         return FailedMatch(lambda: f"its eps ({eps!r}) is no float attribute of its own")
@@ -109,12 +126,26 @@ def match_rms_norm(module: nn.Module, graph: fx.Graph) -> FusedNorm | FailedMatc
     name = next((name for name in names if "eps" in name.lower()), names[0])
     constants = (("training", module.training),
                  *((key, value) for key, _, value in module_constants(module) if key != name))
-    return FusedNorm(type(module), type(module).forward, weight_node.target, name, constants, offset)
+    return FusedNorm(type(module), type(module).forward, weight_node.target, name, constants, offset,
+                     parts.centred, parts.bias.target if parts.bias is not None else None)
 
 
-def _rms_norm_call(result: fx.Node, x: fx.Node) -> tuple[fx.Node, float, float] | None:
-    """``(weight, offset, eps)`` of ``rms_norm(x, (D,), offset + weight, eps)`` (``offset`` 0.0 where the
-    weight is given as it is)."""
+def _layer_norm_call(result: fx.Node, x: fx.Node) -> _Norm | None:
+    """``layer_norm(x, (D,), weight, bias, eps)``, ``weight`` read as it is, ``bias`` too or None."""
+    if result.op != "call_function" or result.target not in (torch.nn.functional.layer_norm, torch.layer_norm):
+        return None
+    names = ("input", "normalized_shape", "weight", "bias", "eps")
+    arguments = dict(zip(names, result.args)) | dict(result.kwargs)
+    shape, weight, bias, eps = (arguments.get(name) for name in names[1:])
+    if (_uncast(arguments.get("input"), x) is not x or not isinstance(shape, (tuple, list)) or len(shape) != 1
+            or _weight(weight, x) != (weight, 0.0) or type(eps) is not float
+            or not (bias is None or _weight(bias, x) == (bias, 0.0))):
+        return None
+    return _Norm(weight, 0.0, eps, centred=True, bias=bias)
+
+
+def _rms_norm_call(result: fx.Node, x: fx.Node) -> _Norm | None:
+    """``rms_norm(x, (D,), offset + weight, eps)`` (``offset`` 0.0 where the weight is given as it is)."""
     if result.op != "call_function" or result.target not in (torch.nn.functional.rms_norm, torch.rms_norm):
         return None
     names = ("input", "normalized_shape", "weight", "eps")
@@ -124,19 +155,19 @@ def _rms_norm_call(result: fx.Node, x: fx.Node) -> tuple[fx.Node, float, float] 
     if (_uncast(arguments.get("input"), x) is not x or not isinstance(shape, (tuple, list)) or len(shape) != 1
             or weighted is None or type(eps) is not float):
         return None
-    return *weighted, eps
+    return _Norm(*weighted, eps)
 
 
-def _written_out(result: fx.Node, x: fx.Node) -> tuple[fx.Node, float, float] | None:
-    """``(weight, offset, eps)`` of a product of ``x``, ``rsqrt(mean(x ** 2) + eps)`` and ``weight`` or
-    ``offset + weight`` (Gemma's ``1 + weight``)."""
+def _written_out(result: fx.Node, x: fx.Node) -> _Norm | None:
+    """A product of ``x``, ``rsqrt(mean(x ** 2) + eps)`` and ``weight`` or ``offset + weight`` (Gemma's
+    ``1 + weight``)."""
     factors = _factors(result, x)
     plain = [factor for factor in factors if factor is x]
     scales = [eps for factor in factors if (eps := _inverse_rms(factor, x)) is not None]
     weights = [weighted for factor in factors if (weighted := _weight(factor, x)) is not None]
     if len(factors) != 3 or len(plain) != 1 or len(scales) != 1 or len(weights) != 1:
         return None
-    return *weights[0], scales[0]
+    return _Norm(*weights[0], scales[0])
 
 
 def _weight(node, x: fx.Node) -> tuple[fx.Node, float] | None:

@@ -189,11 +189,13 @@ _ABSENT = object()
 
 @dataclass(frozen=True)
 class FusedNorm:
-    """An RMS norm module as :func:`attnres_fx.passes.fuse_norms.match_rms_norm` matched it: its class and that
-    class's forward then, the names of its weight parameter and its eps attribute (read at every call), its
-    other constants (name, value), which its code may branch on: a module of the class with other values
-    (a block graph is shared by the blocks of one kind, their norms' constants aside) is not fused; and the
-    constant its forward adds to the weight before scaling by it (Gemma's ``1 + weight``; 0.0: none)."""
+    """A norm module as :func:`attnres_fx.passes.fuse_norms.match_norm` matched it: its class and that class's
+    forward then, the names of its weight parameter and its eps attribute (read at every call), its other
+    constants (name, value), which its code may branch on: a module of the class with other values (a block
+    graph is shared by the blocks of one kind, their norms' constants aside) is not fused; the constant its
+    forward adds to the weight before scaling by it (Gemma's ``1 + weight``; 0.0: none); whether it is a
+    layer norm (``centred``: the mean taken off) rather than an RMS norm, and the name of a layer norm's bias
+    parameter (None: it adds none)."""
 
     norm_class: type
     forward: Callable
@@ -201,6 +203,8 @@ class FusedNorm:
     eps: str
     constants: tuple = ()
     weight_offset: float = 0.0
+    centred: bool = False
+    bias: str | None = None
 
 
 def site_normed(fused: FusedNorm) -> Callable:
@@ -209,7 +213,7 @@ def site_normed(fused: FusedNorm) -> Callable:
     no copy of the rows between the two) where ``norm`` is still the module ``fused`` describes, without hooks,
     and the tensors are plain fp32 CPU ones (checked in C, :class:`cpu.Entries`)."""
     norm_class, forward, weight, eps = fused.norm_class, fused.forward, fused.weight, fused.eps
-    constants, offset = fused.constants, fused.weight_offset
+    constants, offset, bias, centred = fused.constants, fused.weight_offset, fused.bias, fused.centred
 
     def site_normed(module: BlockAttnRes, norm: nn.Module, entered, *sources: torch.Tensor) -> torch.Tensor:
         entry = cpu.Entries.run_site_normed
@@ -219,7 +223,8 @@ def site_normed(fused: FusedNorm) -> Callable:
             entry = cpu.Entries.run_site_normed
         attributes = norm.__dict__
         if entry is not None and all(attributes.get(name, _ABSENT) == value for name, value in constants):
-            result = entry(BlockAttnRes, module, entered, sources, norm, norm_class, forward, weight, eps, offset)
+            result = entry(BlockAttnRes, module, entered, sources, norm, norm_class, forward, weight, eps, offset,
+                           bias, centred)
             if result is not None:
                 return result
         return norm(run_site(module, entered, *sources))

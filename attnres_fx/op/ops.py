@@ -17,7 +17,7 @@ Implementations, by the device of the sources:
   or backward. Its forward keeps, beside its inputs, each token's ``q . v`` and key scale per source
   ([2, K, T] fp32, ``attnres_cpu::aggregate_saving_logits``), so that its backward
   (``attnres_cpu::aggregate_backward_saved``) does not recompute them. ``attnres_cpu::aggregate_normed``
-  (a site and the RMS norm that alone reads it, :mod:`attnres_fx.passes.fuse_norms`) records the same
+  (a site and the RMS or layer norm that alone reads it, :mod:`attnres_fx.passes.fuse_norms`) records the same
   node, which keeps the norm's weight too but not the aggregate: its backward
   (``attnres_cpu::aggregate_normed_backward_saved``) recomputes each row from the sources;
 - CUDA: the Triton kernel (:mod:`attnres_fx.op.kernels.gpu`) where Triton is installed;

@@ -44,7 +44,7 @@ from ..config import DEFAULT_TRACE_CACHE_SIZE
 from ..conversion import RouteStats
 from ..errors import TraceError
 from ..passes.detect import detect_residual_streams
-from ..passes.fuse_norms import fusable, fuse_site_norms, match_rms_norm
+from ..passes.fuse_norms import fusable, fuse_site_norms, match_norm
 from ..passes.matching import FailedMatch
 from ..passes.node_kinds import is_reshape
 from ..passes.pipeline import LayerTarget, rewrite_captured
@@ -386,8 +386,8 @@ def rewritten_block(router: LayerRouter, traced: TracedBlock, shape: CallShape, 
 
 
 def eager_graph(gm: fx.GraphModule, cache: TraceCache) -> fx.Graph:
-    """The graph a rewritten block graph's eager code is made from: a copy with each aggregation read by an RMS
-    norm alone fused with it (:mod:`attnres_fx.passes.fuse_norms`; counted in ``stats.fused_norms``), else
+    """The graph a rewritten block graph's eager code is made from: a copy with each aggregation read by a norm
+    alone fused with it (:mod:`attnres_fx.passes.fuse_norms`; counted in ``stats.fused_norms``), else
     ``gm``'s own. ``gm`` stays in the per-site form its two-phase form and TorchDynamo's capture start from.
     Called by a rewrite, under ``cache``'s lock."""
     def match(module: nn.Module) -> FusedNorm | FailedMatch:
@@ -401,13 +401,13 @@ def eager_graph(gm: fx.GraphModule, cache: TraceCache) -> fx.Graph:
 
 
 def _norm_match(cache: TraceCache, module: nn.Module) -> FusedNorm | FailedMatch:
-    """:func:`match_rms_norm` of ``module``, kept in ``cache`` by its class, that class's forward, its mode and
+    """:func:`match_norm` of ``module``, kept in ``cache`` by its class, that class's forward, its mode and
     its own constants (:func:`module_constants`, which its code may branch on, as a block kind's)."""
     key = (type(module), type(module).forward, module.training, module_constants(module))
     found = cache.norms.get(key)
     if found is None:
         try:
-            found = match_rms_norm(module, module_graph(module))
+            found = match_norm(module, module_graph(module))
         except TraceError as err:
             found = FailedMatch(lambda err=err: f"its forward cannot be traced: {err}")
         cache.norms[key] = found

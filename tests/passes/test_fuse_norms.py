@@ -34,7 +34,7 @@ from attnres_fx.op import aggregation
 from attnres_fx.op.module import BlockAttnRes, run_site, site_normed
 from attnres_fx.capture.block_tracer import module_graph
 from attnres_fx.passes import fuse_norms
-from attnres_fx.testing import handwritten, randomise_pseudo_queries
+from attnres_fx.testing import family, handwritten, randomise_pseudo_queries
 from hf_models import needs_hf
 
 needs_cpu_kernel = pytest.mark.skipif(not cpu.available(), reason=f"the C++ kernel: {cpu.unavailable_reason()}")
@@ -70,6 +70,17 @@ class WeightPlusBuffer(models.ScaledNorm):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (self.weight + self.shift)
 
 
+class BufferBias(models.ScaledNorm):
+    """A layer norm whose bias is a buffer, not a parameter: not the matched function."""
+
+    def __init__(self, dim):
+        super().__init__(dim, 1e-5)
+        self.register_buffer("bias", torch.zeros(dim))
+
+    def forward(self, x):
+        return torch.nn.functional.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+
 class ConstantEps(models.ScaledNorm):
     """Its eps a literal, not the attribute (which holds another value)."""
 
@@ -95,9 +106,15 @@ MATCHED = {
     "F.rms_norm, shape read off x": lambda d: models.FunctionalRMSNorm(d, 1e-5),
     "upcast written out": lambda d: models.ManualRMSNorm(d, 1e-5),
     "1 + weight": lambda d: OnePlusWeight(d, 1e-6),
+    "torch LayerNorm": lambda d: nn.LayerNorm(d),
+    "torch LayerNorm, no bias": lambda d: nn.LayerNorm(d, bias=False),
+    "F.layer_norm, shape read off x": lambda d: models.FunctionalLayerNorm(d, 1e-5),
 }
+CENTRED = {"torch LayerNorm", "torch LayerNorm, no bias", "F.layer_norm, shape read off x"}
 UNMATCHED = {
-    "layer norm": (lambda d: nn.LayerNorm(d), "computes no RMS norm"),
+    "layer norm without weight": (lambda d: nn.LayerNorm(d, elementwise_affine=False), "computes no RMS norm"),
+    "layer norm, bias a buffer": (lambda d: BufferBias(d), "its bias is no [D] parameter"),
+    "layer norm, eps a constant": (lambda d: family.FunctionalLayerNorm(d), "no float attribute"),
     "weight + a tensor": (lambda d: WeightPlusBuffer(d, 1e-6), "computes no RMS norm"),
     "eps a constant": (lambda d: ConstantEps(d, 0.5), "no float attribute"),
     "no weight": (lambda d: nn.RMSNorm(d, eps=1e-6, elementwise_affine=False), "computes no RMS norm"),
@@ -108,7 +125,7 @@ UNMATCHED = {
 
 
 def matched(norm):
-    return fuse_norms.match_rms_norm(norm, module_graph(norm))
+    return fuse_norms.match_norm(norm, module_graph(norm))
 
 
 def _randomised(norm):
@@ -139,6 +156,8 @@ def test_rms_norms_written_in_each_form_match(name):
     assert isinstance(norm._parameters[match.weight], nn.Parameter) and type(getattr(norm, match.eps)) is float
     assert ("training", norm.training) in match.constants and match.eps not in dict(match.constants)
     assert match.weight_offset == (1.0 if name == "1 + weight" else 0.0)
+    assert match.centred == (name in CENTRED)
+    assert match.bias == ("bias" if name in CENTRED and name != "torch LayerNorm, no bias" else None)
 
 
 @needs_hf
@@ -193,7 +212,8 @@ def test_the_fused_call_is_the_norm_of_the_aggregate(name, shape, preserve_scale
         want = norm(run_site(module, entered, partial))
         match = matched(norm)
         got = cpu.Entries.run_site_normed(BlockAttnRes, module, entered, (partial,), norm, match.norm_class,
-                                          match.forward, match.weight, match.eps, match.weight_offset)
+                                          match.forward, match.weight, match.eps, match.weight_offset,
+                                          match.bias, match.centred)
         torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
         torch.testing.assert_close(fused(module, norm, entered, partial), want, rtol=RTOL, atol=ATOL)
 
@@ -250,7 +270,8 @@ def test_calls_the_fused_entry_cannot_take_run_as_the_two_modules_would(case):
     with torch.no_grad(), _declines(case, module, norm, sources):
         entered, rest = sources[:3], sources[3:]
         entry = cpu.Entries.run_site_normed(BlockAttnRes, module, entered, tuple(rest), norm, match.norm_class,
-                                            match.forward, match.weight, match.eps, match.weight_offset)
+                                            match.forward, match.weight, match.eps, match.weight_offset,
+                                            match.bias, match.centred)
         assert (entry is None) == (case not in ("plain", "eps changed"))
         want = norm(module(*entered, *rest))
         got = fused(module, norm, entered, *rest)
@@ -269,11 +290,11 @@ def test_with_gradients_the_fused_call_gives_the_two_modules_gradients(name, sha
     grad = torch.randn(shape, generator=torch.Generator().manual_seed(5))
     got = fused(module, norm, sources[:3], sources[3])
     assert "AggregateFunction" in got.grad_fn.name(), "one C++ node for the site and the norm"
-    (weight,) = norm.parameters()
-    # The weight's edge: to the parameter itself, or through the node that adds Gemma's 1 to it.
+    # The norm's parameters' edges: to each parameter itself, or through the node that adds Gemma's 1 to it.
     reached = [edge for edge, _ in got.grad_fn.next_functions if edge]
     reached += [edge for node in reached for edge, _ in node.next_functions if edge]
-    assert any(getattr(edge, "variable", None) is weight for edge in reached)
+    for parameter in norm.parameters():
+        assert any(getattr(edge, "variable", None) is parameter for edge in reached)
     got_grads = torch.autograd.grad(got, leaves, grad)
     want = norm(module(*sources))
     torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
@@ -285,32 +306,46 @@ def _rms_norm(x, weight, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
-def _fused_and_apart(shape, count, preserve_scale):
+# The fused operator's norms: (centred, with a bias).
+KINDS = {"rms norm": (False, False), "layer norm": (True, True), "layer norm, no bias": (True, False)}
+
+
+def _fused_and_apart(shape, count, preserve_scale, kind="rms norm"):
     """The fused operator's result and gradients, and those of the aggregation's operator followed by the
-    norm's PyTorch ops."""
+    norm's PyTorch ops (``F.layer_norm`` for a layer norm)."""
+    centred, biased = KINDS[kind]
     sources = [s.requires_grad_() for s in _sources(shape, count)]
     module = _site(shape[-1])
-    weight = (torch.rand(shape[-1], generator=torch.Generator().manual_seed(3)) + 0.5).requires_grad_()
-    leaves = [*sources, module.proj.weight, module.norm.weight, weight]
+    generator = torch.Generator().manual_seed(3)
+    weight = (torch.rand(shape[-1], generator=generator) + 0.5).requires_grad_()
+    bias = torch.randn(shape[-1], generator=generator).requires_grad_() if biased else None
+    leaves = [*sources, module.proj.weight, module.norm.weight, weight, *([bias] if biased else [])]
     grad = torch.randn(shape, generator=torch.Generator().manual_seed(5))
     ops = torch.ops.attnres_cpu
-    got = ops.aggregate_normed(sources, module.proj.weight, module.norm.weight, 1e-6, preserve_scale, weight, 1e-5)
-    want = _rms_norm(ops.aggregate(sources, module.proj.weight, module.norm.weight, 1e-6, preserve_scale), weight,
-                     1e-5)
+    got = ops.aggregate_normed(sources, module.proj.weight, module.norm.weight, 1e-6, preserve_scale, weight, 1e-5,
+                               bias, centred)
+    aggregate = ops.aggregate(sources, module.proj.weight, module.norm.weight, 1e-6, preserve_scale)
+    want = (torch.nn.functional.layer_norm(aggregate, (shape[-1],), weight, bias, 1e-5) if centred
+            else _rms_norm(aggregate, weight, 1e-5))
+    with torch.no_grad():  # no node: the forward alone (one for a few tokens, aggregate_few_tokens)
+        torch.testing.assert_close(
+            ops.aggregate_normed(sources, module.proj.weight, module.norm.weight, 1e-6, preserve_scale, weight, 1e-5,
+                                 bias, centred), want, rtol=RTOL, atol=ATOL)
     return (got, torch.autograd.grad(got, leaves, grad)), (want, torch.autograd.grad(want, leaves, grad))
 
 
 @needs_cpu_kernel
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("preserve_scale", [False, True])
 @pytest.mark.parametrize("shape,count", [((2, 37, 64), 3), ((1, 1, 40), 1), ((3, 70, 100), 9)],
                          ids=["many", "one token and source", "odd width, nine sources"])
-def test_the_fused_operator_gives_the_gradients_of_the_two_apart(shape, count, preserve_scale):
+def test_the_fused_operator_gives_the_gradients_of_the_two_apart(shape, count, preserve_scale, kind):
     """Its backward recomputes the rows before the norm from the sources and the saved logits: the same
     gradients as the aggregation's node followed by the norm's ops, a few units in fp32's last place apart (the
     norm's sums in another order; the recomputed rows differ from the stored ones by as much: a softmax
     divided rather than multiplied). The weights' gradients sum over every token: up to 7e-6 apart relative
     to their norm at 210 tokens; bound 2e-5."""
-    (got, got_grads), (want, want_grads) = _fused_and_apart(shape, count, preserve_scale)
+    (got, got_grads), (want, want_grads) = _fused_and_apart(shape, count, preserve_scale, kind)
     torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
     for got_grad, want_grad in zip(got_grads, want_grads, strict=True):
         assert relative_error(got_grad, want_grad) < 2e-5
@@ -361,15 +396,19 @@ def test_the_fused_operator_refuses_a_gradient_through_bf16():
 
 
 @needs_cpu_kernel
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("preserve_scale", [False, True])
-def test_the_fused_operators_gradients_of_gradients_are_the_two_apart(preserve_scale):
+def test_the_fused_operators_gradients_of_gradients_are_the_two_apart(preserve_scale, kind):
     """A backward recording its graph (``create_graph=True``: a gradient penalty) differentiates the PyTorch
     formulation of the aggregation and the norm: second derivatives as theirs, 1e-6 to 4e-5 apart
     (relative_error; fp32 through a softmax and three rsqrt), bound 1e-4."""
+    centred, biased = KINDS[kind]
     module = _site(33, preserve_scale)
     branches = [branch.requires_grad_() for branch in _sources((2, 7, 33), 5)]
-    weight = (torch.rand(33, generator=torch.Generator().manual_seed(3)) + 0.5).requires_grad_()
-    leaves = [*branches, module.proj.weight, module.norm.weight, weight]
+    generator = torch.Generator().manual_seed(3)
+    weight = (torch.rand(33, generator=generator) + 0.5).requires_grad_()
+    bias = torch.randn(33, generator=generator).requires_grad_() if biased else None
+    leaves = [*branches, module.proj.weight, module.norm.weight, weight, *([bias] if biased else [])]
 
     def stream():  # each source the sum of the branches so far, as a stream's blocks are
         return [sum(branches[:i + 1]) for i in range(len(branches))]
@@ -378,10 +417,16 @@ def test_the_fused_operators_gradients_of_gradients_are_the_two_apart(preserve_s
         grads = torch.autograd.grad(call().square().sum(), leaves, create_graph=True)
         return torch.autograd.grad(sum(grad.square().sum() for grad in grads), leaves)
 
+    def apart():
+        aggregate = aggregation.fusable(module.proj.weight, module.norm.weight, stream(), eps=1e-6,
+                                        preserve_scale=preserve_scale)
+        if centred:
+            return torch.nn.functional.layer_norm(aggregate, (33,), weight, bias, 1e-5)
+        return _rms_norm(aggregate, weight, 1e-5)
+
     got = second(lambda: torch.ops.attnres_cpu.aggregate_normed(stream(), module.proj.weight, module.norm.weight,
-                                                                1e-6, preserve_scale, weight, 1e-5))
-    want = second(lambda: _rms_norm(aggregation.fusable(module.proj.weight, module.norm.weight, stream(), eps=1e-6,
-                                                        preserve_scale=preserve_scale), weight, 1e-5))
+                                                                1e-6, preserve_scale, weight, 1e-5, bias, centred))
+    want = second(apart)
     for got_grad, want_grad in zip(got, want, strict=True):
         assert relative_error(got_grad, want_grad) < 1e-4
 
@@ -405,34 +450,51 @@ def nothing_fused():
         handle.remove()
 
 
+def _tiny(layers=4):
+    torch.manual_seed(0)
+    return models.TinyTransformer(dim=64, num_layers=layers, num_heads=2, vocab_size=97).eval()
+
+
+# Per model: the model, its calls without gradients (a prompt, one token after it where it has a cache), its
+# training call, and a norm parameter of each layer a fused call must reach.
+MODELS = {
+    "hand-written Llama (RMS norms)": (_handwritten, lambda m: (m(IDS, 0), m(IDS[:, :1], 7)), lambda m: m(IDS, 0),
+                                       ("layers.{}.attention_norm.weight",)),
+    "TinyTransformer (layer norms)": (_tiny, lambda m: (m(IDS),), lambda m: m(IDS),
+                                      ("blocks.{}.ln1.weight", "blocks.{}.ln1.bias")),
+}
+
+
 @needs_cpu_kernel
 @pytest.mark.parametrize("std", [0.0, 0.1])
-def test_a_converted_model_computes_what_its_modules_compute(std):
+@pytest.mark.parametrize("name", MODELS)
+def test_a_converted_model_computes_what_its_modules_compute(std, name):
     """Outputs without gradients, and a training step's loss and gradients, fused against not."""
-    model = attnres_fx.attnresify(_handwritten(), (IDS,))
+    build, calls, train_call, reached = MODELS[name]
+    model = attnres_fx.attnresify(build(), (IDS,))
     if std:
         randomise_pseudo_queries(model, std=std)
     stats = conversion_of(model).stats
     with torch.no_grad():
-        fused = model(IDS, 0), model(IDS[:, :1], 7)
+        fused = calls(model)
         with nothing_fused():
-            plain = model(IDS, 0), model(IDS[:, :1], 7)
+            plain = calls(model)
     assert stats.fused_norms > 0
-    for got, want in zip(fused, plain):
+    for got, want in zip(fused, plain, strict=True):
         assert relative_error(got, want) < 1e-5
     model.train()
     results = []
     for context in (contextlib.nullcontext, nothing_fused):
         model.zero_grad()
         with context():
-            loss = model(IDS, 0).logsumexp(-1).mean()
+            loss = train_call(model).logsumexp(-1).mean()
             loss.backward()
         results.append((loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}))
     (loss, grads), (plain_loss, plain_grads) = results
     assert relative_error(loss, plain_loss) < 1e-5
-    for name, grad in grads.items():
-        assert relative_error(grad, plain_grads[name]) < 1e-4, name
-    assert all(grads[f"layers.{k}.attention_norm.weight"].abs().sum() > 0 for k in range(4))
+    for parameter, grad in grads.items():
+        assert relative_error(grad, plain_grads[parameter]) < 1e-4, parameter
+    assert all(grads[each.format(k)].abs().sum() > 0 for k in range(4) for each in reached)
 
 
 @needs_cpu_kernel
@@ -534,21 +596,27 @@ def test_norms_of_one_class_with_other_constants_in_blocks_of_one_kind_are_each_
 
 
 @needs_cpu_kernel
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("count", [1, 3])
-def test_opcheck_of_the_fused_operators(count):
+def test_opcheck_of_the_fused_operators(count, kind):
     """Schema, fake (meta) and autograd-registration checks of the fused operator (now with its C++ node)
     and of the two it runs with gradients: the forward that keeps the logits' parts, the backward that
     recomputes the aggregate."""
+    centred, biased = KINDS[kind]
     module = _site(33)
     sources = [s.requires_grad_() for s in _sources((2, 5, 33), count)]
-    weight = (torch.rand(33, generator=torch.Generator().manual_seed(3)) + 0.5).requires_grad_()
+    generator = torch.Generator().manual_seed(3)
+    weight = (torch.rand(33, generator=generator) + 0.5).requires_grad_()
+    bias = torch.randn(33, generator=generator).requires_grad_() if biased else None
     ops = torch.ops.attnres_cpu
     torch.library.opcheck(ops.aggregate_normed.default,
-                          (sources, module.proj.weight, module.norm.weight, 1e-6, True, weight, 1e-5))
+                          (sources, module.proj.weight, module.norm.weight, 1e-6, True, weight, 1e-5, bias, centred))
     plain = [s.detach() for s in sources]
     weights = (module.proj.weight.detach(), module.norm.weight.detach())
-    _, saved = ops.aggregate_normed_saving_logits(plain, *weights, 1e-6, True, weight.detach(), 1e-5)
+    norm = (weight.detach(), 1e-5)
+    detached_bias = bias.detach() if biased else None
+    _, saved = ops.aggregate_normed_saving_logits(plain, *weights, 1e-6, True, *norm, detached_bias, centred)
     torch.library.opcheck(ops.aggregate_normed_saving_logits.default,
-                          (plain, *weights, 1e-6, True, weight.detach(), 1e-5))
+                          (plain, *weights, 1e-6, True, *norm, detached_bias, centred))
     torch.library.opcheck(ops.aggregate_normed_backward_saved.default,
-                          (torch.randn(2, 5, 33), plain, saved, *weights, 1e-6, True, weight.detach(), 1e-5))
+                          (torch.randn(2, 5, 33), plain, saved, *weights, 1e-6, True, *norm, centred))

@@ -55,7 +55,9 @@ def test_fx_traced_and_dynamo_captured_blocks_carry_one_signature_layout(monkeyp
     monkeypatch.setattr(graphs, "routable_trace", refuse)
     dynamo_out, by_dynamo = signatures(captured, ids)
     assert attnres_fx.conversion.conversion_of(captured).stats.captures == 4, "every block captured by Dynamo"
-    torch.testing.assert_close(dynamo_out, fx_out, rtol=1e-6, atol=1e-6)
+    # The fx graphs' eager code runs each site with the layer norm that reads it as one operator, the Dynamo
+    # graphs ATen's layer_norm after the aggregation: the norm's sums in another order (4e-6 seen here).
+    torch.testing.assert_close(dynamo_out, fx_out, rtol=1e-5, atol=2e-5)
 
     planned = attnres_fx.conversion.conversion_of(model).plan.streams[0]
     for router, fx_signature, dynamo_signature in zip(routing.routers(model), by_fx, by_dynamo):

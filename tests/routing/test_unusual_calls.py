@@ -19,6 +19,10 @@ from attnres_fx.testing import randomise_pseudo_queries
 
 transformers = pytest.importorskip("transformers")
 
+# Where each site runs with the layer norm that reads it as one operator (Falcon, GPT-Neo, DBRX): the norm's
+# mean and variance summed in another order than ATen's layer_norm, 1e-7 on these logits.
+FUSED_NORMS = dict(rtol=1e-5, atol=1e-6)
+
 
 def llama(layers=2):
     torch.manual_seed(0)
@@ -136,7 +140,7 @@ def test_models_converted_with_example_inputs_while_their_config_caches(name):
     assert original.config.use_cache
     x = ids()
     model = attnres_fx.attnresify(copy.deepcopy(original), (x,), preserve_scale=True)
-    torch.testing.assert_close(model(x).logits, original(x).logits, rtol=0, atol=0)
+    torch.testing.assert_close(model(x).logits, original(x).logits, **FUSED_NORMS)
     kwargs = dict(max_new_tokens=5, do_sample=False)
     assert torch.equal(model.generate(x, **kwargs), original.generate(x, **kwargs))
 
@@ -145,7 +149,7 @@ def test_models_converted_with_example_inputs_while_their_config_caches(name):
 @pytest.mark.parametrize("name", ["dbrx", "switch"])
 def test_expert_loops_that_depend_on_the_data_run_as_sublayer_calls(name):
     """DBRX and SwitchTransformers route tokens to experts in a Python loop over the experts hit: no single
-    graph holds it, but the layer route calls the MLP as a module, so they convert and run exactly."""
+    graph holds it, but the layer route calls the MLP as a module, so they convert and run as the original."""
     torch.manual_seed(0)
     x = ids()
     if name == "dbrx":
@@ -161,7 +165,7 @@ def test_expert_loops_that_depend_on_the_data_run_as_sublayer_calls(name):
         call = {"input_ids": x, "decoder_input_ids": x}
     model = attnres_fx.attnresify(copy.deepcopy(original), preserve_scale=True)
     assert set(attnres_fx.plan_of(model).routes) == {"layer"}
-    torch.testing.assert_close(model(**call).logits, original(**call).logits, rtol=0, atol=0)
+    torch.testing.assert_close(model(**call).logits, original(**call).logits, **FUSED_NORMS)
 
 
 @pytest.mark.slow

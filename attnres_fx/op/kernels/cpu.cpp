@@ -334,13 +334,16 @@ inline std::pair<float, float> exponentiate(float* __restrict w, int64_t K) {
   return {top, total};
 }
 
-// The RMS norm a site's only reader applies to its result, done on each result row as it is stored
-// (aggregate_normed): row * rsqrt(mean(row^2) + eps) * weight in fp32, the row read back as stored, as the
-// norm module would read it. `weight` null: none.
+// The norm a site's only reader applies to its result, done on each result row as it is stored
+// (aggregate_normed), in fp32 on the row read back as stored, as the norm module would read it: the RMS
+// norm row * rsqrt(mean(row^2) + eps) * weight, or with `centred` the layer norm (row - mean) *
+// rsqrt(var + eps) * weight (+ bias, where given). `weight` null: none.
 template <typename T>
 struct OutputNorm {
   const T* weight = nullptr;
   float eps = 0.f;
+  const T* bias = nullptr;
+  bool centred = false;
 };
 
 // 1 / sqrt(mean(row^2) + eps) over one row, in fp32.
@@ -373,9 +376,65 @@ inline void scaled_row(const T* x, const T* __restrict weight, float scale, int6
   }
 }
 
+// The mean of one row and 1 / sqrt(variance + eps), in fp32: the variance summed about the mean in a second
+// pass (the row in L1), as exact as the layer norm's own.
+template <typename T>
+inline std::pair<float, float> mean_and_inverse_std(const T* __restrict row, int64_t D, float eps) {
+  Vec sum0(0.f), sum1(0.f);
+  int64_t d = 0;
+  for (; d + 2 * kLanes <= D; d += 2 * kLanes) {
+    sum0 = sum0 + load_fp32(row + d);
+    sum1 = sum1 + load_fp32(row + d + kLanes);
+  }
+  for (; d + kLanes <= D; d += kLanes) sum0 = sum0 + load_fp32(row + d);
+  float sum = sum_lanes(sum0 + sum1);
+  for (; d < D; ++d) sum += static_cast<float>(row[d]);
+  const float mean = sum / static_cast<float>(D);
+  const Vec mean_v(mean);
+  Vec sq0(0.f), sq1(0.f);
+  d = 0;
+  for (; d + 2 * kLanes <= D; d += 2 * kLanes) {
+    const Vec x0 = load_fp32(row + d) - mean_v, x1 = load_fp32(row + d + kLanes) - mean_v;
+    sq0 = at::vec::fmadd(x0, x0, sq0);
+    sq1 = at::vec::fmadd(x1, x1, sq1);
+  }
+  for (; d + kLanes <= D; d += kLanes) {
+    const Vec x = load_fp32(row + d) - mean_v;
+    sq0 = at::vec::fmadd(x, x, sq0);
+  }
+  float square = sum_lanes(sq0 + sq1);
+  for (; d < D; ++d) {
+    const float x = static_cast<float>(row[d]) - mean;
+    square += x * x;
+  }
+  return {mean, 1.f / std::sqrt(square / static_cast<float>(D) + eps)};
+}
+
+// row = (row - mean) * r * weight (+ bias) over one row (the layer norm's form of normalise_row).
+template <typename T>
+inline void centred_row(T* __restrict row, const OutputNorm<T>& norm, int64_t D) {
+  const auto [mean, r] = mean_and_inverse_std(row, D, norm.eps);
+  const Vec mean_v(mean), r_v(r);
+  int64_t d = 0;
+  for (; d + kLanes <= D; d += kLanes) {
+    Vec y = (load_fp32(row + d) - mean_v) * r_v * load_fp32(norm.weight + d);
+    if (norm.bias != nullptr) y = y + load_fp32(norm.bias + d);
+    store_fp32(row + d, y);
+  }
+  for (; d < D; ++d) {
+    float y = (static_cast<float>(row[d]) - mean) * r * static_cast<float>(norm.weight[d]);
+    if (norm.bias != nullptr) y += static_cast<float>(norm.bias[d]);
+    row[d] = static_cast<T>(y);
+  }
+}
+
 template <typename T>
 inline void normalise_row(T* __restrict row, const OutputNorm<T>& norm, int64_t D) {
-  scaled_row(row, norm.weight, inverse_rms(row, D, norm.eps), D, row);
+  if (norm.centred) {
+    centred_row(row, norm, D);
+  } else {
+    scaled_row(row, norm.weight, inverse_rms(row, D, norm.eps), D, row);
+  }
 }
 
 // Tokens per tile of the aggregation's row loops: their per-token softmax runs on vectors across the
@@ -575,6 +634,44 @@ void rms_norm_backward_rows(const float* __restrict grad, const float* __restric
   }
 }
 
+// The backward of the layer norm (OutputNorm's `centred`) for one row h, out = xhat * weight (+ bias) with
+// xhat = (h - mean) * r: u = g * weight, dh = r * (u - mean(u) - xhat * mean(u * xhat)); dweight += g * xhat
+// and, where given, dbias += g. Two passes over the row (in cache) after mean_and_inverse_std's two. fp32.
+void layer_norm_backward_row(const float* __restrict grad, const float* __restrict h, const float* __restrict weight,
+                             float eps, int64_t D, float* __restrict dh, float* __restrict dweight,
+                             float* __restrict dbias) {
+  const auto [mean, r] = mean_and_inverse_std(h, D, eps);
+  const Vec mean_v(mean), r_v(r);
+  Vec u_sum(0.f), ux_sum(0.f);
+  int64_t d = 0;
+  for (; d + kLanes <= D; d += kLanes) {
+    const Vec u = Vec::loadu(grad + d) * Vec::loadu(weight + d);
+    u_sum = u_sum + u;
+    ux_sum = at::vec::fmadd(u, (Vec::loadu(h + d) - mean_v) * r_v, ux_sum);
+  }
+  float u_total = sum_lanes(u_sum), ux_total = sum_lanes(ux_sum);
+  for (; d < D; ++d) {
+    const float u = grad[d] * weight[d];
+    u_total += u;
+    ux_total += u * ((h[d] - mean) * r);
+  }
+  const float u_mean = u_total / static_cast<float>(D), ux_mean = ux_total / static_cast<float>(D);
+  const Vec u_mean_v(u_mean), ux_mean_v(ux_mean);
+  d = 0;
+  for (; d + kLanes <= D; d += kLanes) {
+    const Vec g = Vec::loadu(grad + d), xhat = (Vec::loadu(h + d) - mean_v) * r_v;
+    (r_v * (g * Vec::loadu(weight + d) - u_mean_v - xhat * ux_mean_v)).store(dh + d);
+    at::vec::fmadd(g, xhat, Vec::loadu(dweight + d)).store(dweight + d);
+    if (dbias != nullptr) (Vec::loadu(dbias + d) + g).store(dbias + d);
+  }
+  for (; d < D; ++d) {
+    const float xhat = (h[d] - mean) * r;
+    dh[d] = r * (grad[d] * weight[d] - u_mean - xhat * ux_mean);
+    dweight[d] += grad[d] * xhat;
+    if (dbias != nullptr) dbias[d] += grad[d];
+  }
+}
+
 // Note [backward] of attnres_fx/aggregation.py, per tile of tokens: the first look at each token's K
 // source rows gives their logits and g . v; the softmax and the per-source coefficients run on vectors
 // across the tile's tokens; the second look (from cache) writes every dL/dv and adds the token's dL/dq,
@@ -582,17 +679,19 @@ void rms_norm_backward_rows(const float* __restrict grad, const float* __restric
 // vector). stats: 6 * K * kTile floats; g_rows: kTile * D floats (the gradient rows of a tile in fp32,
 // for bf16 / fp16). `adds`, where given: per source the gradient its dL/dv is added to (source_grads'
 // `Add`), or null for none, whose rows read `zero_row` (D zeros) instead.
-// With `out_norm` (its weight given; fp32, with `saved`): `grad` is the gradient of the RMS-normed result
+// With `out_norm` (its weight given; fp32, with `saved`): `grad` is the gradient of the normed result
 // (aggregate_normed), whose rows before the norm are not kept: per token, the softmax from the saved
 // logits first, then the row recomputed from its sources (read there anyway) into `h_row`, the norm's
-// backward giving dL/dh into g_rows (and the norm weight's gradient added to `out_dweight`), then g . v.
+// backward giving dL/dh into g_rows (and the norm weight's gradient added to `out_dweight`, a layer norm's
+// bias's to `out_dbias` where given), then g . v.
 template <typename T>
 void backward_rows(const T* __restrict grad, const T* const* __restrict sources, T* const* __restrict grads,
                    int64_t K, const float* __restrict q, int64_t D, float eps, float scale, float* __restrict g_rows,
                    const T** __restrict rows, float* __restrict stats, float* __restrict dq, int64_t begin,
                    int64_t end, const float* __restrict saved = nullptr, int64_t T_total = 0,
                    const T* const* adds = nullptr, const T* zero_row = nullptr, const OutputNorm<float>& out_norm = {},
-                   float* __restrict out_dweight = nullptr, float* __restrict h_row = nullptr) {
+                   float* __restrict out_dweight = nullptr, float* __restrict h_row = nullptr,
+                   float* __restrict out_dbias = nullptr) {
   constexpr bool kFloat = std::is_same_v<T, float>;
   const bool normed = kFloat && out_norm.weight != nullptr;
   const auto add_row = [&](int64_t k, int64_t token) {
@@ -660,10 +759,14 @@ void backward_rows(const T* __restrict grad, const T* const* __restrict sources,
         if (scale != 1.f) {
           for (int64_t d = 0; d < D; ++d) h_row[d] *= scale;
         }
-        const float inverse = inverse_rms(h_row, D, out_norm.eps);
         float* g = g_rows + i * D;
-        rms_norm_backward_rows(reinterpret_cast<const float*>(grad) + (first + i) * D, h_row, out_norm.weight,
-                               &inverse, D, g, out_dweight, 0, 1);
+        const float* grad_row = reinterpret_cast<const float*>(grad) + (first + i) * D;
+        if (out_norm.centred) {
+          layer_norm_backward_row(grad_row, h_row, out_norm.weight, out_norm.eps, D, g, out_dweight, out_dbias);
+        } else {
+          const float inverse = inverse_rms(h_row, D, out_norm.eps);
+          rms_norm_backward_rows(grad_row, h_row, out_norm.weight, &inverse, D, g, out_dweight, 0, 1);
+        }
         row_dots<T, kAlong>(rows + i * K, K, q, g, D, kTile, nullptr, nullptr, along + i);
       }
       for (int64_t i = 0; i < n; i += kLanes) coefficients_at(i);
@@ -868,16 +971,25 @@ constexpr int64_t kInlineSources = 16;
 // allocations, made below the dispatcher; the query and the scratch live on the stack; contiguous sources
 // (every call the stream makes) are not copied. (at::parallel_for runs a chunk of work or less on this
 // thread at no measurable cost.)
-// With `out_norm_weight` (defined), each result row RMS-normalised as it is stored (normalise_row).
+// With `out_norm_weight` (defined), each result row normalised as it is stored (normalise_row): the RMS
+// norm, or with `out_norm_centred` the layer norm, plus `out_norm_bias` where defined.
 std::tuple<at::Tensor, at::Tensor> forward(at::TensorList sources_in, const at::Tensor& proj_weight,
                                            const at::Tensor& norm_weight, double eps, bool preserve_scale, bool save,
-                                           const at::Tensor& out_norm_weight = at::Tensor(), double out_norm_eps = 0.0) {
+                                           const at::Tensor& out_norm_weight = at::Tensor(), double out_norm_eps = 0.0,
+                                           const at::Tensor& out_norm_bias = at::Tensor(),
+                                           bool out_norm_centred = false) {
   const Rows rows = check_sources(sources_in, "attnres::aggregate");
   const bool normed = out_norm_weight.defined();
   TORCH_CHECK(!normed || (out_norm_weight.numel() == rows.dim && out_norm_weight.is_contiguous() &&
                           out_norm_weight.scalar_type() == sources_in[0].scalar_type()),
               "attnres::aggregate_normed: out_norm_weight must be a contiguous [D] tensor of the sources' dtype, "
               "got ", out_norm_weight.sizes());
+  const bool biased = normed && out_norm_bias.defined();
+  TORCH_CHECK(!out_norm_bias.defined() || (normed && out_norm_centred && out_norm_bias.numel() == rows.dim &&
+                                           out_norm_bias.is_contiguous() &&
+                                           out_norm_bias.scalar_type() == sources_in[0].scalar_type()),
+              "attnres::aggregate_normed: out_norm_bias is a layer norm's (out_norm_centred), a contiguous [D] "
+              "tensor of the sources' dtype, got ", out_norm_bias.sizes());
   const bool dense =
       std::all_of(sources_in.begin(), sources_in.end(), [](const at::Tensor& s) { return s.is_contiguous(); });
   const std::vector<at::Tensor> copies = dense ? std::vector<at::Tensor>() : contiguous(sources_in);
@@ -893,7 +1005,9 @@ std::tuple<at::Tensor, at::Tensor> forward(at::TensorList sources_in, const at::
       const scalar_t* pointers[kFewTokensSources];
       for (int64_t k = 0; k < K; ++k) pointers[k] = sources[k].const_data_ptr<scalar_t>();
       const OutputNorm<scalar_t> out_norm{normed ? out_norm_weight.const_data_ptr<scalar_t>() : nullptr,
-                                          static_cast<float>(out_norm_eps)};
+                                          static_cast<float>(out_norm_eps),
+                                          biased ? out_norm_bias.const_data_ptr<scalar_t>() : nullptr,
+                                          out_norm_centred};
       aggregate_few_tokens(pointers, K, proj_weight.const_data_ptr<scalar_t>(), norm_weight.const_data_ptr<scalar_t>(),
                            D, static_cast<float>(eps), scale, out.mutable_data_ptr<scalar_t>(), rows.count, out_norm);
     });
@@ -913,7 +1027,8 @@ std::tuple<at::Tensor, at::Tensor> forward(at::TensorList sources_in, const at::
     scalar_t* o = out.mutable_data_ptr<scalar_t>();
     float* kept = save ? saved.mutable_data_ptr<float>() : nullptr;
     const OutputNorm<scalar_t> out_norm{normed ? out_norm_weight.const_data_ptr<scalar_t>() : nullptr,
-                                        static_cast<float>(out_norm_eps)};
+                                        static_cast<float>(out_norm_eps),
+                                        biased ? out_norm_bias.const_data_ptr<scalar_t>() : nullptr, out_norm_centred};
     at::parallel_for(0, rows.count, grain(K * D), [&](int64_t begin, int64_t end) {
       c10::SmallVector<const scalar_t*, kInlineSources * kTile> rows_of_tile(kTile * K);
       c10::SmallVector<float, 2 * kInlineSources * kTile> stats(2 * K * kTile, 0.f);
@@ -935,13 +1050,15 @@ std::tuple<at::Tensor, at::Tensor> aggregate_saving_logits(at::TensorList source
   return forward(sources, proj_weight, norm_weight, eps, preserve_scale, true);
 }
 
-// The aggregation and the RMS norm that alone reads its result, at once, for calls that record no gradient
-// (attnres_fx/passes/fuse_norms.py): rms_norm(aggregate(...), out_norm_weight, out_norm_eps). The norm reads
+// The aggregation and the norm that alone reads its result, at once, for calls that record no gradient
+// (attnres_fx/passes/fuse_norms.py): rms_norm(aggregate(...), out_norm_weight, out_norm_eps), or with
+// out_norm_centred layer_norm(aggregate(...), out_norm_weight, out_norm_bias, out_norm_eps). The norm reads
 // the result rows while they are in cache, and a decoding step makes one call where it made some seven.
 at::Tensor aggregate_normed(at::TensorList sources, const at::Tensor& proj_weight, const at::Tensor& norm_weight,
-                            double eps, bool preserve_scale, const at::Tensor& out_norm_weight, double out_norm_eps) {
+                            double eps, bool preserve_scale, const at::Tensor& out_norm_weight, double out_norm_eps,
+                            const std::optional<at::Tensor>& out_norm_bias, bool out_norm_centred) {
   return std::get<0>(forward(sources, proj_weight, norm_weight, eps, preserve_scale, false, out_norm_weight,
-                             out_norm_eps));
+                             out_norm_eps, out_norm_bias.value_or(at::Tensor()), out_norm_centred));
 }
 
 // A [D] fp32 sum over a call's tokens, taken in chunks (a thread's each): one partial sum per chunk, added
@@ -987,7 +1104,8 @@ std::atomic<int64_t> sums_written_over{0};
 // tensor otherwise.
 //
 // `out_norm_weight`, where defined: the backward of aggregate_normed, `grad_in` the normed result's gradient
-// (fp32, given `saved`; backward_rows' `out_norm`), with the norm weight's gradient in `grad_out_norm_weight`.
+// (fp32, given `saved`; backward_rows' `out_norm`), with the norm weight's gradient in `grad_out_norm_weight`
+// and, for a layer norm (`out_norm_centred`), the gradient of a bias after it in `grad_out_norm_bias`.
 std::tuple<std::vector<at::Tensor>, at::Tensor> backward(const at::Tensor& grad_in, at::TensorList sources_in,
                                                          const at::Tensor& saved_in, const at::Tensor& proj_weight,
                                                          const at::Tensor& norm_weight, double eps,
@@ -995,7 +1113,9 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> backward(const at::Tensor& grad_
                                                          std::vector<at::Tensor>* into = nullptr,
                                                          const at::Tensor& out_norm_weight = at::Tensor(),
                                                          double out_norm_eps = 0.0,
-                                                         at::Tensor* grad_out_norm_weight = nullptr) {
+                                                         at::Tensor* grad_out_norm_weight = nullptr,
+                                                         bool out_norm_centred = false,
+                                                         at::Tensor* grad_out_norm_bias = nullptr) {
   const Rows rows = check_sources(sources_in, "attnres::aggregate_backward");
   TORCH_CHECK(!saved_in.defined() || (saved_in.scalar_type() == at::kFloat &&
                                       saved_in.sizes() == at::IntArrayRef({2, static_cast<int64_t>(sources_in.size()),
@@ -1048,10 +1168,11 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> backward(const at::Tensor& grad_
   }
   const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), T / grain(K * D)));
   ChunkSums dq(chunks, D);
-  std::optional<ChunkSums> dweight;  // the norm weight's gradient
+  std::optional<ChunkSums> dweight, dbias;  // the norm weight's gradient, a layer norm's bias's
   if (normed) dweight.emplace(chunks, D);
+  if (normed && out_norm_centred) dbias.emplace(chunks, D);
   const OutputNorm<float> out_norm{normed ? out_norm_weight.const_data_ptr<float>() : nullptr,
-                                   static_cast<float>(out_norm_eps)};
+                                   static_cast<float>(out_norm_eps), nullptr, out_norm_centred};
   ATTNRES_DISPATCH(dtype, "attnres_aggregate_backward", [&] {
     c10::SmallVector<const scalar_t*, kInlineSources> src, add;
     c10::SmallVector<scalar_t*, kInlineSources> dst;
@@ -1075,11 +1196,12 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> backward(const at::Tensor& grad_
         backward_rows(g, s, gs, K, q, D, static_cast<float>(eps), scale, g_rows.data(), rows_of_tile.data(),
                       stats.data(), dq.chunk(c), c * T / chunks, (c + 1) * T / chunks, kept, T,
                       adding ? add.data() : nullptr, zero_row.data(), out_norm, normed ? dweight->chunk(c) : nullptr,
-                      h_row.data());
+                      h_row.data(), dbias ? dbias->chunk(c) : nullptr);
       }
     });
   });
   if (normed) *grad_out_norm_weight = dweight->total();
+  if (dbias && grad_out_norm_bias != nullptr) *grad_out_norm_bias = dbias->total();
   return {grads, dq.total()};
 }
 
@@ -1105,18 +1227,24 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> aggregate_backward_saved(const a
 std::tuple<at::Tensor, at::Tensor> aggregate_normed_saving_logits(at::TensorList sources, const at::Tensor& proj_weight,
                                                                   const at::Tensor& norm_weight, double eps,
                                                                   bool preserve_scale, const at::Tensor& out_norm_weight,
-                                                                  double out_norm_eps) {
-  return forward(sources, proj_weight, norm_weight, eps, preserve_scale, true, out_norm_weight, out_norm_eps);
+                                                                  double out_norm_eps,
+                                                                  const std::optional<at::Tensor>& out_norm_bias,
+                                                                  bool out_norm_centred) {
+  return forward(sources, proj_weight, norm_weight, eps, preserve_scale, true, out_norm_weight, out_norm_eps,
+                 out_norm_bias.value_or(at::Tensor()), out_norm_centred);
 }
 
-std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> aggregate_normed_backward_saved(
+// The fourth result: a layer norm's bias gradient ([D], out_norm_centred), else an empty tensor.
+std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor> aggregate_normed_backward_saved(
     const at::Tensor& grad, at::TensorList sources, const at::Tensor& saved, const at::Tensor& proj_weight,
     const at::Tensor& norm_weight, double eps, bool preserve_scale, const at::Tensor& out_norm_weight,
-    double out_norm_eps) {
-  at::Tensor grad_out_norm_weight;
+    double out_norm_eps, bool out_norm_centred) {
+  at::Tensor grad_out_norm_weight, grad_out_norm_bias;
   auto [grads, grad_query] = backward(grad, sources, saved, proj_weight, norm_weight, eps, preserve_scale, nullptr,
-                                      out_norm_weight, out_norm_eps, &grad_out_norm_weight);
-  return {std::move(grads), std::move(grad_query), std::move(grad_out_norm_weight)};
+                                      out_norm_weight, out_norm_eps, &grad_out_norm_weight, out_norm_centred,
+                                      &grad_out_norm_bias);
+  if (!grad_out_norm_bias.defined()) grad_out_norm_bias = at::detail::empty_cpu({0}, at::kFloat);
+  return {std::move(grads), std::move(grad_query), std::move(grad_out_norm_weight), std::move(grad_out_norm_bias)};
 }
 
 std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>> phase1(
@@ -1285,7 +1413,8 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> aggregate_backward_meta(const at
 
 at::Tensor aggregate_normed_meta(at::TensorList sources, const at::Tensor& proj_weight, const at::Tensor& norm_weight,
                                  double eps, bool preserve_scale, const at::Tensor& out_norm_weight,
-                                 double out_norm_eps) {
+                                 double out_norm_eps, const std::optional<at::Tensor>& out_norm_bias,
+                                 bool out_norm_centred) {
   check_meta_sources(sources, proj_weight, norm_weight, "attnres::aggregate_normed");
   return at::empty_like(sources[0]);
 }
@@ -1302,16 +1431,18 @@ std::tuple<at::Tensor, at::Tensor> aggregate_saving_logits_meta(at::TensorList s
 
 std::tuple<at::Tensor, at::Tensor> aggregate_normed_saving_logits_meta(
     at::TensorList sources, const at::Tensor& proj_weight, const at::Tensor& norm_weight, double eps,
-    bool preserve_scale, const at::Tensor& out_norm_weight, double out_norm_eps) {
+    bool preserve_scale, const at::Tensor& out_norm_weight, double out_norm_eps,
+    const std::optional<at::Tensor>& out_norm_bias, bool out_norm_centred) {
   return aggregate_saving_logits_meta(sources, proj_weight, norm_weight, eps, preserve_scale);
 }
 
-std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> aggregate_normed_backward_saved_meta(
+std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor> aggregate_normed_backward_saved_meta(
     const at::Tensor& grad, at::TensorList sources, const at::Tensor& saved, const at::Tensor& proj_weight,
     const at::Tensor& norm_weight, double eps, bool preserve_scale, const at::Tensor& out_norm_weight,
-    double out_norm_eps) {
+    double out_norm_eps, bool out_norm_centred) {
   auto [grads, grad_query] = aggregate_backward_meta(grad, sources, proj_weight, norm_weight, eps, preserve_scale);
-  return {std::move(grads), std::move(grad_query), at::empty_like(out_norm_weight)};
+  return {std::move(grads), std::move(grad_query), at::empty_like(out_norm_weight),
+          out_norm_centred ? at::empty_like(out_norm_weight) : at::empty({0}, out_norm_weight.options())};
 }
 
 std::tuple<std::vector<at::Tensor>, at::Tensor> aggregate_backward_saved_meta(
@@ -1586,13 +1717,14 @@ class BundleFunction : public torch::autograd::Function<BundleFunction> {
   }
 };
 
-// The aggregation (and the fused RMS norm, where `out_norm_weight` is defined) in differentiable ATen ops,
+// The aggregation (and the fused norm, where `out_norm_weight` is defined: the RMS norm, or with `centred`
+// the layer norm, its bias aside) in differentiable ATen ops,
 // the arithmetic of attnres_fx/op/aggregation.py's `fusable` (negligible weights zero, their gradients
 // too): what a backward that records its own graph (create_graph=True, gradients of gradients)
 // differentiates, the kernels' backward having no derivative of its own.
 at::Tensor differentiable_aggregate(const std::vector<at::Tensor>& sources, const at::Tensor& proj_weight,
                                     const at::Tensor& norm_weight, double eps, bool preserve_scale,
-                                    const at::Tensor& out_norm_weight, double out_norm_eps) {
+                                    const at::Tensor& out_norm_weight, double out_norm_eps, bool centred) {
   const at::Tensor query = proj_weight.reshape({-1}).to(at::kFloat) * norm_weight.to(at::kFloat);
   std::vector<at::Tensor> values, logits;
   for (const auto& source : sources) {
@@ -1613,7 +1745,9 @@ at::Tensor differentiable_aggregate(const std::vector<at::Tensor>& sources, cons
   const at::Tensor inverse = (preserve_scale ? static_cast<double>(sources.size()) : 1.0) / total;
   at::Tensor out = exps[0] * inverse * values[0];
   for (size_t k = 1; k < values.size(); ++k) out = out + exps[k] * inverse * values[k];
-  if (out_norm_weight.defined()) {
+  if (out_norm_weight.defined() && centred) {
+    out = at::layer_norm(out, {out.size(-1)}, out_norm_weight.to(at::kFloat), {}, out_norm_eps);
+  } else if (out_norm_weight.defined()) {
     out = out * at::rsqrt(out.square().mean({-1}, true) + out_norm_eps) * out_norm_weight.to(at::kFloat);
   }
   return out.to(sources[0].scalar_type());
@@ -1626,8 +1760,8 @@ at::Tensor differentiable_aggregate(const std::vector<at::Tensor>& sources, cons
 // (so saved_tensors_hooks, activation offloading and checkpointing see them): the inputs, and the logits'
 // parts, q . v and the key scale of each token and source (2 / D of the sources' size), with which the
 // backward's first look at each source row sums g . v alone instead of three sums: a third of the
-// backward's arithmetic. Also aggregate_normed's node, given the norm's weight (a site and the RMS norm
-// that alone reads its result, attnres_fx/passes/fuse_norms.py): it keeps that weight besides, and not
+// backward's arithmetic. Also aggregate_normed's node, given the norm's weight (a site and the RMS or layer
+// norm that alone reads its result, attnres_fx/passes/fuse_norms.py): it keeps that weight besides, and not
 // the rows between the aggregation and the norm, which its backward recomputes from the sources
 // (aggregate_normed_backward_saved), where the norm's own node would keep its input, a stream tensor.
 class AggregateFunction : public torch::autograd::Function<AggregateFunction> {
@@ -1635,11 +1769,13 @@ class AggregateFunction : public torch::autograd::Function<AggregateFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, at::TensorList sources,
                             const at::Tensor& proj_weight, const at::Tensor& norm_weight, double eps,
                             bool preserve_scale, const std::optional<at::Tensor>& out_norm_weight,
-                            double out_norm_eps) {
+                            double out_norm_eps, const std::optional<at::Tensor>& out_norm_bias,
+                            bool out_norm_centred) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     const bool normed = out_norm_weight.has_value();
     auto [out, logits] = normed ? normed_saving_op().call(sources, proj_weight, norm_weight, eps, preserve_scale,
-                                                          *out_norm_weight, out_norm_eps)
+                                                          *out_norm_weight, out_norm_eps, out_norm_bias,
+                                                          out_norm_centred)
                                 : saving_op().call(sources, proj_weight, norm_weight, eps, preserve_scale);
     std::vector<at::Tensor> saved(sources.begin(), sources.end());
     saved.push_back(logits);
@@ -1651,6 +1787,8 @@ class AggregateFunction : public torch::autograd::Function<AggregateFunction> {
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["preserve_scale"] = preserve_scale;
     ctx->saved_data["out_norm_eps"] = out_norm_eps;
+    ctx->saved_data["out_norm_centred"] = out_norm_centred;
+    ctx->saved_data["out_norm_biased"] = out_norm_bias.has_value();
     keep_deposits(ctx, sources);
     return out;
   }
@@ -1674,6 +1812,8 @@ class AggregateFunction : public torch::autograd::Function<AggregateFunction> {
     const double eps = ctx->saved_data["eps"].toDouble();
     const bool preserve_scale = ctx->saved_data["preserve_scale"].toBool();
     const double out_norm_eps = ctx->saved_data["out_norm_eps"].toDouble();
+    const bool centred = ctx->saved_data["out_norm_centred"].toBool();
+    const bool biased = ctx->saved_data["out_norm_biased"].toBool();
     if (at::GradMode::is_enabled() && grad_outputs[0].defined()) {
       // A backward recording its graph (create_graph=True): the gradients of the ATen formulation, with
       // theirs. The kernels' backward would give gradients without a derivative (zero gradients of gradients).
@@ -1690,7 +1830,7 @@ class AggregateFunction : public torch::autograd::Function<AggregateFunction> {
       }
       const std::vector<at::Tensor> sources(aliases.begin(), aliases.begin() + K);
       const at::Tensor out = differentiable_aggregate(sources, aliases[K], aliases[K + 1], eps, preserve_scale,
-                                                      normed ? aliases[K + 2] : at::Tensor(), out_norm_eps);
+                                                      normed ? aliases[K + 2] : at::Tensor(), out_norm_eps, centred);
       const auto grads = wanted.empty() ? torch::autograd::variable_list()
                                         : torch::autograd::grad({out}, wanted, {grad_outputs[0]}, true, true, true);
       std::vector<at::Tensor> per_input(inputs.size());  // undefined where no gradient is asked
@@ -1701,6 +1841,11 @@ class AggregateFunction : public torch::autograd::Function<AggregateFunction> {
       result.resize(K + 4);                                        // eps, preserve_scale
       result.push_back(normed ? per_input[K + 2] : at::Tensor());  // out_norm_weight
       result.emplace_back();                                       // out_norm_eps
+      // A bias after the norm: its gradient is the result's, summed over the tokens.
+      result.push_back(biased && ctx->needs_input_grad(K + 3)
+                           ? grad_outputs[0].reshape({-1, grad_outputs[0].size(-1)}).sum(0)
+                           : at::Tensor());
+      result.emplace_back();  // out_norm_centred
       return result;
     }
     // Below autograd where no graph of the backward is recorded (create_graph=False, the usual case): the
@@ -1710,7 +1855,7 @@ class AggregateFunction : public torch::autograd::Function<AggregateFunction> {
     std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
     if (!at::GradMode::is_enabled()) below_autograd.emplace();
     std::vector<at::Tensor> grads;
-    at::Tensor grad_query, grad_out_norm_weight;
+    at::Tensor grad_query, grad_out_norm_weight, grad_out_norm_bias;
     auto deposits = deposits_now(ctx);
     if (deposits) {
       std::vector<at::Tensor> read(saved);
@@ -1727,7 +1872,7 @@ class AggregateFunction : public torch::autograd::Function<AggregateFunction> {
       }
       std::tie(grads, grad_query) = attnres_cpu::backward(grad_outputs[0], saved, logits, proj_weight, norm_weight,
                                                           eps, preserve_scale, &into, out_norm_weight, out_norm_eps,
-                                                          &grad_out_norm_weight);
+                                                          &grad_out_norm_weight, centred, &grad_out_norm_bias);
       into.clear();  // the sums written over are referenced by `grads` alone again
       for (size_t k = 0; k < K; ++k) {
         if (!deposits->holders[k]) continue;
@@ -1735,8 +1880,9 @@ class AggregateFunction : public torch::autograd::Function<AggregateFunction> {
         grads[k] = at::Tensor();
       }
     } else if (normed) {
-      std::tie(grads, grad_query, grad_out_norm_weight) = normed_backward_op().call(
-          grad_outputs[0], saved, logits, proj_weight, norm_weight, eps, preserve_scale, out_norm_weight, out_norm_eps);
+      std::tie(grads, grad_query, grad_out_norm_weight, grad_out_norm_bias) = normed_backward_op().call(
+          grad_outputs[0], saved, logits, proj_weight, norm_weight, eps, preserve_scale, out_norm_weight, out_norm_eps,
+          centred);
     } else {
       std::tie(grads, grad_query) =
           backward_op().call(grad_outputs[0], saved, logits, proj_weight, norm_weight, eps, preserve_scale);
@@ -1755,6 +1901,8 @@ class AggregateFunction : public torch::autograd::Function<AggregateFunction> {
     out.emplace_back();  // preserve_scale
     out.push_back(normed && ctx->needs_input_grad(K + 2) ? grad_out_norm_weight : at::Tensor());  // its edge: K + 2
     out.emplace_back();  // out_norm_eps
+    out.push_back(biased && ctx->needs_input_grad(K + 3) ? grad_out_norm_bias : at::Tensor());  // its edge: K + 3
+    out.emplace_back();  // out_norm_centred
     return out;
   }
 };
@@ -1770,27 +1918,32 @@ at::Tensor aggregate_autograd(at::TensorList sources, const at::Tensor& proj_wei
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     return aggregate_op().call(sources, proj_weight, norm_weight, eps, preserve_scale);
   }
-  return AggregateFunction::apply(sources, proj_weight, norm_weight, eps, preserve_scale, std::nullopt, 0.0);
+  return AggregateFunction::apply(sources, proj_weight, norm_weight, eps, preserve_scale, std::nullopt, 0.0,
+                                  std::nullopt, false);
 }
 
 at::Tensor aggregate_normed_autograd(at::TensorList sources, const at::Tensor& proj_weight,
                                     const at::Tensor& norm_weight, double eps, bool preserve_scale,
-                                    const at::Tensor& out_norm_weight, double out_norm_eps) {
+                                    const at::Tensor& out_norm_weight, double out_norm_eps,
+                                    const std::optional<at::Tensor>& out_norm_bias, bool out_norm_centred) {
   bool wants_grad = false;
   if (at::GradMode::is_enabled()) {
-    wants_grad = proj_weight.requires_grad() || norm_weight.requires_grad() || out_norm_weight.requires_grad();
+    wants_grad = proj_weight.requires_grad() || norm_weight.requires_grad() || out_norm_weight.requires_grad() ||
+                 (out_norm_bias.has_value() && out_norm_bias->requires_grad());
     for (const auto& s : sources) wants_grad = wants_grad || s.requires_grad();
   }
   if (!wants_grad) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return normed_op().call(sources, proj_weight, norm_weight, eps, preserve_scale, out_norm_weight, out_norm_eps);
+    return normed_op().call(sources, proj_weight, norm_weight, eps, preserve_scale, out_norm_weight, out_norm_eps,
+                            out_norm_bias, out_norm_centred);
   }
   TORCH_CHECK(!sources.empty() && sources[0].scalar_type() == at::kFloat,
               "attnres_cpu::aggregate_normed records a gradient for float32 sources only, got ",
               sources.empty() ? "no sources" : c10::toString(sources[0].scalar_type()),
               ": call attnres_cpu::aggregate and the norm apart");
   return AggregateFunction::apply(sources, proj_weight, norm_weight, eps, preserve_scale,
-                                  std::optional<at::Tensor>(out_norm_weight), out_norm_eps);
+                                  std::optional<at::Tensor>(out_norm_weight), out_norm_eps, out_norm_bias,
+                                  out_norm_centred);
 }
 
 }  // namespace attnres_cpu
@@ -1804,12 +1957,14 @@ TORCH_LIBRARY(attnres_cpu, m) {
   m.def("aggregate_backward_saved(Tensor grad, Tensor[] sources, Tensor saved, Tensor proj_weight, "
         "Tensor norm_weight, float eps, bool preserve_scale) -> (Tensor[], Tensor)");
   m.def("aggregate_normed(Tensor[] sources, Tensor proj_weight, Tensor norm_weight, float eps, bool preserve_scale, "
-        "Tensor out_norm_weight, float out_norm_eps) -> Tensor");
+        "Tensor out_norm_weight, float out_norm_eps, Tensor? out_norm_bias=None, bool out_norm_centred=False) -> "
+        "Tensor");
   m.def("aggregate_normed_saving_logits(Tensor[] sources, Tensor proj_weight, Tensor norm_weight, float eps, "
-        "bool preserve_scale, Tensor out_norm_weight, float out_norm_eps) -> (Tensor, Tensor)");
+        "bool preserve_scale, Tensor out_norm_weight, float out_norm_eps, Tensor? out_norm_bias=None, "
+        "bool out_norm_centred=False) -> (Tensor, Tensor)");
   m.def("aggregate_normed_backward_saved(Tensor grad, Tensor[] sources, Tensor saved, Tensor proj_weight, "
-        "Tensor norm_weight, float eps, bool preserve_scale, Tensor out_norm_weight, float out_norm_eps) -> "
-        "(Tensor[], Tensor, Tensor)");
+        "Tensor norm_weight, float eps, bool preserve_scale, Tensor out_norm_weight, float out_norm_eps, "
+        "bool out_norm_centred=False) -> (Tensor[], Tensor, Tensor, Tensor)");
   m.def("weight_grads(Tensor grad_query, Tensor proj_weight, Tensor norm_weight) -> (Tensor, Tensor)");
   m.def("phase1(Tensor[] blocks, Tensor[] proj_weights, Tensor[] norm_weights, float eps) -> (Tensor[], Tensor[], "
         "Tensor[])");
@@ -1968,21 +2123,25 @@ at::Tensor run_operator(const BorrowedSources& borrowed, const at::Tensor& proj_
   return attnres_cpu::aggregate_op().call(owned, proj, norm, eps, preserve_scale);
 }
 
-// run_operator for attnres_cpu::aggregate_normed.
+// run_operator for attnres_cpu::aggregate_normed (`out_bias` undefined: none).
 at::Tensor run_normed_operator(const BorrowedSources& borrowed, const at::Tensor& proj_weight,
                                const at::Tensor& norm_weight, double eps, bool preserve_scale,
-                               const at::Tensor& out_weight, double out_eps) {
+                               const at::Tensor& out_weight, double out_eps, const at::Tensor& out_bias,
+                               bool centred) {
   const std::vector<at::Tensor>& sources = borrowed.tensors();
+  const std::optional<at::Tensor> bias = out_bias.defined() ? std::optional<at::Tensor>(out_bias) : std::nullopt;
   if (sources[0].numel() * static_cast<int64_t>(sources.size()) < kReleaseGilElements) {
     if (attnres_cpu::dispatches_to_kernel(sources, proj_weight, norm_weight)) {
-      return attnres_cpu::aggregate_normed(sources, proj_weight, norm_weight, eps, preserve_scale, out_weight, out_eps);
+      return attnres_cpu::aggregate_normed(sources, proj_weight, norm_weight, eps, preserve_scale, out_weight, out_eps,
+                                           bias, centred);
     }
-    return attnres_cpu::normed_op().call(sources, proj_weight, norm_weight, eps, preserve_scale, out_weight, out_eps);
+    return attnres_cpu::normed_op().call(sources, proj_weight, norm_weight, eps, preserve_scale, out_weight, out_eps,
+                                         bias, centred);
   }
   const std::vector<at::Tensor> owned(sources.begin(), sources.end());
   const at::Tensor proj(proj_weight), norm(norm_weight), weight(out_weight);
   ReleasedGil no_gil;
-  return attnres_cpu::normed_op().call(owned, proj, norm, eps, preserve_scale, weight, out_eps);
+  return attnres_cpu::normed_op().call(owned, proj, norm, eps, preserve_scale, weight, out_eps, bias, centred);
 }
 
 PyObject* python_aggregate(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
@@ -2109,19 +2268,23 @@ PyObject* python_run_site(PyObject* self, PyObject* const* args, Py_ssize_t narg
 }
 
 //   run_site_normed(site_class, module, entered, sources, norm, norm_class, norm_forward, weight_name, eps_name,
-//                   weight_offset)
+//                   weight_offset, bias_name, centred)
 //       attnres_fx/op/module.py's site_normed: norm(run_site(module, entered, *sources)) as one operator call
 //       (attnres_cpu::aggregate_normed; where a gradient is recorded, one AggregateFunction node)
 //       where run_site's C path would run, `norm` is exactly `norm_class`, whose forward is still
-//       `norm_forward` (the RMS norm that was matched), without hooks or an instance forward, its parameter
+//       `norm_forward` (the norm that was matched), without hooks or an instance forward, its parameter
 //       `weight_name` and its float attribute `eps_name` in place, and sources and weight are fp32 (where the
 //       fused norm rounds as the module does); else None. The norm scales by weight + weight_offset (a float;
 //       Gemma's 1 + weight), added as the module adds it, in fp32 (its own node where a gradient is recorded).
+//       With `centred` (a bool) the norm is a layer norm, plus its parameter `bias_name` where that is a str
+//       (None: it has none): a module without that parameter in place is declined.
 PyObject* python_run_site_normed(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  if (nargs != 10 || !PyUnicode_Check(args[7]) || !PyUnicode_Check(args[8]) || !PyFloat_Check(args[9])) {
+  if (nargs != 12 || !PyUnicode_Check(args[7]) || !PyUnicode_Check(args[8]) || !PyFloat_Check(args[9]) ||
+      !(args[10] == Py_None || PyUnicode_Check(args[10])) || !PyBool_Check(args[11])) {
     PyErr_SetString(PyExc_TypeError, "run_site_normed(site_class, module, entered, sources, norm, norm_class, "
-                                     "norm_forward, weight_name: str, eps_name: str, weight_offset: float)");
+                                     "norm_forward, weight_name: str, eps_name: str, weight_offset: float, "
+                                     "bias_name: str | None, centred: bool)");
     return nullptr;
   }
   if (reinterpret_cast<PyObject*>(Py_TYPE(args[4])) != args[5]) Py_RETURN_NONE;
@@ -2143,15 +2306,23 @@ PyObject* python_run_site_normed(PyObject* self, PyObject* const* args, Py_ssize
   PyObject* parameters = PyDict_GetItemWithError(dict, names.parameters);
   PyObject* weight = parameters != nullptr && PyDict_Check(parameters) ? PyDict_GetItemWithError(parameters, args[7])
                                                                         : nullptr;
+  PyObject* bias = args[10] != Py_None && parameters != nullptr && PyDict_Check(parameters)
+                       ? PyDict_GetItemWithError(parameters, args[10])
+                       : nullptr;
   PyObject* eps = PyDict_GetItemWithError(dict, args[8]);
   if (PyErr_Occurred()) return nullptr;
-  if (forward != args[6] || weight == nullptr || !plain_cpu_tensor(weight) || eps == nullptr || !PyFloat_Check(eps)) {
+  if (forward != args[6] || weight == nullptr || !plain_cpu_tensor(weight) || eps == nullptr || !PyFloat_Check(eps) ||
+      (args[10] != Py_None && (bias == nullptr || !plain_cpu_tensor(bias)))) {
     Py_RETURN_NONE;
   }
   const at::Tensor& out_weight = THPVariable_Unpack(weight);
+  const at::Tensor out_bias = bias != nullptr ? THPVariable_Unpack(bias) : at::Tensor();
   const at::Tensor& first = sources.tensors()[0];
-  if (first.scalar_type() != at::kFloat || out_weight.scalar_type() != at::kFloat || !out_weight.is_contiguous() ||
-      first.dim() == 0 || out_weight.numel() != first.size(-1)) {
+  const auto fits = [&](const at::Tensor& t) {
+    return t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 1 && t.numel() == first.size(-1);
+  };
+  if (first.scalar_type() != at::kFloat || first.dim() == 0 || !fits(out_weight) ||
+      (out_bias.defined() && !fits(out_bias))) {
     Py_RETURN_NONE;
   }
   try {
@@ -2160,7 +2331,7 @@ PyObject* python_run_site_normed(PyObject* self, PyObject* const* args, Py_ssize
     return THPVariable_Wrap(run_normed_operator(sources, THPVariable_Unpack(site.proj), THPVariable_Unpack(site.norm),
                                                 site.eps, site.preserve_scale,
                                                 offset == 0.0 ? out_weight : out_weight + offset,
-                                                PyFloat_AS_DOUBLE(eps)));
+                                                PyFloat_AS_DOUBLE(eps), out_bias, args[11] == Py_True));
   } catch (const c10::Error&) {
     Py_RETURN_NONE;  // sources the operator refuses (mixed shapes or dtypes): the Python path decides
   }
@@ -2369,7 +2540,7 @@ PyMethodDef entry_methods[] = {
     {"run_site", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(python_run_site)), METH_FASTCALL,
      "The aggregation of a BlockAttnRes without hooks on plain CPU tensors, or None."},
     {"run_site_normed", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(python_run_site_normed)),
-     METH_FASTCALL, "A site's aggregation and the RMS norm that alone reads it, as one call, or None."},
+     METH_FASTCALL, "A site's aggregation and the norm that alone reads it, as one call, or None."},
     {"bundle", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(python_bundle)), METH_FASTCALL,
      "attnres_fx/routing/state.py's bundle as a C++ autograd node, for plain tensors; else None."},
     {"unbundle", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(python_unbundle)), METH_FASTCALL,

@@ -54,9 +54,10 @@ class Entries:
     it as :func:`_run_site_traced`, which always returns ``None``: the Python path, whose plain ops Inductor fuses.
 
     ``run_site_normed(site_class, module, entered, sources, norm, norm_class, norm_forward, weight_name,
-    eps_name, weight_offset)``: :func:`attnres_fx.op.module.site_normed`'s operator call (with gradients
-    recorded, one node for both, the weight's ``+ weight_offset`` a node of its own where not 0.0), where both
-    modules would run as matched; else ``None`` (and under TorchDynamo, as ``run_site``).
+    eps_name, weight_offset, bias_name, centred)``: :func:`attnres_fx.op.module.site_normed`'s operator call
+    (with gradients recorded, one node for both, the weight's ``+ weight_offset`` a node of its own where not
+    0.0; ``centred``: a layer norm, with the bias ``bias_name`` unless None), where both modules would run as
+    matched; else ``None`` (and under TorchDynamo, as ``run_site``).
 
     ``bundle(state, carrier, tensors)``, ``unbundle(state, carrier, tensors)``, ``add_grads(holder, grads)``,
     ``take_grads(holder, count)``: the stream's autograd edges as C++ nodes, for
@@ -80,7 +81,7 @@ def _run_site_traced(site_class, module, entered, sources):
 
 
 def _run_site_normed_traced(site_class, module, entered, sources, norm, norm_class, norm_forward, weight_name,
-                            eps_name, weight_offset):
+                            eps_name, weight_offset, bias_name, centred):
     return None
 
 
