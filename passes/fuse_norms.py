@@ -132,30 +132,35 @@ def match_norm(module: nn.Module, graph: fx.Graph) -> FusedNorm | FailedMatch:
 
 def _layer_norm_call(result: fx.Node, x: fx.Node) -> _Norm | None:
     """``layer_norm(x, (D,), weight, bias, eps)``, ``weight`` read as it is, ``bias`` too or None."""
-    if result.op != "call_function" or result.target not in (torch.nn.functional.layer_norm, torch.layer_norm):
+    arguments = _norm_call(result, x, (torch.nn.functional.layer_norm, torch.layer_norm),
+                           ("input", "normalized_shape", "weight", "bias", "eps"))
+    if arguments is None:
         return None
-    names = ("input", "normalized_shape", "weight", "bias", "eps")
-    arguments = dict(zip(names, result.args)) | dict(result.kwargs)
-    shape, weight, bias, eps = (arguments.get(name) for name in names[1:])
-    if (_uncast(arguments.get("input"), x) is not x or not isinstance(shape, (tuple, list)) or len(shape) != 1
-            or _weight(weight, x) != (weight, 0.0) or type(eps) is not float
-            or not (bias is None or _weight(bias, x) == (bias, 0.0))):
+    weight, bias = arguments.get("weight"), arguments.get("bias")
+    if _weight(weight, x) != (weight, 0.0) or not (bias is None or _weight(bias, x) == (bias, 0.0)):
         return None
-    return _Norm(weight, 0.0, eps, centred=True, bias=bias)
+    return _Norm(weight, 0.0, arguments["eps"], centred=True, bias=bias)
 
 
 def _rms_norm_call(result: fx.Node, x: fx.Node) -> _Norm | None:
     """``rms_norm(x, (D,), offset + weight, eps)`` (``offset`` 0.0 where the weight is given as it is)."""
-    if result.op != "call_function" or result.target not in (torch.nn.functional.rms_norm, torch.rms_norm):
+    arguments = _norm_call(result, x, (torch.nn.functional.rms_norm, torch.rms_norm),
+                           ("input", "normalized_shape", "weight", "eps"))
+    weighted = _weight(arguments.get("weight"), x) if arguments is not None else None
+    return _Norm(*weighted, arguments["eps"]) if weighted is not None else None
+
+
+def _norm_call(result: fx.Node, x: fx.Node, targets: tuple, names: tuple[str, ...]) -> dict | None:
+    """The arguments by name where ``result`` calls one of ``targets`` (whose parameters are ``names``) on
+    ``x`` (casts seen through) over its last dimension, with a float ``eps``; else None."""
+    if result.op != "call_function" or result.target not in targets:
         return None
-    names = ("input", "normalized_shape", "weight", "eps")
     arguments = dict(zip(names, result.args)) | dict(result.kwargs)
-    shape, weight, eps = arguments.get("normalized_shape"), arguments.get("weight"), arguments.get("eps")
-    weighted = _weight(weight, x)
+    shape = arguments.get("normalized_shape")
     if (_uncast(arguments.get("input"), x) is not x or not isinstance(shape, (tuple, list)) or len(shape) != 1
-            or weighted is None or type(eps) is not float):
+            or type(arguments.get("eps")) is not float):
         return None
-    return _Norm(*weighted, eps)
+    return arguments
 
 
 def _written_out(result: fx.Node, x: fx.Node) -> _Norm | None:
